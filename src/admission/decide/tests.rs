@@ -1,0 +1,579 @@
+//! Every row of the decision table and every guard, named for the behaviour.
+
+use super::*;
+use crate::record::{Inventory, Volume};
+
+const NS: &str = "tenant-acme";
+const R: &str = "kubernetes-prod";
+const WORKER: &str = "system:serviceaccount:volume-gate:volume-gate-worker";
+
+fn profile() -> Profile {
+    Profile::cozystack()
+}
+
+fn keys() -> Keys {
+    Keys::new(&profile().annotation_prefix)
+}
+
+fn hr() -> GroupKind {
+    GroupKind::new("helm.toolkit.fluxcd.io", "HelmRelease")
+}
+
+fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+}
+
+fn parent_labels() -> BTreeMap<String, String> {
+    profile().parent.match_labels.clone()
+}
+
+fn child_labels() -> BTreeMap<String, String> {
+    labels(&[("cozystack.io/target-cluster-name", R)])
+}
+
+fn now() -> jiff::Timestamp {
+    "2026-12-02T10:00:00Z".parse().unwrap()
+}
+
+fn inventory(left: usize, freed: usize) -> String {
+    let vols = (0..left + freed)
+        .map(|i| Volume {
+            pv: format!("pvc-{i}"),
+            driver: Some("csi.example".into()),
+            handle: Some(format!("disk-{i}")),
+            capacity: Some("1Gi".into()),
+            reclaim: "Delete".into(),
+            claim: Some(format!("default/c{i}")),
+            gone: i >= left,
+        })
+        .collect();
+    Inventory::new("2026-12-02T09:00:00Z".into(), vols).encode()
+}
+
+/// Parent state builder: `facts().deleting().phase("Blocked")`.
+struct Facts(ParentFacts, BTreeMap<String, String>);
+
+fn facts() -> Facts {
+    Facts(
+        ParentFacts {
+            namespace: NS.into(),
+            name: R.into(),
+            deleting: false,
+            namespace_deleting: Some(false),
+            in_custody: true,
+            record: Record::default(),
+        },
+        BTreeMap::new(),
+    )
+}
+
+impl Facts {
+    fn deleting(mut self) -> Self {
+        self.0.deleting = true;
+        self
+    }
+    fn namespace_deleting(mut self) -> Self {
+        self.0.namespace_deleting = Some(true);
+        self
+    }
+    fn namespace_unread(mut self) -> Self {
+        self.0.namespace_deleting = None;
+        self
+    }
+    fn no_custody(mut self) -> Self {
+        self.0.in_custody = false;
+        self
+    }
+    fn ann(mut self, key: &str, value: &str) -> Self {
+        self.1.insert(format!("volumes.cozystack.io/{key}"), value.into());
+        self
+    }
+    fn phase(self, p: &str) -> Self {
+        self.ann("phase", p)
+    }
+    fn overridden(self) -> Self {
+        self.ann("override", "tenant abandoned, ticket 42")
+            .ann("override-by", "alice")
+            .ann("override-at", "2026-12-02T09:59:00Z")
+    }
+    fn build(mut self) -> ParentFacts {
+        self.0.record = Record::from_annotations(&keys(), &self.1);
+        self.0
+    }
+}
+
+fn subject<'a>(kind: &'a GroupKind, name: &'a str) -> Subject<'a> {
+    Subject { kind, namespace: NS, name }
+}
+
+fn delete(target: &Target, name: &str, parent: Option<ParentFacts>) -> Verdict {
+    let kind = hr();
+    decide_dependent_delete(&profile(), target, subject(&kind, name), parent.as_ref())
+}
+
+fn csi() -> Target {
+    Target::CsiRelease { tenant: R.into() }
+}
+
+fn child() -> Target {
+    Target::Child { tenant: R.into() }
+}
+
+fn guarded() -> Target {
+    Target::Guarded { tenant: R.into(), role: "the tenant's API server".into() }
+}
+
+fn assert_denied(v: &Verdict, reason: &str) -> String {
+    match v {
+        Verdict::Deny { reason: r, message, code } => {
+            assert_eq!(*r, reason, "{message}");
+            assert_eq!(*code, 403);
+            message.clone()
+        }
+        other => panic!("expected deny {reason}, got {other:?}"),
+    }
+}
+
+fn assert_allowed(v: &Verdict, reason: &str) {
+    assert!(matches!(v, Verdict::Allow { reason: r, .. } if *r == reason), "expected allow {reason}, got {v:?}");
+}
+
+// ---- classification ----
+
+#[test]
+fn parent_is_recognised_by_its_labels_not_its_name() {
+    let p = profile();
+    assert_eq!(classify(&p, &hr(), R, &parent_labels()), Target::Parent { tenant: R.into() });
+    assert_eq!(classify(&p, &hr(), R, &BTreeMap::new()), Target::Unrelated);
+}
+
+#[test]
+fn sharding_key_plays_no_part_in_recognising_a_parent() {
+    let mut l = parent_labels();
+    l.insert("sharding.fluxcd.io/key".into(), "shard2".into());
+    assert_eq!(classify(&profile(), &hr(), R, &l), Target::Parent { tenant: R.into() });
+}
+
+#[test]
+fn csi_release_is_the_child_named_r_csi() {
+    let p = profile();
+    assert_eq!(classify(&p, &hr(), "kubernetes-prod-csi", &child_labels()), csi());
+    assert_eq!(classify(&p, &hr(), "kubernetes-prod-cilium", &child_labels()), child());
+}
+
+#[test]
+fn csi_release_without_its_label_is_still_the_csi_release() {
+    assert_eq!(classify(&profile(), &hr(), "kubernetes-prod-csi", &BTreeMap::new()), csi());
+}
+
+#[test]
+fn guarded_dependencies_are_recognised_by_name_or_label() {
+    let p = profile();
+    let cases = [
+        (GroupKind::new("controlplane.cluster.x-k8s.io", "KamajiControlPlane"), R.to_string(), BTreeMap::new()),
+        (GroupKind::new("kamaji.clastix.io", "TenantControlPlane"), R.to_string(), BTreeMap::new()),
+        (GroupKind::new("", "Secret"), format!("{R}-admin-kubeconfig"), BTreeMap::new()),
+        (GroupKind::new("apps", "Deployment"), format!("{R}-kcsi-controller"), BTreeMap::new()),
+        (GroupKind::new("cluster.x-k8s.io", "Cluster"), R.to_string(), BTreeMap::new()),
+        (
+            GroupKind::new("cluster.x-k8s.io", "MachineDeployment"),
+            "md-0".to_string(),
+            labels(&[("cluster.x-k8s.io/cluster-name", R)]),
+        ),
+        (GroupKind::new("cluster.x-k8s.io", "Machine"), "m-1".to_string(), labels(&[("cluster.x-k8s.io/cluster-name", R)])),
+    ];
+    for (kind, name, l) in cases {
+        match classify(&p, &kind, &name, &l) {
+            Target::Guarded { tenant, .. } => assert_eq!(tenant, R, "{kind}"),
+            other => panic!("{kind} {name}: {other:?}"),
+        }
+    }
+}
+
+#[test]
+fn unrelated_objects_are_not_gated() {
+    let p = profile();
+    assert_eq!(classify(&p, &GroupKind::new("", "Secret"), "other", &BTreeMap::new()), Target::Unrelated);
+    assert_eq!(classify(&p, &GroupKind::new("", "ConfigMap"), &format!("{R}-admin-kubeconfig"), &BTreeMap::new()), Target::Unrelated);
+    assert_eq!(classify(&p, &GroupKind::new("cluster.x-k8s.io", "Machine"), "m", &BTreeMap::new()), Target::Unrelated);
+}
+
+// ---- DELETE of the parent ----
+
+#[test]
+fn parent_delete_is_allowed_when_in_custody() {
+    let kind = hr();
+    let v = decide_parent_delete(&profile(), subject(&kind, R), &facts().build());
+    assert_allowed(&v, "in-custody");
+}
+
+#[test]
+fn parent_delete_is_allowed_when_done_even_without_custody() {
+    let kind = hr();
+    let v = decide_parent_delete(&profile(), subject(&kind, R), &facts().no_custody().phase("Released").build());
+    assert_allowed(&v, "done");
+    let v = decide_parent_delete(&profile(), subject(&kind, R), &facts().no_custody().overridden().build());
+    assert_allowed(&v, "done");
+}
+
+#[test]
+fn parent_delete_is_refused_before_custody() {
+    let kind = hr();
+    let v = decide_parent_delete(&profile(), subject(&kind, R), &facts().no_custody().build());
+    let msg = assert_denied(&v, "not-in-custody");
+    assert!(msg.contains("retry shortly"), "{msg}");
+    assert!(msg.contains("volumes.cozystack.io/release"), "{msg}");
+}
+
+// ---- parent absent ----
+
+#[test]
+fn any_dependent_delete_is_allowed_with_a_warning_when_the_parent_is_absent() {
+    for t in [csi(), child(), guarded()] {
+        match delete(&t, "x", None) {
+            Verdict::Allow { reason: "parent-absent", warnings } => {
+                assert_eq!(warnings.len(), 1);
+                assert!(warnings[0].contains(R), "{warnings:?}");
+            }
+            other => panic!("{t:?}: {other:?}"),
+        }
+    }
+}
+
+// ---- the CSI release ----
+
+#[test]
+fn csi_release_delete_is_allowed_once_released() {
+    assert_allowed(&delete(&csi(), "kubernetes-prod-csi", Some(facts().deleting().phase("Released").build())), "done");
+}
+
+#[test]
+fn csi_release_delete_is_allowed_once_an_override_is_stamped() {
+    assert_allowed(&delete(&csi(), "kubernetes-prod-csi", Some(facts().deleting().overridden().build())), "done");
+}
+
+#[test]
+fn csi_release_delete_is_refused_while_volumes_remain() {
+    let f = facts().deleting().phase("Blocked").ann("message", "driver stopped").ann("volumes", &inventory(3, 2)).build();
+    let msg = assert_denied(&delete(&csi(), "kubernetes-prod-csi", Some(f)), "csi-release-held");
+    for want in [
+        "tenant kubernetes-prod",
+        "tenant-acme",
+        "phase Blocked (driver stopped)",
+        "3 of 5 volumes left",
+        "pvc-0 (driver csi.example, volumeHandle disk-0)",
+        "kubectl annotate helmreleases.helm.toolkit.fluxcd.io -n tenant-acme kubernetes-prod volumes.cozystack.io/override=",
+    ] {
+        assert!(msg.contains(want), "missing {want:?} in: {msg}");
+    }
+}
+
+#[test]
+fn csi_release_delete_is_refused_outside_teardown_too() {
+    let msg = assert_denied(&delete(&csi(), "kubernetes-prod-csi", Some(facts().build())), "csi-release-held");
+    assert!(msg.contains("volumes not inventoried yet"), "{msg}");
+}
+
+#[test]
+fn an_unstamped_override_does_not_release_the_csi_release() {
+    let f = facts().deleting().ann("override", "please").build();
+    assert_denied(&delete(&csi(), "kubernetes-prod-csi", Some(f)), "csi-release-held");
+}
+
+#[test]
+fn a_garbled_phase_does_not_release_the_csi_release() {
+    let f = facts().deleting().phase("released").build();
+    assert_denied(&delete(&csi(), "kubernetes-prod-csi", Some(f)), "csi-release-held");
+}
+
+// ---- other children ----
+
+#[test]
+fn child_delete_is_refused_during_teardown_until_done() {
+    assert_denied(&delete(&child(), "kubernetes-prod-cilium", Some(facts().deleting().build())), "teardown-held");
+    assert_denied(&delete(&child(), "kubernetes-prod-cilium", Some(facts().namespace_deleting().build())), "teardown-held");
+}
+
+#[test]
+fn child_delete_is_allowed_during_teardown_once_done() {
+    assert_allowed(&delete(&child(), "kubernetes-prod-cilium", Some(facts().deleting().phase("Released").build())), "done");
+}
+
+#[test]
+fn child_delete_is_allowed_outside_teardown_so_addons_can_be_toggled() {
+    assert_allowed(&delete(&child(), "kubernetes-prod-ingress-nginx", Some(facts().build())), "not-in-teardown");
+}
+
+#[test]
+fn child_delete_is_never_allowed_on_an_unread_namespace() {
+    let v = delete(&child(), "kubernetes-prod-cilium", Some(facts().namespace_unread().build()));
+    assert!(matches!(v, Verdict::Deny { reason: "cannot-judge", .. }), "{v:?}");
+}
+
+// ---- guarded dependencies ----
+
+#[test]
+fn guarded_delete_is_refused_during_teardown_until_done() {
+    let msg = assert_denied(&delete(&guarded(), R, Some(facts().deleting().phase("Releasing").build())), "teardown-held");
+    assert!(msg.contains("the tenant's API server"), "{msg}");
+    assert_denied(&delete(&guarded(), R, Some(facts().namespace_deleting().build())), "teardown-held");
+}
+
+#[test]
+fn guarded_delete_is_allowed_outside_teardown_or_once_done() {
+    assert_allowed(&delete(&guarded(), R, Some(facts().build())), "not-in-teardown");
+    assert_allowed(&delete(&guarded(), R, Some(facts().deleting().overridden().build())), "done");
+}
+
+#[test]
+fn namespace_is_read_only_when_it_could_lead_to_an_allow() {
+    let unread = facts().namespace_unread();
+    assert!(needs_namespace(&child(), &unread.build()));
+    assert!(!needs_namespace(&child(), &facts().namespace_unread().deleting().build()));
+    assert!(!needs_namespace(&guarded(), &facts().namespace_unread().phase("Released").build()));
+    assert!(!needs_namespace(&csi(), &facts().namespace_unread().build()));
+}
+
+// ---- UPDATE/CREATE guards ----
+
+fn meta(l: BTreeMap<String, String>) -> ObjectMetaView {
+    ObjectMetaView {
+        namespace: NS.into(),
+        name: R.into(),
+        labels: l,
+        finalizers: vec!["finalizers.fluxcd.io".into(), "volumes.cozystack.io/release".into()],
+        ..Default::default()
+    }
+}
+
+fn with_ann(mut m: ObjectMetaView, key: &str, value: &str) -> ObjectMetaView {
+    m.annotations.insert(format!("volumes.cozystack.io/{key}"), value.into());
+    m
+}
+
+fn user(name: &str) -> Requester<'_> {
+    Requester { username: name, is_worker: name == WORKER }
+}
+
+fn guard(old: &ObjectMetaView, new: &ObjectMetaView, who: &str) -> UpdateVerdict {
+    guard_update(&profile(), &keys(), Change { old: Some(old), new }, user(who), now())
+}
+
+fn assert_guard_denied(v: UpdateVerdict, reason: &str) -> String {
+    match v {
+        UpdateVerdict::Final(d) => assert_denied(&d, reason),
+        other => panic!("expected {reason}, got {other:?}"),
+    }
+}
+
+#[test]
+fn record_keys_change_only_for_the_worker() {
+    let old = meta(parent_labels());
+    for key in ["phase", "released-at", "message", "volumes"] {
+        let new = with_ann(old.clone(), key, "Released");
+        let msg = assert_guard_denied(guard(&old, &new, "alice"), "record-forged");
+        assert!(msg.contains(key) && msg.contains("alice"), "{msg}");
+        assert_eq!(guard(&old, &new, WORKER), UpdateVerdict::Final(Verdict::allow("guards-passed")));
+    }
+}
+
+#[test]
+fn a_record_forged_at_create_is_refused() {
+    let new = with_ann(meta(parent_labels()), "phase", "Released");
+    let v = guard_update(&profile(), &keys(), Change { old: None, new: &new }, user("alice"), now());
+    assert_guard_denied(v, "record-forged");
+}
+
+#[test]
+fn custody_finalizer_is_removed_only_by_the_worker() {
+    let old = meta(parent_labels());
+    let mut new = old.clone();
+    new.finalizers.retain(|f| f != "volumes.cozystack.io/release");
+    let msg = assert_guard_denied(guard(&old, &new, "system:serviceaccount:flux-system:helm-controller"), "custody-finalizer-removed");
+    assert!(msg.contains("kubectl annotate"), "{msg}");
+    assert_eq!(guard(&old, &new, WORKER), UpdateVerdict::Final(Verdict::allow("guards-passed")));
+}
+
+#[test]
+fn other_finalizers_may_be_removed_by_anyone() {
+    let old = meta(parent_labels());
+    let mut new = old.clone();
+    new.finalizers.retain(|f| f != "finalizers.fluxcd.io");
+    assert_eq!(guard(&old, &new, "helm-controller"), UpdateVerdict::Final(Verdict::allow("guards-passed")));
+}
+
+#[test]
+fn removing_the_tenant_labels_is_refused() {
+    let old = meta(parent_labels());
+    let new = meta(BTreeMap::new());
+    assert_guard_denied(guard(&old, &new, "mallory"), "parent-labels-removed");
+}
+
+#[test]
+fn updates_to_non_parents_pass() {
+    let old = meta(child_labels());
+    let new = with_ann(old.clone(), "phase", "Released");
+    assert_eq!(guard(&old, &new, "alice"), UpdateVerdict::Final(Verdict::allow("not-a-parent")));
+}
+
+#[test]
+fn a_stamped_override_needs_the_override_permission() {
+    let old = meta(parent_labels());
+    let new = with_ann(with_ann(with_ann(old.clone(), "override", "abandoned"), "override-by", "alice"), "override-at", "2026-12-02T10:00:00Z");
+    assert_eq!(
+        guard(&old, &new, "alice"),
+        UpdateVerdict::NeedsOverridePermission { namespace: NS.into(), tenant: R.into() }
+    );
+}
+
+#[test]
+fn an_override_without_reason_is_refused() {
+    let old = meta(parent_labels());
+    let new = with_ann(with_ann(with_ann(old.clone(), "override", "  "), "override-by", "alice"), "override-at", "2026-12-02T10:00:00Z");
+    assert_guard_denied(guard(&old, &new, "alice"), "override-without-reason");
+}
+
+#[test]
+fn an_override_stamped_for_someone_else_is_refused() {
+    let old = meta(parent_labels());
+    let new = with_ann(with_ann(with_ann(old.clone(), "override", "x"), "override-by", "root"), "override-at", "2026-12-02T10:00:00Z");
+    assert_guard_denied(guard(&old, &new, "alice"), "stamp-forged");
+}
+
+#[test]
+fn an_override_with_a_stale_or_garbled_stamp_time_is_refused() {
+    let old = meta(parent_labels());
+    for at in ["2020-01-01T00:00:00Z", "yesterday", ""] {
+        let new = with_ann(with_ann(with_ann(old.clone(), "override", "x"), "override-by", "alice"), "override-at", at);
+        assert_guard_denied(guard(&old, &new, "alice"), "stamp-forged");
+    }
+}
+
+#[test]
+fn an_unstamped_override_is_refused() {
+    let old = meta(parent_labels());
+    let new = with_ann(old.clone(), "override", "x");
+    assert_guard_denied(guard(&old, &new, "alice"), "stamp-forged");
+}
+
+#[test]
+fn forged_stamps_without_an_override_change_are_refused() {
+    let old = with_ann(meta(parent_labels()), "override", "x");
+    for key in ["override-by", "override-at"] {
+        let new = with_ann(old.clone(), key, "mallory");
+        let msg = assert_guard_denied(guard(&old, &new, "mallory"), "stamp-forged");
+        assert!(msg.contains(key), "{msg}");
+    }
+    // Not even the worker writes stamps.
+    let new = with_ann(old.clone(), "override-by", "x");
+    assert_guard_denied(guard(&old, &new, WORKER), "stamp-forged");
+}
+
+#[test]
+fn withdrawing_an_override_needs_the_permission_and_its_stamps_removed() {
+    let old = with_ann(with_ann(with_ann(meta(parent_labels()), "override", "x"), "override-by", "alice"), "override-at", "2026-12-02T09:00:00Z");
+    let clean = meta(parent_labels());
+    assert_eq!(guard(&old, &clean, "bob"), UpdateVerdict::NeedsOverridePermission { namespace: NS.into(), tenant: R.into() });
+    let stale = with_ann(meta(parent_labels()), "override-by", "alice");
+    assert_guard_denied(guard(&old, &stale, "bob"), "stamp-forged");
+}
+
+#[test]
+fn unrelated_annotation_changes_pass() {
+    let old = meta(parent_labels());
+    let mut new = old.clone();
+    new.annotations.insert("reconcile.fluxcd.io/requestedAt".into(), "now".into());
+    assert_eq!(guard(&old, &new, "alice"), UpdateVerdict::Final(Verdict::allow("guards-passed")));
+}
+
+#[test]
+fn override_refusal_names_the_permission_to_grant() {
+    let v = override_refused(&profile(), "bob", NS, R, "");
+    let msg = assert_denied(&v, "override-unauthorized");
+    assert!(msg.contains("\"override\"") && msg.contains("\"tenants\"") && msg.contains("volumes.cozystack.io"), "{msg}");
+}
+
+// ---- mutations ----
+
+fn mutations(old: Option<&ObjectMetaView>, new: &ObjectMetaView, who: &str) -> Vec<Mutation> {
+    mutate(&profile(), &keys(), Change { old, new }, user(who), now())
+}
+
+#[test]
+fn custody_finalizer_is_added_to_a_new_parent() {
+    let mut new = meta(parent_labels());
+    new.finalizers.clear();
+    assert_eq!(mutations(None, &new, "flux"), vec![Mutation::AddFinalizer { create_list: true }]);
+    new.finalizers.push("finalizers.fluxcd.io".into());
+    assert_eq!(mutations(Some(&new.clone()), &new, "flux"), vec![Mutation::AddFinalizer { create_list: false }]);
+}
+
+#[test]
+fn custody_finalizer_is_not_added_once_deletion_began() {
+    let mut new = meta(parent_labels());
+    new.finalizers.clear();
+    new.deleting = true;
+    assert!(mutations(Some(&new.clone()), &new, "flux").is_empty());
+}
+
+#[test]
+fn children_are_not_mutated() {
+    let mut new = meta(child_labels());
+    new.finalizers.clear();
+    assert!(mutations(None, &new, "flux").is_empty());
+}
+
+#[test]
+fn an_override_is_stamped_with_the_requester_and_time() {
+    let old = meta(parent_labels());
+    let new = with_ann(with_ann(old.clone(), "override", "abandoned"), "override-by", "forged");
+    assert_eq!(
+        mutations(Some(&old), &new, "alice"),
+        vec![Mutation::Stamp { by: "alice".into(), at: "2026-12-02T10:00:00Z".into() }]
+    );
+}
+
+#[test]
+fn a_withdrawn_override_loses_its_stamps() {
+    let old = with_ann(with_ann(meta(parent_labels()), "override", "x"), "override-by", "alice");
+    let new = with_ann(meta(parent_labels()), "override-by", "alice");
+    assert_eq!(
+        mutations(Some(&old), &new, "bob"),
+        vec![Mutation::Unstamp { keys: vec!["volumes.cozystack.io/override-by".into()] }]
+    );
+}
+
+#[test]
+fn mutation_then_guard_accepts_an_honest_override() {
+    let old = meta(parent_labels());
+    let new = with_ann(old.clone(), "override", "abandoned");
+    let patch = to_json_patch(&profile(), &keys(), &mutations(Some(&old), &new, "alice"));
+    let mut doc = serde_json::json!({"metadata": {"annotations": new.annotations, "finalizers": new.finalizers}});
+    json_patch::patch(&mut doc, &patch).unwrap();
+    let patched: BTreeMap<String, String> = serde_json::from_value(doc["metadata"]["annotations"].clone()).unwrap();
+    let after = ObjectMetaView { annotations: patched, ..new };
+    assert_eq!(guard(&old, &after, "alice"), UpdateVerdict::NeedsOverridePermission { namespace: NS.into(), tenant: R.into() });
+}
+
+#[test]
+fn json_patch_escapes_annotation_keys_and_appends_finalizers() {
+    let ms = vec![
+        Mutation::AddFinalizer { create_list: false },
+        Mutation::Stamp { by: "a".into(), at: "t".into() },
+    ];
+    let text = serde_json::to_string(&to_json_patch(&profile(), &keys(), &ms)).unwrap();
+    assert!(text.contains(r#""path":"/metadata/finalizers/-""#), "{text}");
+    assert!(text.contains(r#""path":"/metadata/annotations/volumes.cozystack.io~1override-by""#), "{text}");
+    let mut doc = serde_json::json!({"metadata": {"finalizers": ["f"], "annotations": {"volumes.cozystack.io/override": "x"}}});
+    json_patch::patch(&mut doc, &to_json_patch(&profile(), &keys(), &ms)).unwrap();
+    assert_eq!(doc["metadata"]["finalizers"][1], "volumes.cozystack.io/release");
+    assert_eq!(doc["metadata"]["annotations"]["volumes.cozystack.io/override-by"], "a");
+}
+
+#[test]
+fn json_patch_creates_the_finalizer_list_when_absent() {
+    let patch = to_json_patch(&profile(), &keys(), &[Mutation::AddFinalizer { create_list: true }]);
+    let mut doc = serde_json::json!({"metadata": {}});
+    json_patch::patch(&mut doc, &patch).unwrap();
+    assert_eq!(doc["metadata"]["finalizers"], serde_json::json!(["volumes.cozystack.io/release"]));
+}

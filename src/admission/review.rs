@@ -1,0 +1,242 @@
+//! AdmissionReview v1 on the wire: strict decoding, and responses that are
+//! always well-formed (a patch as base64, as the API requires).
+
+use std::collections::BTreeMap;
+
+use base64::Engine;
+use kube::core::DynamicObject;
+use kube::core::admission::{AdmissionRequest, AdmissionReview, Operation};
+use serde::Serialize;
+use serde_json::Value;
+
+use super::decide::{ObjectMetaView, Verdict};
+use crate::profile::GroupKind;
+
+pub const API_VERSION: &str = "admission.k8s.io/v1";
+pub const KIND: &str = "AdmissionReview";
+
+/// A review that could not be judged, with the uid when one was found.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Invalid {
+    pub uid: Option<String>,
+    pub message: String,
+}
+
+/// Decodes an AdmissionReview v1 body into its request.
+pub fn decode(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, Invalid> {
+    let value: Value = serde_json::from_slice(body)
+        .map_err(|e| Invalid { uid: None, message: format!("body is not JSON: {e}") })?;
+    let uid = value
+        .pointer("/request/uid")
+        .and_then(Value::as_str)
+        .filter(|u| !u.is_empty())
+        .map(str::to_string);
+    let invalid = |message: String| Invalid { uid: uid.clone(), message };
+    let api_version = value.get("apiVersion").and_then(Value::as_str).unwrap_or("");
+    let kind = value.get("kind").and_then(Value::as_str).unwrap_or("");
+    if api_version != API_VERSION || kind != KIND {
+        return Err(invalid(format!(
+            "expected apiVersion {API_VERSION} kind {KIND}, got apiVersion {api_version:?} kind {kind:?}: set \
+             admissionReviewVersions: [v1] in the webhook configuration"
+        )));
+    }
+    if value.get("request").is_none_or(Value::is_null) {
+        return Err(invalid("the AdmissionReview has no request".into()));
+    }
+    if uid.is_none() {
+        return Err(invalid("the AdmissionReview request has no uid".into()));
+    }
+    let review: AdmissionReview<DynamicObject> =
+        serde_json::from_value(value).map_err(|e| invalid(format!("malformed AdmissionReview request: {e}")))?;
+    review.try_into().map_err(|_| invalid("the AdmissionReview has no request".into()))
+}
+
+pub fn operation_name(op: &Operation) -> &'static str {
+    match op {
+        Operation::Create => "CREATE",
+        Operation::Update => "UPDATE",
+        Operation::Delete => "DELETE",
+        Operation::Connect => "CONNECT",
+    }
+}
+
+pub fn group_kind(req: &AdmissionRequest<DynamicObject>) -> GroupKind {
+    GroupKind::new(&req.kind.group, &req.kind.kind)
+}
+
+/// The metadata the decisions use, from a request object.
+pub fn meta_view(obj: &DynamicObject, fallback_namespace: &str, fallback_name: &str) -> ObjectMetaView {
+    let m = &obj.metadata;
+    ObjectMetaView {
+        namespace: m.namespace.clone().unwrap_or_else(|| fallback_namespace.to_string()),
+        name: m.name.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| fallback_name.to_string()),
+        labels: m.labels.clone().unwrap_or_default(),
+        annotations: m.annotations.clone().unwrap_or_default(),
+        finalizers: m.finalizers.clone().unwrap_or_default(),
+        deleting: m.deletion_timestamp.is_some(),
+    }
+}
+
+pub fn labels_of(obj: Option<&DynamicObject>) -> BTreeMap<String, String> {
+    obj.and_then(|o| o.metadata.labels.clone()).unwrap_or_default()
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Status {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    code: Option<u16>,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    message: String,
+    #[serde(skip_serializing_if = "String::is_empty")]
+    reason: String,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct Response {
+    uid: String,
+    allowed: bool,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    status: Option<Status>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    patch: Option<String>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    patch_type: Option<&'static str>,
+    #[serde(skip_serializing_if = "Vec::is_empty")]
+    warnings: Vec<String>,
+}
+
+#[derive(Serialize)]
+#[serde(rename_all = "camelCase")]
+struct ReviewOut {
+    api_version: &'static str,
+    kind: &'static str,
+    response: Response,
+}
+
+/// The response body for a verdict (and a patch, for an allowed mutation).
+pub fn respond(uid: &str, verdict: &Verdict, patch: Option<&json_patch::Patch>) -> Vec<u8> {
+    let response = match verdict {
+        Verdict::Allow { warnings, .. } => Response {
+            uid: uid.to_string(),
+            allowed: true,
+            status: None,
+            patch: patch
+                .filter(|p| !p.0.is_empty())
+                .map(|p| base64::engine::general_purpose::STANDARD.encode(serde_json::to_vec(p).expect("patch serializes"))),
+            patch_type: patch.filter(|p| !p.0.is_empty()).map(|_| "JSONPatch"),
+            warnings: warnings.iter().map(|w| truncate_warning(w)).collect(),
+        },
+        Verdict::Deny { code, message, reason } => Response {
+            uid: uid.to_string(),
+            allowed: false,
+            status: Some(Status {
+                code: Some(*code),
+                message: message.clone(),
+                reason: if *code == 403 { "Forbidden".into() } else { format!("BadRequest: {reason}") },
+            }),
+            patch: None,
+            patch_type: None,
+            warnings: Vec::new(),
+        },
+    };
+    serde_json::to_vec(&ReviewOut { api_version: API_VERSION, kind: KIND, response }).expect("review serializes")
+}
+
+/// Warnings over 256 characters may be dropped by clients; keep them whole.
+fn truncate_warning(w: &str) -> String {
+    if w.len() <= 256 {
+        return w.to_string();
+    }
+    let mut cut = 253;
+    while !w.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}...", &w[..cut])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use serde_json::json;
+
+    fn review(request: Value) -> Vec<u8> {
+        serde_json::to_vec(&json!({"apiVersion": API_VERSION, "kind": KIND, "request": request})).unwrap()
+    }
+
+    fn minimal_request() -> Value {
+        json!({
+            "uid": "u-1",
+            "kind": {"group": "helm.toolkit.fluxcd.io", "version": "v2", "kind": "HelmRelease"},
+            "resource": {"group": "helm.toolkit.fluxcd.io", "version": "v2", "resource": "helmreleases"},
+            "name": "kubernetes-a-csi", "namespace": "tenant-x", "operation": "DELETE",
+            "userInfo": {"username": "alice"},
+            "oldObject": {"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
+                          "metadata": {"name": "kubernetes-a-csi", "namespace": "tenant-x"}},
+            "dryRun": true
+        })
+    }
+
+    #[test]
+    fn a_v1_review_decodes() {
+        let req = decode(&review(minimal_request())).unwrap();
+        assert_eq!(req.uid, "u-1");
+        assert!(req.dry_run);
+        assert_eq!(group_kind(&req), GroupKind::new("helm.toolkit.fluxcd.io", "HelmRelease"));
+    }
+
+    #[test]
+    fn non_json_has_no_uid() {
+        let e = decode(b"{\"apiVersion\": ").unwrap_err();
+        assert_eq!(e.uid, None);
+        assert!(e.message.contains("not JSON"), "{}", e.message);
+    }
+
+    #[test]
+    fn v1beta1_is_refused_with_its_uid() {
+        let mut v: Value = serde_json::from_slice(&review(minimal_request())).unwrap();
+        v["apiVersion"] = json!("admission.k8s.io/v1beta1");
+        let e = decode(&serde_json::to_vec(&v).unwrap()).unwrap_err();
+        assert_eq!(e.uid.as_deref(), Some("u-1"));
+        assert!(e.message.contains("admissionReviewVersions"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_missing_uid_is_named() {
+        let mut r = minimal_request();
+        r.as_object_mut().unwrap().remove("uid");
+        let e = decode(&review(r)).unwrap_err();
+        assert!(e.message.contains("no uid"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_malformed_request_keeps_its_uid() {
+        let mut r = minimal_request();
+        r["operation"] = json!("EXPLODE");
+        let e = decode(&review(r)).unwrap_err();
+        assert_eq!(e.uid.as_deref(), Some("u-1"));
+        assert!(e.message.contains("malformed"), "{}", e.message);
+    }
+
+    #[test]
+    fn a_patch_is_base64_not_a_number_array() {
+        let patch: json_patch::Patch = serde_json::from_value(json!([{"op": "add", "path": "/a", "value": 1}])).unwrap();
+        let body = respond("u", &Verdict::allow("x"), Some(&patch));
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        let text = v["response"]["patch"].as_str().expect("patch is a string");
+        let decoded = base64::engine::general_purpose::STANDARD.decode(text).unwrap();
+        assert_eq!(serde_json::from_slice::<Value>(&decoded).unwrap(), json!([{"op": "add", "path": "/a", "value": 1}]));
+        assert_eq!(v["response"]["patchType"], "JSONPatch");
+    }
+
+    #[test]
+    fn a_denial_carries_code_and_message() {
+        let body = respond("u", &Verdict::Deny { reason: "r", code: 403, message: "no".into() }, None);
+        let v: Value = serde_json::from_slice(&body).unwrap();
+        assert_eq!(v["response"]["allowed"], false);
+        assert_eq!(v["response"]["status"]["code"], 403);
+        assert_eq!(v["response"]["status"]["message"], "no");
+        assert_eq!(v["apiVersion"], API_VERSION);
+    }
+}

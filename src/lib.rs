@@ -1,0 +1,40 @@
+//! volume-gate: an admission gate and a companion controller that free a
+//! Cozystack tenant's volumes before its CSI driver is removed.
+//!
+//! The layout is the architecture:
+//! - [`profile`] alone knows the platform's names (Cozystack by default);
+//! - [`record`] alone knows the annotation keys of the release record;
+//! - [`admission`] holds the gate's decisions as pure functions and a thin
+//!   HTTP layer;
+//! - [`worker`] takes custody of tenants and runs the volume-release phase;
+//! - [`tls`] and [`certs`] serve and mint the webhook's certificates;
+//! - [`admin`] is the plain-HTTP health and metrics port.
+
+pub mod admin;
+pub mod admission;
+pub mod certs;
+pub mod metrics;
+pub mod profile;
+pub mod record;
+pub mod telemetry;
+pub mod tls;
+pub mod worker;
+
+/// Cancels `token` on SIGTERM or SIGINT, so servers drain instead of dying.
+pub async fn shutdown_on_signal(token: tokio_util::sync::CancellationToken) {
+    let mut term = match tokio::signal::unix::signal(tokio::signal::unix::SignalKind::terminate()) {
+        Ok(s) => s,
+        Err(e) => {
+            tracing::error!(error = %e, "cannot listen for SIGTERM; only SIGINT will stop the process gracefully");
+            let _ = tokio::signal::ctrl_c().await;
+            token.cancel();
+            return;
+        }
+    };
+    tokio::select! {
+        _ = term.recv() => tracing::info!("SIGTERM received, shutting down"),
+        _ = tokio::signal::ctrl_c() => tracing::info!("SIGINT received, shutting down"),
+        _ = token.cancelled() => {}
+    }
+    token.cancel();
+}

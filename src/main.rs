@@ -1,0 +1,65 @@
+use std::process::ExitCode;
+
+use clap::{Parser, Subcommand};
+
+#[derive(Parser)]
+#[command(name = "volume-gate", version, about = "Frees a Cozystack tenant's volumes before its CSI driver is removed")]
+struct Cli {
+    #[command(subcommand)]
+    command: Command,
+}
+
+#[derive(Subcommand)]
+enum Command {
+    /// Serve the validating and mutating admission webhook.
+    Webhook(volume_gate::admission::server::WebhookArgs),
+    /// Run the worker: custody of every tenant and the volume-release phase.
+    Worker(volume_gate::worker::WorkerArgs),
+    /// Serving certificates for the webhook.
+    #[command(subcommand)]
+    Certs(CertsCommand),
+    /// Show every tenant and its release state.
+    Status(volume_gate::worker::status::StatusArgs),
+    /// Add or remove the custody finalizer on tenants (install and uninstall).
+    #[command(subcommand)]
+    Custody(volume_gate::worker::custody::CustodyCommand),
+}
+
+#[derive(Subcommand)]
+enum CertsCommand {
+    /// Generate a CA and a serving certificate for the webhook Service.
+    Generate(volume_gate::certs::GenerateArgs),
+}
+
+fn main() -> ExitCode {
+    let cli = Cli::parse();
+    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+        Ok(rt) => rt,
+        Err(e) => {
+            eprintln!("volume-gate: cannot start the async runtime: {e}");
+            return ExitCode::FAILURE;
+        }
+    };
+    let result: Result<(), String> = runtime.block_on(async move {
+        match cli.command {
+            Command::Webhook(args) => {
+                volume_gate::telemetry::init_json_logs();
+                volume_gate::admission::server::run(args).await.map_err(|e| e.to_string())
+            }
+            Command::Worker(args) => {
+                volume_gate::telemetry::init_json_logs();
+                volume_gate::worker::run(args).await.map_err(|e| e.to_string())
+            }
+            Command::Certs(CertsCommand::Generate(args)) => volume_gate::certs::run_generate(args).map_err(|e| e.to_string()),
+            Command::Status(args) => volume_gate::worker::status::run(args).await.map_err(|e| e.to_string()),
+            Command::Custody(cmd) => volume_gate::worker::custody::run_command(cmd).await.map_err(|e| e.to_string()),
+        }
+    });
+    match result {
+        Ok(()) => ExitCode::SUCCESS,
+        Err(e) => {
+            eprintln!("volume-gate: {e}");
+            ExitCode::FAILURE
+        }
+    }
+}

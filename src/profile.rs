@@ -1,0 +1,335 @@
+//! The platform profile: the one place that knows a platform's names.
+//!
+//! Everything volume-gate needs to recognise a tenant, its children and the
+//! objects its CSI driver depends on lives here, with Cozystack as the
+//! built-in default. Another platform supplies its own YAML file
+//! (`--profile FILE`); a field it leaves out keeps the Cozystack value.
+
+use std::collections::BTreeMap;
+use std::path::Path;
+
+use serde::{Deserialize, Serialize};
+
+/// An API group and kind, as the admission request names them.
+#[derive(Clone, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub struct GroupKind {
+    /// Empty for the core group.
+    #[serde(default)]
+    pub group: String,
+    pub kind: String,
+}
+
+impl GroupKind {
+    pub fn new(group: &str, kind: &str) -> Self {
+        Self { group: group.to_string(), kind: kind.to_string() }
+    }
+}
+
+impl std::fmt::Display for GroupKind {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        if self.group.is_empty() {
+            write!(f, "{}", self.kind)
+        } else {
+            write!(f, "{}.{}", self.kind, self.group)
+        }
+    }
+}
+
+/// How the parent release of a tenant is recognised.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ParentSpec {
+    pub group: String,
+    pub version: String,
+    pub kind: String,
+    /// Plural resource name, for API paths and RBAC.
+    pub plural: String,
+    /// Every one of these labels must be present with this value.
+    pub match_labels: BTreeMap<String, String>,
+}
+
+/// How a guarded dependency names the tenant it belongs to.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct GuardedSpec {
+    /// What it is, in a deny message ("the tenant's control plane").
+    pub role: String,
+    #[serde(default)]
+    pub group: String,
+    pub kind: String,
+    /// A name pattern in which `{tenant}` stands for the parent's name,
+    /// e.g. `{tenant}-admin-kubeconfig`.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub name: Option<String>,
+    /// A label whose value is the parent's name.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub label: Option<String>,
+}
+
+/// Where the worker finds the tenant's admin kubeconfig.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct KubeconfigSpec {
+    /// Secret name pattern, `{tenant}` standing for the parent's name.
+    pub secret_name: String,
+    /// Keys tried in order; the first present one is used.
+    pub keys: Vec<String>,
+}
+
+/// Who may record an override: a SubjectAccessReview for this verb on this
+/// resource must allow the requester.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct OverridePermission {
+    pub group: String,
+    pub resource: String,
+    pub verb: String,
+}
+
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Profile {
+    /// A name for logs and `status`.
+    pub name: String,
+    /// Prefix of the record's annotation keys, ending in `/`.
+    pub annotation_prefix: String,
+    /// The custody finalizer on every parent.
+    pub custody_finalizer: String,
+    pub parent: ParentSpec,
+    /// Label on each child release whose value is the parent's name.
+    pub child_label: String,
+    /// Name pattern of the CSI driver release.
+    pub csi_release: String,
+    pub kubeconfig: KubeconfigSpec,
+    pub guarded: Vec<GuardedSpec>,
+    pub override_permission: OverridePermission,
+}
+
+pub const TENANT_PLACEHOLDER: &str = "{tenant}";
+
+impl Default for Profile {
+    fn default() -> Self {
+        Self::cozystack()
+    }
+}
+
+#[derive(Debug, thiserror::Error)]
+pub enum ProfileError {
+    #[error("cannot read profile file {path}: {source}")]
+    Read { path: String, source: std::io::Error },
+    #[error("profile file {path} is not valid YAML for a profile: {message}")]
+    Parse { path: String, message: String },
+    #[error("profile {path}: {message}")]
+    Invalid { path: String, message: String },
+}
+
+impl Profile {
+    /// The Cozystack profile (DESIGN.md §1).
+    pub fn cozystack() -> Self {
+        let guarded = |role: &str, group: &str, kind: &str, name: Option<&str>, label: Option<&str>| GuardedSpec {
+            role: role.to_string(),
+            group: group.to_string(),
+            kind: kind.to_string(),
+            name: name.map(str::to_string),
+            label: label.map(str::to_string),
+        };
+        const CAPI_LABEL: &str = "cluster.x-k8s.io/cluster-name";
+        Self {
+            name: "cozystack".into(),
+            annotation_prefix: "volumes.cozystack.io/".into(),
+            custody_finalizer: "volumes.cozystack.io/release".into(),
+            parent: ParentSpec {
+                group: "helm.toolkit.fluxcd.io".into(),
+                version: "v2".into(),
+                kind: "HelmRelease".into(),
+                plural: "helmreleases".into(),
+                // Not sharding.fluxcd.io/key: another webhook rewrites it.
+                match_labels: BTreeMap::from([
+                    ("apps.cozystack.io/application.kind".into(), "Kubernetes".into()),
+                    ("apps.cozystack.io/application.group".into(), "apps.cozystack.io".into()),
+                ]),
+            },
+            child_label: "cozystack.io/target-cluster-name".into(),
+            csi_release: "{tenant}-csi".into(),
+            kubeconfig: KubeconfigSpec {
+                secret_name: "{tenant}-admin-kubeconfig".into(),
+                keys: vec!["super-admin.svc".into(), "super-admin.conf".into()],
+            },
+            guarded: vec![
+                guarded("the tenant's control plane", "controlplane.cluster.x-k8s.io", "KamajiControlPlane", Some("{tenant}"), None),
+                guarded("the tenant's API server", "kamaji.clastix.io", "TenantControlPlane", Some("{tenant}"), None),
+                guarded("the tenant's Cluster API cluster", "cluster.x-k8s.io", "Cluster", Some("{tenant}"), None),
+                guarded("the tenant's Cluster API cluster", "cluster.x-k8s.io", "Cluster", None, Some(CAPI_LABEL)),
+                guarded("the tenant's worker machines, which run the driver", "cluster.x-k8s.io", "MachineDeployment", None, Some(CAPI_LABEL)),
+                guarded("the tenant's worker machines, which run the driver", "cluster.x-k8s.io", "Machine", None, Some(CAPI_LABEL)),
+                guarded("the tenant's admin kubeconfig, which the release phase needs", "", "Secret", Some("{tenant}-admin-kubeconfig"), None),
+                guarded("the tenant's CSI controller (KubeVirt path)", "apps", "Deployment", Some("{tenant}-kcsi-controller"), None),
+            ],
+            override_permission: OverridePermission {
+                group: "volumes.cozystack.io".into(),
+                resource: "tenants".into(),
+                verb: "override".into(),
+            },
+        }
+    }
+
+    /// Loads a profile file; fields it omits keep the Cozystack defaults.
+    pub fn load(path: &Path) -> Result<Self, ProfileError> {
+        let shown = path.display().to_string();
+        let text = std::fs::read_to_string(path).map_err(|source| ProfileError::Read { path: shown.clone(), source })?;
+        Self::from_yaml(&text).map_err(|e| match e {
+            ProfileError::Parse { message, .. } => ProfileError::Parse { path: shown.clone(), message },
+            ProfileError::Invalid { message, .. } => ProfileError::Invalid { path: shown.clone(), message },
+            other => other,
+        })
+    }
+
+    pub fn from_yaml(text: &str) -> Result<Self, ProfileError> {
+        let profile: Profile = serde_saphyr::from_str(text)
+            .map_err(|e| ProfileError::Parse { path: "<inline>".into(), message: e.to_string() })?;
+        profile.validate().map_err(|message| ProfileError::Invalid { path: "<inline>".into(), message })?;
+        Ok(profile)
+    }
+
+    /// Rejects a profile that could never match or would gate nothing.
+    pub fn validate(&self) -> Result<(), String> {
+        if !self.annotation_prefix.ends_with('/') || self.annotation_prefix.len() < 2 {
+            return Err(format!("annotationPrefix {:?} must be a DNS prefix ending in '/'", self.annotation_prefix));
+        }
+        if self.custody_finalizer.is_empty() || !self.custody_finalizer.contains('/') {
+            return Err(format!("custodyFinalizer {:?} must be a qualified name like example.com/release", self.custody_finalizer));
+        }
+        if self.parent.match_labels.is_empty() {
+            return Err("parent.matchLabels is empty: every HelmRelease would count as a tenant".into());
+        }
+        if self.parent.kind.is_empty() || self.parent.plural.is_empty() || self.parent.version.is_empty() {
+            return Err("parent needs group, version, kind and plural".into());
+        }
+        if self.child_label.is_empty() {
+            return Err("childLabel is empty".into());
+        }
+        if !self.csi_release.contains(TENANT_PLACEHOLDER) {
+            return Err(format!("csiRelease {:?} must contain {TENANT_PLACEHOLDER}", self.csi_release));
+        }
+        if !self.kubeconfig.secret_name.contains(TENANT_PLACEHOLDER) || self.kubeconfig.keys.is_empty() {
+            return Err("kubeconfig needs a secretName containing {tenant} and at least one key".into());
+        }
+        for (i, g) in self.guarded.iter().enumerate() {
+            match (&g.name, &g.label) {
+                (Some(n), None) if n.matches(TENANT_PLACEHOLDER).count() == 1 => {}
+                (None, Some(l)) if !l.is_empty() => {}
+                _ => {
+                    return Err(format!(
+                        "guarded[{i}] ({}) needs exactly one of `name` (containing {TENANT_PLACEHOLDER} once) or `label`",
+                        g.kind
+                    ));
+                }
+            }
+        }
+        Ok(())
+    }
+
+    pub fn parent_kind(&self) -> GroupKind {
+        GroupKind::new(&self.parent.group, &self.parent.kind)
+    }
+
+    /// Whether labels mark an object as a tenant's parent release.
+    pub fn is_parent(&self, labels: &BTreeMap<String, String>) -> bool {
+        self.parent.match_labels.iter().all(|(k, v)| labels.get(k) == Some(v))
+    }
+
+    /// The parent label selector, for list and watch calls.
+    pub fn parent_selector(&self) -> String {
+        self.parent.match_labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+    }
+
+    pub fn csi_release_name(&self, tenant: &str) -> String {
+        self.csi_release.replace(TENANT_PLACEHOLDER, tenant)
+    }
+
+    pub fn kubeconfig_secret_name(&self, tenant: &str) -> String {
+        self.kubeconfig.secret_name.replace(TENANT_PLACEHOLDER, tenant)
+    }
+
+    /// The `kubectl annotate` command that records an override.
+    pub fn override_command(&self, namespace: &str, tenant: &str) -> String {
+        format!(
+            "kubectl annotate {}.{} -n {namespace} {tenant} {}override='<why these volumes may be abandoned>'",
+            self.parent.plural, self.parent.group, self.annotation_prefix
+        )
+    }
+}
+
+/// Extracts the tenant from a name matching `pattern` (one `{tenant}`).
+pub fn tenant_from_name(pattern: &str, name: &str) -> Option<String> {
+    let (prefix, suffix) = pattern.split_once(TENANT_PLACEHOLDER)?;
+    let middle = name.strip_prefix(prefix)?.strip_suffix(suffix)?;
+    (!middle.is_empty()).then(|| middle.to_string())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn cozystack_profile_is_valid_and_is_the_default() {
+        Profile::cozystack().validate().unwrap();
+        assert_eq!(Profile::default(), Profile::cozystack());
+    }
+
+    #[test]
+    fn empty_file_yields_the_cozystack_profile() {
+        assert_eq!(Profile::from_yaml("{}").unwrap(), Profile::cozystack());
+    }
+
+    #[test]
+    fn a_partial_file_overrides_only_what_it_names() {
+        let p = Profile::from_yaml("name: acme\nchildLabel: acme.io/cluster\n").unwrap();
+        assert_eq!(p.name, "acme");
+        assert_eq!(p.child_label, "acme.io/cluster");
+        assert_eq!(p.csi_release, "{tenant}-csi");
+    }
+
+    #[test]
+    fn unknown_fields_are_refused_by_name() {
+        let err = Profile::from_yaml("childLable: x\n").unwrap_err().to_string();
+        assert!(err.contains("childLable"), "{err}");
+    }
+
+    #[test]
+    fn a_guarded_entry_without_matcher_is_refused() {
+        let err = Profile::from_yaml("guarded:\n- role: x\n  kind: Secret\n").unwrap_err().to_string();
+        assert!(err.contains("guarded[0]"), "{err}");
+    }
+
+    #[test]
+    fn an_empty_parent_selector_is_refused() {
+        let y = "parent: {group: g, version: v1, kind: K, plural: ks, matchLabels: {}}\n";
+        let err = Profile::from_yaml(y).unwrap_err().to_string();
+        assert!(err.contains("matchLabels"), "{err}");
+    }
+
+    #[test]
+    fn garbage_is_a_parse_error() {
+        assert!(matches!(Profile::from_yaml("[1, 2"), Err(ProfileError::Parse { .. })));
+    }
+
+    #[test]
+    fn tenant_is_extracted_from_name_patterns() {
+        assert_eq!(tenant_from_name("{tenant}-csi", "kubernetes-a-csi").as_deref(), Some("kubernetes-a"));
+        assert_eq!(tenant_from_name("{tenant}", "kubernetes-a").as_deref(), Some("kubernetes-a"));
+        assert_eq!(tenant_from_name("{tenant}-admin-kubeconfig", "x-admin-kubeconfig").as_deref(), Some("x"));
+        assert_eq!(tenant_from_name("{tenant}-csi", "-csi"), None);
+        assert_eq!(tenant_from_name("{tenant}-csi", "kubernetes-a-cilium"), None);
+    }
+
+    #[test]
+    fn parent_selector_requires_every_label() {
+        let p = Profile::cozystack();
+        let mut labels = p.parent.match_labels.clone();
+        assert!(p.is_parent(&labels));
+        labels.insert("apps.cozystack.io/application.kind".into(), "Postgres".into());
+        assert!(!p.is_parent(&labels));
+        assert!(!p.is_parent(&BTreeMap::new()));
+    }
+}

@@ -1,0 +1,476 @@
+//! The release record: annotations on the parent release, and the one place
+//! that knows their keys (DESIGN.md §3).
+//!
+//! The worker writes `phase`, `released-at`, `message` and `volumes`; a
+//! person writes `override`; the mutating webhook stamps `override-by` and
+//! `override-at` from the request's userInfo.
+
+use std::collections::BTreeMap;
+use std::fmt;
+use std::str::FromStr;
+
+use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
+
+/// The inventory annotation is bounded so the parent stays well under the
+/// API server's 256 KiB limit on all annotations together.
+pub const MAX_INVENTORY_BYTES: usize = 96 * 1024;
+
+/// Annotation keys under the profile's prefix.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Keys {
+    pub phase: String,
+    pub released_at: String,
+    pub message: String,
+    pub volumes: String,
+    pub override_reason: String,
+    pub override_by: String,
+    pub override_at: String,
+}
+
+impl Keys {
+    pub fn new(prefix: &str) -> Self {
+        let k = |s: &str| format!("{prefix}{s}");
+        Self {
+            phase: k("phase"),
+            released_at: k("released-at"),
+            message: k("message"),
+            volumes: k("volumes"),
+            override_reason: k("override"),
+            override_by: k("override-by"),
+            override_at: k("override-at"),
+        }
+    }
+
+    /// Keys only the worker's identity may change.
+    pub fn worker_owned(&self) -> [&str; 4] {
+        [&self.phase, &self.released_at, &self.message, &self.volumes]
+    }
+
+    /// Keys only the mutating webhook may set.
+    pub fn stamped(&self) -> [&str; 2] {
+        [&self.override_by, &self.override_at]
+    }
+}
+
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]
+pub enum Phase {
+    Releasing,
+    Released,
+    Blocked,
+    Overridden,
+}
+
+impl Phase {
+    pub const ALL: [Phase; 4] = [Phase::Releasing, Phase::Released, Phase::Blocked, Phase::Overridden];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            Phase::Releasing => "Releasing",
+            Phase::Released => "Released",
+            Phase::Blocked => "Blocked",
+            Phase::Overridden => "Overridden",
+        }
+    }
+}
+
+impl fmt::Display for Phase {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        f.write_str(self.as_str())
+    }
+}
+
+impl FromStr for Phase {
+    type Err = String;
+    fn from_str(s: &str) -> Result<Self, String> {
+        Phase::ALL
+            .into_iter()
+            .find(|p| p.as_str() == s)
+            .ok_or_else(|| format!("unknown phase {s:?} (expected Releasing, Released, Blocked or Overridden)"))
+    }
+}
+
+/// One tenant PV as inventoried before anything was deleted.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Volume {
+    /// PersistentVolume name.
+    pub pv: String,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub driver: Option<String>,
+    /// The CSI volumeHandle: the disk's name on storage.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handle: Option<String>,
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub capacity: Option<String>,
+    /// Reclaim policy; `Retain` volumes are residue by design.
+    pub reclaim: String,
+    /// `namespace/name` of the bound claim.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub claim: Option<String>,
+    /// Set once the PV is gone.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub gone: bool,
+}
+
+impl Volume {
+    pub fn is_retain(&self) -> bool {
+        self.reclaim == "Retain"
+    }
+
+    /// `pv (driver, handle)` for messages.
+    pub fn describe(&self) -> String {
+        format!(
+            "{} (driver {}, volumeHandle {})",
+            self.pv,
+            self.driver.as_deref().unwrap_or("<none>"),
+            self.handle.as_deref().unwrap_or("<none>")
+        )
+    }
+}
+
+/// The inventory: every tenant PV, taken before any deletion.
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Inventory {
+    /// RFC 3339 time it was taken.
+    pub taken_at: String,
+    /// How many PVs the tenant had, listed or not.
+    pub total: usize,
+    /// How many of them are gone.
+    #[serde(default)]
+    pub freed: usize,
+    /// True when `volumes` lists only the first of `total` PVs.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub truncated: bool,
+    pub volumes: Vec<Volume>,
+}
+
+impl Inventory {
+    /// Builds an inventory over all volumes, sorted by PV name.
+    pub fn new(taken_at: String, mut volumes: Vec<Volume>) -> Self {
+        volumes.sort_by(|a, b| a.pv.cmp(&b.pv));
+        let freed = volumes.iter().filter(|v| v.gone).count();
+        Self { taken_at, total: volumes.len(), freed, truncated: false, volumes }
+    }
+
+    pub fn left(&self) -> usize {
+        self.total.saturating_sub(self.freed)
+    }
+
+    /// Listed volumes that are not gone yet.
+    pub fn remaining(&self) -> impl Iterator<Item = &Volume> {
+        self.volumes.iter().filter(|v| !v.gone)
+    }
+
+    /// JSON for the annotation, truncated to [`MAX_INVENTORY_BYTES`]: the
+    /// volumes still on storage are kept first, and truncation is stated.
+    pub fn encode(&self) -> String {
+        let full = serde_json::to_string(self).expect("inventory serializes");
+        if full.len() <= MAX_INVENTORY_BYTES {
+            return full;
+        }
+        let mut kept: Vec<Volume> = self.volumes.iter().filter(|v| !v.gone).cloned().collect();
+        kept.extend(self.volumes.iter().filter(|v| v.gone).cloned());
+        let mut shown = Inventory { truncated: true, volumes: kept, ..self.clone() };
+        // Halve, then grow back: few serializations even for 5,000 volumes.
+        let mut n = shown.volumes.len();
+        let all = std::mem::take(&mut shown.volumes);
+        loop {
+            shown.volumes = all[..n].to_vec();
+            let text = serde_json::to_string(&shown).expect("inventory serializes");
+            if text.len() <= MAX_INVENTORY_BYTES || n == 0 {
+                let mut best = text;
+                let mut m = n;
+                while m < all.len() {
+                    shown.volumes.push(all[m].clone());
+                    let next = serde_json::to_string(&shown).expect("inventory serializes");
+                    if next.len() > MAX_INVENTORY_BYTES {
+                        break;
+                    }
+                    best = next;
+                    m += 1;
+                }
+                return best;
+            }
+            n /= 2;
+        }
+    }
+
+    pub fn decode(text: &str) -> Result<Self, String> {
+        serde_json::from_str(text).map_err(|e| format!("volumes annotation is not a valid inventory: {e}"))
+    }
+
+    /// The first `n` remaining volumes, described, and how many more.
+    pub fn first_remaining(&self, n: usize) -> String {
+        let shown: Vec<String> = self.remaining().take(n).map(Volume::describe).collect();
+        let more = self.left().saturating_sub(shown.len());
+        match (shown.is_empty(), more) {
+            (true, 0) => String::new(),
+            (true, m) => format!("{m} not listed"),
+            (false, 0) => shown.join(", "),
+            (false, m) => format!("{} and {m} more", shown.join(", ")),
+        }
+    }
+}
+
+/// A recorded override. It counts only once the webhook has stamped it.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Override {
+    pub reason: String,
+    pub by: Option<String>,
+    pub at: Option<String>,
+}
+
+impl Override {
+    pub fn is_stamped(&self) -> bool {
+        !self.reason.trim().is_empty() && self.by.as_deref().is_some_and(|b| !b.is_empty()) && self.at.is_some()
+    }
+}
+
+/// The record as read from a parent's annotations.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Record {
+    pub phase: Option<Phase>,
+    pub released_at: Option<String>,
+    pub message: Option<String>,
+    pub inventory: Option<Inventory>,
+    pub override_: Option<Override>,
+    /// What could not be parsed, for messages; never makes a tenant done.
+    pub problems: Vec<String>,
+}
+
+impl Record {
+    pub fn from_annotations(keys: &Keys, annotations: &BTreeMap<String, String>) -> Self {
+        let mut problems = Vec::new();
+        let phase = annotations.get(&keys.phase).and_then(|p| {
+            p.parse::<Phase>().map_err(|e| problems.push(e)).ok()
+        });
+        let inventory = annotations.get(&keys.volumes).and_then(|v| {
+            Inventory::decode(v).map_err(|e| problems.push(e)).ok()
+        });
+        let override_ = annotations.get(&keys.override_reason).map(|reason| Override {
+            reason: reason.clone(),
+            by: annotations.get(&keys.override_by).cloned(),
+            at: annotations.get(&keys.override_at).cloned(),
+        });
+        Self {
+            phase,
+            released_at: annotations.get(&keys.released_at).cloned(),
+            message: annotations.get(&keys.message).cloned(),
+            inventory,
+            override_,
+            problems,
+        }
+    }
+
+    /// Done: the phase recorded the PVs gone, or an override is stamped.
+    pub fn is_done(&self) -> bool {
+        self.phase == Some(Phase::Released) || self.stamped_override().is_some()
+    }
+
+    pub fn stamped_override(&self) -> Option<&Override> {
+        self.override_.as_ref().filter(|o| o.is_stamped())
+    }
+
+    /// A one-line summary of where the phase stands, for deny messages.
+    pub fn summary(&self) -> String {
+        let phase = self.phase.map_or("not started", Phase::as_str);
+        let mut s = format!("phase {phase}");
+        if let Some(m) = self.message.as_deref().filter(|m| !m.is_empty()) {
+            s.push_str(&format!(" ({m})"));
+        }
+        match &self.inventory {
+            Some(inv) => {
+                s.push_str(&format!("; {} of {} volumes left", inv.left(), inv.total));
+                let first = inv.first_remaining(3);
+                if !first.is_empty() {
+                    s.push_str(&format!(": {first}"));
+                }
+            }
+            None => s.push_str("; volumes not inventoried yet"),
+        }
+        s
+    }
+}
+
+/// A change to the worker-owned part of the record, as a JSON merge patch
+/// fragment for `metadata.annotations` (`None` removes the key).
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct Update {
+    pub phase: Option<Phase>,
+    pub message: Option<String>,
+    pub released_at: Option<String>,
+    pub inventory: Option<Inventory>,
+}
+
+impl Update {
+    pub fn annotations(&self, keys: &Keys) -> Map<String, Value> {
+        let mut m = Map::new();
+        if let Some(p) = self.phase {
+            m.insert(keys.phase.clone(), Value::String(p.to_string()));
+        }
+        if let Some(msg) = &self.message {
+            m.insert(keys.message.clone(), Value::String(one_line(msg)));
+        }
+        if let Some(at) = &self.released_at {
+            m.insert(keys.released_at.clone(), Value::String(at.clone()));
+        }
+        if let Some(inv) = &self.inventory {
+            m.insert(keys.volumes.clone(), Value::String(inv.encode()));
+        }
+        m
+    }
+}
+
+/// Messages are one human line, bounded.
+pub fn one_line(s: &str) -> String {
+    let flat: String = s.split_whitespace().collect::<Vec<_>>().join(" ");
+    if flat.len() <= 1024 {
+        return flat;
+    }
+    let mut cut = 1021;
+    while !flat.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}...", &flat[..cut])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn keys() -> Keys {
+        Keys::new("volumes.cozystack.io/")
+    }
+
+    fn vol(i: usize, gone: bool) -> Volume {
+        Volume {
+            pv: format!("pvc-{i:05}-0000-1111-2222-333344445555"),
+            driver: Some("csi.sim.volume-gate.dev".into()),
+            handle: Some(format!("vol-{i:05}-aaaaaaaaaaaaaaaaaaaa")),
+            capacity: Some("10Gi".into()),
+            reclaim: "Delete".into(),
+            claim: Some(format!("default/data-{i}")),
+            gone,
+        }
+    }
+
+    fn ann(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
+        pairs.iter().map(|(k, v)| (format!("volumes.cozystack.io/{k}"), v.to_string())).collect()
+    }
+
+    #[test]
+    fn keys_carry_the_prefix() {
+        let k = Keys::new("example.com/");
+        assert_eq!(k.phase, "example.com/phase");
+        assert_eq!(k.override_by, "example.com/override-by");
+    }
+
+    #[test]
+    fn released_phase_is_done() {
+        let r = Record::from_annotations(&keys(), &ann(&[("phase", "Released")]));
+        assert!(r.is_done());
+    }
+
+    #[test]
+    fn blocked_releasing_and_absent_phases_are_not_done() {
+        for p in ["Blocked", "Releasing"] {
+            assert!(!Record::from_annotations(&keys(), &ann(&[("phase", p)])).is_done(), "{p}");
+        }
+        assert!(!Record::from_annotations(&keys(), &BTreeMap::new()).is_done());
+    }
+
+    #[test]
+    fn an_unknown_phase_is_not_done_and_is_reported() {
+        let r = Record::from_annotations(&keys(), &ann(&[("phase", "released")]));
+        assert!(!r.is_done());
+        assert_eq!(r.problems.len(), 1);
+        assert!(r.problems[0].contains("released"));
+    }
+
+    #[test]
+    fn an_unstamped_override_is_not_done() {
+        let r = Record::from_annotations(&keys(), &ann(&[("override", "abandoned")]));
+        assert!(!r.is_done());
+        let r = Record::from_annotations(&keys(), &ann(&[("override", "abandoned"), ("override-by", "alice")]));
+        assert!(!r.is_done());
+    }
+
+    #[test]
+    fn a_stamped_override_is_done() {
+        let r = Record::from_annotations(
+            &keys(),
+            &ann(&[("override", "abandoned"), ("override-by", "alice"), ("override-at", "2026-01-01T00:00:00Z")]),
+        );
+        assert!(r.is_done());
+    }
+
+    #[test]
+    fn a_blank_override_reason_is_not_done_even_if_stamped() {
+        let r = Record::from_annotations(
+            &keys(),
+            &ann(&[("override", "  "), ("override-by", "alice"), ("override-at", "2026-01-01T00:00:00Z")]),
+        );
+        assert!(!r.is_done());
+    }
+
+    #[test]
+    fn inventory_round_trips() {
+        let inv = Inventory::new("2026-01-01T00:00:00Z".into(), vec![vol(2, false), vol(1, true)]);
+        assert_eq!(inv.volumes[0].pv, vol(1, true).pv, "sorted by PV name");
+        assert_eq!((inv.total, inv.freed, inv.left()), (2, 1, 1));
+        let back = Inventory::decode(&inv.encode()).unwrap();
+        assert_eq!(back, inv);
+    }
+
+    #[test]
+    fn a_large_inventory_is_truncated_within_bound_and_says_so() {
+        let vols: Vec<Volume> = (0..5000).map(|i| vol(i, i % 2 == 0)).collect();
+        let inv = Inventory::new("t".into(), vols);
+        let text = inv.encode();
+        assert!(text.len() <= MAX_INVENTORY_BYTES, "{}", text.len());
+        let back = Inventory::decode(&text).unwrap();
+        assert!(back.truncated);
+        assert_eq!(back.total, 5000);
+        assert_eq!(back.left(), 2500);
+        assert!(back.volumes.len() > 100, "kept {}", back.volumes.len());
+        assert!(back.volumes.iter().all(|v| !v.gone), "remaining volumes are listed first");
+        // Nearly full: adding one more would not have fit.
+        assert!(text.len() > MAX_INVENTORY_BYTES - 400, "{}", text.len());
+    }
+
+    #[test]
+    fn garbage_inventory_is_a_problem_not_a_panic() {
+        let r = Record::from_annotations(&keys(), &ann(&[("volumes", "{not json")]));
+        assert!(r.inventory.is_none());
+        assert!(r.problems[0].contains("volumes annotation"));
+    }
+
+    #[test]
+    fn summary_names_the_phase_count_and_first_volumes() {
+        let inv = Inventory::new("t".into(), (0..5).map(|i| vol(i, i == 0)).collect());
+        let mut a = ann(&[("phase", "Blocked"), ("message", "driver gone")]);
+        a.insert(keys().volumes, inv.encode());
+        let s = Record::from_annotations(&keys(), &a).summary();
+        assert!(s.contains("phase Blocked (driver gone)"), "{s}");
+        assert!(s.contains("4 of 5 volumes left"), "{s}");
+        assert!(s.contains("volumeHandle vol-00001-"), "{s}");
+        assert!(s.contains("and 1 more"), "{s}");
+        assert!(!s.contains("vol-00000-"), "a freed volume is not listed: {s}");
+    }
+
+    #[test]
+    fn update_writes_only_what_it_names() {
+        let u = Update { phase: Some(Phase::Blocked), message: Some("a\nb".into()), ..Default::default() };
+        let m = u.annotations(&keys());
+        assert_eq!(m.len(), 2);
+        assert_eq!(m["volumes.cozystack.io/message"], "a b");
+    }
+
+    #[test]
+    fn messages_are_bounded_on_a_char_boundary() {
+        let long = "é".repeat(2000);
+        let s = one_line(&long);
+        assert!(s.len() <= 1024 + 3);
+        assert!(s.ends_with("..."));
+    }
+}

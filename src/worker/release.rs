@@ -1,0 +1,391 @@
+//! The volume-release phase (DESIGN.md §5, steps 1–7) for one tenant.
+//!
+//! Every step is idempotent and reads its state from the APIs, so a worker
+//! killed anywhere resumes: the inventory is in the record, the claims are
+//! being deleted or gone, and the PVs tell how far the driver got.
+
+use std::collections::{BTreeSet, HashSet};
+use std::time::Duration;
+
+use futures::{StreamExt, TryStreamExt};
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, ResourceQuota, ResourceQuotaSpec};
+use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
+use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, ObjectMeta, PostParams};
+use kube::core::GroupVersionKind;
+use kube::runtime::watcher;
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use super::claims::{self, ClaimKey};
+use super::tenant::{self, TenantAccessError};
+use super::{Context, TenantRef};
+use crate::record::{Inventory, Phase, Record, Update};
+
+/// Where the phase ended up on this pass.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Every inventoried PV is gone.
+    Released { inventory: Inventory },
+    /// Something stands in the way; retried with backoff.
+    Blocked { reason: &'static str, message: String, inventory: Option<Inventory> },
+}
+
+/// Name of the quota that stops new claims in a tenant being released.
+pub const FREEZE_QUOTA: &str = "volume-gate-freeze";
+
+fn blocked(reason: &'static str, message: String, inventory: Option<Inventory>) -> Outcome {
+    Outcome::Blocked { reason, message, inventory }
+}
+
+fn now_rfc3339() -> String {
+    jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
+}
+
+/// Runs steps 1–7 once. `Err` is a management-API failure (requeue);
+/// everything about the tenant is an [`Outcome`].
+pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcome, kube::Error> {
+    let settings = &ctx.settings;
+    let previous = record.inventory.clone();
+    // Step 1: the admin kubeconfig.
+    let kc = match tenant::read_kubeconfig(&ctx.client, &ctx.profile, &t.namespace, &t.name).await {
+        Ok(kc) => kc,
+        Err(e) => return Ok(blocked(e.label(), e.to_string(), previous)),
+    };
+    let api = match tenant::client_for(kc, settings.request_timeout).await {
+        Ok(api) => api,
+        Err(message) => {
+            let e = TenantAccessError::Unparseable {
+                namespace: t.namespace.clone(),
+                name: ctx.profile.kubeconfig_secret_name(&t.name),
+                message,
+            };
+            return Ok(blocked(e.label(), e.to_string(), previous));
+        }
+    };
+    // Step 2: a kubeconfig that exists is not an API server that answers.
+    if let Err(e) = tenant::probe_ready(&api, settings.probe_timeout).await {
+        return Ok(blocked(e.label(), e.to_string(), previous));
+    }
+    let tc = api.client.clone();
+    let fail = |step: &str, e: kube::Error| format!("tenant API {} failed while {step}: {e}", api.server);
+    let deadline = Instant::now() + settings.wait_bound;
+    let mut inventory = previous;
+    loop {
+        // Step 3: inventory before any deletion, written to the record.
+        let pvs = match Api::<PersistentVolume>::all(tc.clone()).list(&ListParams::default()).await {
+            Ok(l) => l.items,
+            Err(e) => return Ok(blocked("tenant-api-error", fail("listing PersistentVolumes", e), inventory)),
+        };
+        let first_time = inventory.is_none();
+        let inv = claims::reconcile_inventory(inventory.as_ref(), &pvs, &now_rfc3339());
+        let grew = inventory.as_ref().is_some_and(|old| old.total != inv.total);
+        let message = format!("inventory taken: {} volumes ({} left); deleting claims", inv.total, inv.left());
+        ctx.write_record(t, &Update { phase: Some(Phase::Releasing), message: Some(message), inventory: Some(inv.clone()), ..Default::default() })
+            .await?;
+        if first_time {
+            ctx.event(t, false, "InventoryTaken", format!("{} volumes inventoried before any deletion", inv.total)).await;
+        } else if grew {
+            ctx.event(t, false, "InventoryGrew", format!("now {} volumes: new ones appeared while releasing", inv.total)).await;
+        }
+        inventory = Some(inv.clone());
+
+        // Step 4: stop new claims, delete every claim, then the Pods holding them.
+        if let Err(e) = freeze_claims(&tc).await {
+            return Ok(blocked("tenant-api-error", fail("creating the claim freeze quota", e), inventory));
+        }
+        let claims = match delete_claims(&tc).await {
+            Ok(c) => c,
+            Err(e) => return Ok(blocked("tenant-api-error", fail("deleting PersistentVolumeClaims", e), inventory)),
+        };
+        let pods = match delete_holding_pods(&tc, &claims).await {
+            Ok(p) => p,
+            Err(e) => return Ok(blocked("tenant-api-error", fail("deleting the Pods that mount claims", e), inventory)),
+        };
+        info!(namespace = %t.namespace, tenant = %t.name, claims = claims.len(), pods = pods, "claims and holding pods deleted");
+
+        // Step 5: snapshots, when that API is installed.
+        let snapshot_contents = match release_snapshots(&tc).await {
+            Ok(c) => c,
+            Err(e) => return Ok(blocked("tenant-api-error", fail("deleting VolumeSnapshots", e), inventory)),
+        };
+
+        // Step 6: wait for the PVs themselves.
+        let waited: HashSet<String> = inv.remaining().filter(|v| !v.is_retain()).map(|v| v.pv.clone()).collect();
+        let progress = WaitProgress { ctx, tenant: t, inventory: inv.clone() };
+        if let Err(e) = wait_gone(Api::<PersistentVolume>::all(tc.clone()), waited, deadline, &progress).await {
+            return Ok(blocked("tenant-api-error", fail("watching PersistentVolumes", e), inventory));
+        }
+        let contents_left = match snapshot_contents {
+            Some((api, names)) => match wait_gone(api, names, deadline, &NoProgress).await {
+                Ok(s) => s,
+                Err(e) => return Ok(blocked("tenant-api-error", fail("watching VolumeSnapshotContents", e), inventory)),
+            },
+            None => BTreeSet::new(),
+        };
+
+        // Step 7: the outcome, from a fresh list.
+        let pvs = match Api::<PersistentVolume>::all(tc.clone()).list(&ListParams::default()).await {
+            Ok(l) => l.items,
+            Err(e) => return Ok(blocked("tenant-api-error", fail("listing PersistentVolumes", e), inventory)),
+        };
+        let inv = claims::reconcile_inventory(Some(&inv), &pvs, &now_rfc3339());
+        let newly_freed = inv.freed.saturating_sub(inventory.as_ref().map_or(0, |i| i.freed));
+        ctx.metrics.volumes_freed.inc_by(newly_freed as u64);
+        inventory = Some(inv.clone());
+        let appeared = inv.total > progress.inventory.total;
+        if appeared && Instant::now() < deadline {
+            warn!(namespace = %t.namespace, tenant = %t.name, "new volumes appeared while releasing; another pass");
+            continue;
+        }
+        let remaining: Vec<_> = inv.remaining().filter(|v| !v.is_retain()).collect();
+        let retained: Vec<_> = inv.remaining().filter(|v| v.is_retain()).collect();
+        if remaining.is_empty() && retained.is_empty() && contents_left.is_empty() {
+            return Ok(Outcome::Released { inventory: inv });
+        }
+        let mut parts = Vec::new();
+        if !remaining.is_empty() {
+            parts.push(format!(
+                "{} of {} volumes not freed within {}s (is the CSI driver running?): {}",
+                remaining.len(),
+                inv.total,
+                settings.wait_bound.as_secs(),
+                remaining.iter().map(|v| v.describe()).collect::<Vec<_>>().join(", ")
+            ));
+        }
+        if !retained.is_empty() {
+            parts.push(format!(
+                "{} volumes have reclaim policy Retain and stay on storage by design; set persistentVolumeReclaimPolicy \
+                 to Delete in the tenant to free them, or record an override: {}",
+                retained.len(),
+                retained.iter().map(|v| v.describe()).collect::<Vec<_>>().join(", ")
+            ));
+        }
+        if !contents_left.is_empty() {
+            parts.push(format!(
+                "{} VolumeSnapshotContents not deleted: {}",
+                contents_left.len(),
+                contents_left.iter().cloned().collect::<Vec<_>>().join(", ")
+            ));
+        }
+        let reason = if remaining.is_empty() && contents_left.is_empty() { "retain-residue" } else { "volumes-remain" };
+        return Ok(blocked(reason, parts.join("; "), inventory));
+    }
+}
+
+/// A quota of zero claims in every namespace: a StatefulSet or an ephemeral
+/// volume cannot bring a claim back (and with it a new disk) while the
+/// tenant's volumes are released. The tenant is being deleted anyway.
+async fn freeze_claims(tc: &kube::Client) -> Result<(), kube::Error> {
+    let namespaces = Api::<k8s_openapi::api::core::v1::Namespace>::all(tc.clone()).list_metadata(&ListParams::default()).await?;
+    for ns in namespaces.items {
+        let Some(name) = ns.metadata.name else { continue };
+        if ns.metadata.deletion_timestamp.is_some() {
+            continue;
+        }
+        let quota = ResourceQuota {
+            metadata: ObjectMeta {
+                name: Some(FREEZE_QUOTA.into()),
+                labels: Some([("app.kubernetes.io/managed-by".to_string(), "volume-gate".to_string())].into()),
+                ..Default::default()
+            },
+            spec: Some(ResourceQuotaSpec {
+                hard: Some([("persistentvolumeclaims".to_string(), Quantity("0".into()))].into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        };
+        match Api::<ResourceQuota>::namespaced(tc.clone(), &name).create(&PostParams::default(), &quota).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => {}
+            // A namespace that started terminating meanwhile takes no new objects.
+            Err(kube::Error::Api(s)) if s.code == 403 && s.message.contains("being terminated") => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Deletes every claim (one deletecollection per namespace); returns them.
+async fn delete_claims(tc: &kube::Client) -> Result<HashSet<ClaimKey>, kube::Error> {
+    let list = Api::<PersistentVolumeClaim>::all(tc.clone()).list_metadata(&ListParams::default()).await?;
+    let claims: HashSet<ClaimKey> = list
+        .items
+        .iter()
+        .map(|c| (c.metadata.namespace.clone().unwrap_or_default(), c.metadata.name.clone().unwrap_or_default()))
+        .collect();
+    let namespaces: BTreeSet<&str> = list
+        .items
+        .iter()
+        .filter(|c| c.metadata.deletion_timestamp.is_none())
+        .filter_map(|c| c.metadata.namespace.as_deref())
+        .collect();
+    for ns in namespaces {
+        Api::<PersistentVolumeClaim>::namespaced(tc.clone(), ns)
+            .delete_collection(&DeleteParams::background(), &ListParams::default())
+            .await?;
+    }
+    Ok(claims)
+}
+
+/// Deletes the Pods that mount any of `claims`, matched in code; returns how many.
+async fn delete_holding_pods(tc: &kube::Client, claims: &HashSet<ClaimKey>) -> Result<usize, kube::Error> {
+    if claims.is_empty() {
+        return Ok(0);
+    }
+    let pods = Api::<Pod>::all(tc.clone()).list(&ListParams::default()).await?.items;
+    let alive: Vec<Pod> = pods.into_iter().filter(|p| p.metadata.deletion_timestamp.is_none()).collect();
+    let holding = claims::pods_holding(&alive, claims);
+    let count = holding.len();
+    futures::stream::iter(holding)
+        .map(|(ns, name)| {
+            let api = Api::<Pod>::namespaced(tc.clone(), &ns);
+            async move {
+                match api.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => Ok(()),
+                    Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                    Err(e) => Err(e),
+                }
+            }
+        })
+        .buffer_unordered(16)
+        .try_collect::<Vec<()>>()
+        .await?;
+    Ok(count)
+}
+
+/// Deletes every VolumeSnapshot when the API exists; returns the contents to
+/// wait for (those with deletionPolicy Delete). An absent API is skipped.
+async fn release_snapshots(tc: &kube::Client) -> Result<Option<(Api<DynamicObject>, HashSet<String>)>, kube::Error> {
+    let group = match kube::discovery::group(tc, "snapshot.storage.k8s.io").await {
+        Ok(g) => g,
+        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(None),
+        Err(kube::Error::Discovery(_)) => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let version = group.preferred_version_or_latest().to_string();
+    let snap = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("snapshot.storage.k8s.io", &version, "VolumeSnapshot"), "volumesnapshots");
+    let content = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("snapshot.storage.k8s.io", &version, "VolumeSnapshotContent"),
+        "volumesnapshotcontents",
+    );
+    let snapshots = Api::<DynamicObject>::all_with(tc.clone(), &snap).list(&ListParams::default()).await?;
+    for s in snapshots.items.iter().filter(|s| s.metadata.deletion_timestamp.is_none()) {
+        let (Some(ns), Some(name)) = (s.metadata.namespace.as_deref(), s.metadata.name.as_deref()) else { continue };
+        match Api::<DynamicObject>::namespaced_with(tc.clone(), ns, &snap).delete(name, &DeleteParams::background()).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    let contents_api = Api::<DynamicObject>::all_with(tc.clone(), &content);
+    let contents = contents_api.list(&ListParams::default()).await?;
+    let waited = contents
+        .items
+        .iter()
+        .filter(|c| c.data.pointer("/spec/deletionPolicy").and_then(|v| v.as_str()) != Some("Retain"))
+        .filter_map(|c| c.metadata.name.clone())
+        .collect();
+    Ok(Some((contents_api, waited)))
+}
+
+/// Told of each object that goes while waiting.
+pub trait Progress: Sync {
+    fn gone(&self, left: &HashSet<String>) -> impl std::future::Future<Output = ()> + Send;
+}
+
+struct NoProgress;
+
+impl Progress for NoProgress {
+    async fn gone(&self, _left: &HashSet<String>) {}
+}
+
+struct WaitProgress<'a> {
+    ctx: &'a Context,
+    tenant: &'a TenantRef,
+    inventory: Inventory,
+}
+
+impl Progress for WaitProgress<'_> {
+    async fn gone(&self, left: &HashSet<String>) {
+        let mut inv = self.inventory.clone();
+        for v in inv.volumes.iter_mut() {
+            if !v.is_retain() && !left.contains(&v.pv) {
+                v.gone = true;
+            }
+        }
+        // In memory every present PV is listed, so what is not gone is left.
+        inv.freed = inv.total.saturating_sub(inv.volumes.iter().filter(|v| !v.gone).count());
+        let message = format!("{}/{} volumes freed; waiting for the CSI driver", inv.freed, inv.total);
+        let update = Update { phase: Some(Phase::Releasing), message: Some(message), inventory: Some(inv), ..Default::default() };
+        if let Err(e) = self.ctx.write_record(self.tenant, &update).await {
+            warn!(namespace = %self.tenant.namespace, tenant = %self.tenant.name, error = %e, "cannot record progress");
+        }
+    }
+}
+
+/// Watches until every name in `targets` is gone or `deadline` passes;
+/// returns those still present. Progress is reported at most every few
+/// seconds, so thousands of volumes do not mean thousands of writes.
+async fn wait_gone<K, P>(api: Api<K>, mut targets: HashSet<String>, deadline: Instant, progress: &P) -> Result<BTreeSet<String>, kube::Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+    P: Progress,
+{
+    const REPORT_EVERY: Duration = Duration::from_secs(3);
+    if targets.is_empty() {
+        return Ok(BTreeSet::new());
+    }
+    let stream = watcher(api, watcher::Config::default());
+    futures::pin_mut!(stream);
+    let mut seen: HashSet<String> = HashSet::new();
+    let mut listing = false;
+    let mut last_report = Instant::now();
+    let mut unreported = false;
+    loop {
+        let next = match tokio::time::timeout_at(deadline, stream.next()).await {
+            Err(_) => break,
+            Ok(None) => break,
+            Ok(Some(Err(e))) => {
+                // The watcher recovers by itself; a persistent failure ends at the deadline.
+                warn!(error = %e, "watch failed; retrying");
+                continue;
+            }
+            Ok(Some(Ok(ev))) => ev,
+        };
+        let before = targets.len();
+        match next {
+            watcher::Event::Init => {
+                listing = true;
+                seen.clear();
+            }
+            watcher::Event::InitApply(o) => {
+                if let Some(n) = o.meta().name.clone() {
+                    seen.insert(n);
+                }
+            }
+            watcher::Event::InitDone => {
+                listing = false;
+                targets.retain(|n| seen.contains(n));
+            }
+            watcher::Event::Apply(_) => {}
+            watcher::Event::Delete(o) => {
+                if let Some(n) = o.meta().name.as_deref() {
+                    targets.remove(n);
+                }
+            }
+        }
+        if !listing && targets.len() != before {
+            unreported = true;
+        }
+        if targets.is_empty() {
+            progress.gone(&targets).await;
+            return Ok(BTreeSet::new());
+        }
+        if unreported && last_report.elapsed() >= REPORT_EVERY {
+            progress.gone(&targets).await;
+            last_report = Instant::now();
+            unreported = false;
+        }
+    }
+    Ok(targets.into_iter().collect())
+}

@@ -1,0 +1,77 @@
+// Command harness runs the real Kubernetes control-plane components that
+// volume-gate's tests stand on, one component per process, chosen by the
+// first argument, and the launcher that starts and supervises them.
+package main
+
+import (
+	"errors"
+	"flag"
+	"fmt"
+	"os"
+
+	"go.etcd.io/etcd/server/v3/etcdmain"
+	"k8s.io/component-base/cli"
+	kubectl "k8s.io/kubectl/pkg/cmd"
+	kubectlutil "k8s.io/kubectl/pkg/cmd/util"
+	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
+	kcm "k8s.io/kubernetes/cmd/kube-controller-manager/app"
+	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
+)
+
+const usage = `usage: harness COMMAND [flags]
+
+Components (one per process, flags as the upstream binaries):
+  etcd | kube-apiserver | kube-controller-manager | kube-scheduler | kubectl
+
+Launcher:
+  up --state DIR [--owner-pid PID] [--tenant NAME]... [--timeout 3m]
+  down --state DIR
+  env --state DIR
+  cluster up|down NAME --state DIR
+  supervise --state DIR --cluster NAME... (started by up)
+`
+
+var launcherCommands = map[string]func(args []string) error{
+	"up":        cmdUp,
+	"down":      cmdDown,
+	"env":       cmdEnv,
+	"cluster":   cmdCluster,
+	"supervise": cmdSupervise,
+}
+
+func main() {
+	if len(os.Args) < 2 {
+		fmt.Fprint(os.Stderr, usage)
+		os.Exit(2)
+	}
+	command, args := os.Args[1], os.Args[2:]
+	if run, ok := launcherCommands[command]; ok {
+		if err := run(args); err != nil {
+			if errors.Is(err, flag.ErrHelp) {
+				os.Exit(2)
+			}
+			fmt.Fprintf(os.Stderr, "harness %s: %v\n", command, err)
+			os.Exit(1)
+		}
+		return
+	}
+	// Each component parses os.Args as if it were its own binary.
+	os.Args = append([]string{command}, args...)
+	switch command {
+	case "etcd":
+		etcdmain.Main(os.Args)
+	case "kube-apiserver":
+		os.Exit(cli.Run(apiserver.NewAPIServerCommand()))
+	case "kube-controller-manager":
+		os.Exit(cli.Run(kcm.NewControllerManagerCommand()))
+	case "kube-scheduler":
+		os.Exit(cli.Run(scheduler.NewSchedulerCommand()))
+	case "kubectl":
+		if err := cli.RunNoErrOutput(kubectl.NewDefaultKubectlCommand()); err != nil {
+			kubectlutil.CheckErr(err) // prints the error as kubectl does and exits
+		}
+	default:
+		fmt.Fprintf(os.Stderr, "harness: unknown command %q\n\n%s", command, usage)
+		os.Exit(2)
+	}
+}

@@ -1,0 +1,511 @@
+package main
+
+// The simulator stands in for everything a Cozystack installation has and
+// this machine lacks: the hypervisor's storage, the tenant's CSI driver, a
+// kubelet, Flux's helm-controller with the tenant chart's pre-delete hook,
+// and the part of Kamaji that stops a tenant API server. It drives the real
+// API servers that `harness up` runs, so the tests see real finalizers,
+// real garbage collection and real admission.
+//
+//	sim.go          flags, log, management informers, tenant registry
+//	sim_storage.go  the storage ledger (one file per volume)
+//	sim_tenant.go   per-tenant connection: admin kubeconfig, /readyz, workers
+//	sim_driver.go   CSI external-provisioner (CreateVolume / DeleteVolume)
+//	sim_snapshot.go VolumeSnapshots, when the tenant serves that API
+//	sim_kubelet.go  the fake Node "sim-node" and its Pods
+//	sim_flux.go     helm-controller uninstall + the pre-delete hook
+//	sim_kamaji.go   TenantControlPlane deleted -> tenant API server stopped
+
+import (
+	"context"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"os"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/discovery"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/dynamic/dynamicinformer"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/tools/clientcmd"
+	"k8s.io/client-go/rest"
+)
+
+// Cozystack names (DESIGN.md §1).
+const (
+	labelAppKind       = "apps.cozystack.io/application.kind"
+	labelAppGroup      = "apps.cozystack.io/application.group"
+	labelTargetCluster = "cozystack.io/target-cluster-name"
+	labelCAPICluster   = "cluster.x-k8s.io/cluster-name"
+	labelFluxName      = "helm.toolkit.fluxcd.io/name"
+	fluxFinalizer      = "finalizers.fluxcd.io"
+	kamajiFinalizer    = "finalizer.kamaji.clastix.io"
+	// annHarnessCluster on a TenantControlPlane names the harness cluster
+	// that serves as that tenant's API server.
+	annHarnessCluster = "harness.volume-gate.test/cluster"
+)
+
+var (
+	gvrHelmRelease = schema.GroupVersionResource{Group: "helm.toolkit.fluxcd.io", Version: "v2", Resource: "helmreleases"}
+	gvrKCP         = schema.GroupVersionResource{Group: "controlplane.cluster.x-k8s.io", Version: "v1alpha1", Resource: "kamajicontrolplanes"}
+	gvrTCP         = schema.GroupVersionResource{Group: "kamaji.clastix.io", Version: "v1alpha1", Resource: "tenantcontrolplanes"}
+	gvrDataVolume  = schema.GroupVersionResource{Group: "cdi.kubevirt.io", Version: "v1beta1", Resource: "datavolumes"}
+)
+
+type simConfig struct {
+	management    string
+	storage       string
+	control       string
+	driver        string
+	graceCap      time.Duration
+	hookTimeout   time.Duration
+	retryBase     time.Duration
+	retryMax      time.Duration
+	probeInterval time.Duration
+	heartbeat     time.Duration
+	namespaces    map[string]bool // empty: every namespace
+}
+
+func runSim(args []string) int {
+	cfg, err := parseSimFlags(args)
+	if err != nil {
+		if errors.Is(err, flag.ErrHelp) {
+			return 2
+		}
+		fmt.Fprintf(os.Stderr, "harness sim: %v\n", err)
+		return 2
+	}
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	if err := simMain(ctx, cfg, newSimLog(os.Stdout)); err != nil {
+		fmt.Fprintf(os.Stderr, "harness sim: %v\n", err)
+		return 1
+	}
+	return 0
+}
+
+func parseSimFlags(args []string) (simConfig, error) {
+	// os.Args[0] is the component name; tolerate it being passed along.
+	if len(args) > 0 && args[0] == "sim" {
+		args = args[1:]
+	}
+	fs := flag.NewFlagSet("sim", flag.ContinueOnError)
+	var cfg simConfig
+	var nss names
+	fs.StringVar(&cfg.management, "management", "", "kubeconfig of the management cluster (required)")
+	fs.StringVar(&cfg.storage, "storage", "", "directory of the storage ledger: one file per volume (required)")
+	fs.StringVar(&cfg.control, "control", "", "URL of the harness control API, to stop a tenant API server when its TenantControlPlane is deleted (required)")
+	fs.StringVar(&cfg.driver, "driver", "csi.volume-gate.test", "CSI driver name to simulate")
+	fs.DurationVar(&cfg.graceCap, "grace-cap", 5*time.Second, "longest termination grace period the kubelet honours")
+	fs.DurationVar(&cfg.hookTimeout, "hook-timeout", 20*time.Second, "bounded waits of the pre-delete hook (kubectl --timeout)")
+	fs.DurationVar(&cfg.retryBase, "retry-base", 2*time.Second, "first delay before Flux retries a failed uninstall")
+	fs.DurationVar(&cfg.retryMax, "retry-max", 30*time.Second, "longest delay between uninstall retries")
+	fs.DurationVar(&cfg.probeInterval, "probe-interval", 2*time.Second, "how often each tenant API is asked /readyz")
+	fs.DurationVar(&cfg.heartbeat, "heartbeat", 10*time.Second, "how often the kubelet renews its Lease and Ready condition")
+	fs.Var(&nss, "namespace", "tenant namespace to simulate (repeatable; default: every namespace)")
+	if _, err := parseArgs(fs, args, 0); err != nil {
+		return cfg, err
+	}
+	for flagName, v := range map[string]string{"--management": cfg.management, "--storage": cfg.storage, "--control": cfg.control} {
+		if v == "" {
+			return cfg, fmt.Errorf("%s is required", flagName)
+		}
+	}
+	if cfg.graceCap < 0 || cfg.hookTimeout <= 0 || cfg.retryBase <= 0 || cfg.retryMax < cfg.retryBase ||
+		cfg.probeInterval <= 0 || cfg.heartbeat <= 0 {
+		return cfg, errors.New("durations must be positive and --retry-max >= --retry-base")
+	}
+	cfg.control = strings.TrimRight(cfg.control, "/")
+	cfg.namespaces = map[string]bool{}
+	for _, ns := range nss {
+		cfg.namespaces[ns] = true
+	}
+	return cfg, nil
+}
+
+// simLog writes one line per action: `time component tenant action details`,
+// so a person can follow a teardown with `tail -f`.
+type simLog struct {
+	mu sync.Mutex
+	w  io.Writer
+}
+
+func newSimLog(w io.Writer) *simLog { return &simLog{w: w} }
+
+// printf logs an action. tenant is "namespace/release", or "-".
+func (l *simLog) printf(component, tenant, action, format string, args ...any) {
+	if tenant == "" {
+		tenant = "-"
+	}
+	details := fmt.Sprintf(format, args...)
+	line := fmt.Sprintf("%s %-7s %s %s %s", time.Now().UTC().Format("2006-01-02T15:04:05.000Z"), component, tenant, action, details)
+	l.mu.Lock()
+	defer l.mu.Unlock()
+	fmt.Fprintln(l.w, strings.TrimRight(line, " "))
+}
+
+// sim is the whole simulator: management-cluster clients and informers, the
+// ledger, and one worker per tenant.
+type sim struct {
+	cfg   simConfig
+	log   *simLog
+	store *storage
+	mgmt  kubernetes.Interface
+	dyn   dynamic.Interface
+	disc  discovery.DiscoveryInterface
+
+	hrs  *lazyInformer // HelmReleases; started once the CRD is served
+	tcps *lazyInformer // TenantControlPlanes; likewise
+
+	flux   *flux
+	kamaji *kamaji
+
+	ctx     context.Context
+	mu      sync.Mutex
+	tenants map[string]*tenant // by "namespace/release"
+	wg      sync.WaitGroup
+}
+
+// simMain runs the simulator until ctx ends.
+func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
+	restCfg, err := clientcmd.BuildConfigFromFlags("", cfg.management)
+	if err != nil {
+		return fmt.Errorf("management kubeconfig: %w", err)
+	}
+	restCfg.QPS, restCfg.Burst = 50, 100
+	restCfg.UserAgent = "volume-gate-sim"
+	mgmt, err := kubernetes.NewForConfig(restCfg)
+	if err != nil {
+		return err
+	}
+	dyn, err := dynamic.NewForConfig(restCfg)
+	if err != nil {
+		return err
+	}
+	store, err := openStorage(cfg.storage, l)
+	if err != nil {
+		return err
+	}
+	s := &sim{
+		cfg: cfg, log: l, store: store, mgmt: mgmt, dyn: dyn, disc: mgmt.Discovery(),
+		ctx: ctx, tenants: map[string]*tenant{},
+	}
+	s.flux = newFlux(s)
+	s.kamaji = newKamaji(s)
+	scope := "every namespace"
+	if len(cfg.namespaces) > 0 {
+		scope = "namespaces " + strings.Join(slices.Sorted(mapsKeys(cfg.namespaces)), ",")
+	}
+	s.log.printf("sim", "", "start", "management=%s storage=%s driver=%s scope=%q grace-cap=%s hook-timeout=%s retry=%s..%s",
+		restCfg.Host, store.dir, cfg.driver, scope, cfg.graceCap, cfg.hookTimeout, cfg.retryBase, cfg.retryMax)
+
+	factory := dynamicinformer.NewDynamicSharedInformerFactory(dyn, 0)
+	s.hrs = newLazyInformer(s, factory, gvrHelmRelease, cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { s.onHelmRelease(nil, obj) },
+		UpdateFunc: func(old, obj any) { s.onHelmRelease(old, obj) },
+		DeleteFunc: func(obj any) { s.onHelmRelease(nil, tombstone(obj)) },
+	})
+	s.tcps = newLazyInformer(s, factory, gvrTCP, cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { s.onTCP(obj, false) },
+		UpdateFunc: func(_, obj any) { s.onTCP(obj, false) },
+		DeleteFunc: func(obj any) { s.onTCP(tombstone(obj), true) },
+	})
+	// The TenantControlPlane informer starts first: a tenant found through its
+	// parent release then already knows whether its control plane exists.
+	s.wg.Go(func() { s.tcps.run(ctx) })
+	s.wg.Go(func() { s.hrs.run(ctx) })
+	s.wg.Go(func() { s.flux.run(ctx) })
+
+	<-ctx.Done()
+	s.log.printf("sim", "", "stop", "signal received; stopping tenant workers")
+	s.wg.Wait()
+	s.log.printf("sim", "", "stopped", "")
+	return nil
+}
+
+func mapsKeys(m map[string]bool) []string {
+	keys := make([]string, 0, len(m))
+	for k := range m {
+		keys = append(keys, k)
+	}
+	return keys
+}
+
+// inScope reports whether namespace ns is simulated.
+func (s *sim) inScope(ns string) bool {
+	return len(s.cfg.namespaces) == 0 || s.cfg.namespaces[ns]
+}
+
+// isParent reports whether a HelmRelease is a tenant Kubernetes cluster.
+func isParent(hr *unstructured.Unstructured) bool {
+	l := hr.GetLabels()
+	return l[labelAppKind] == "Kubernetes" && l[labelAppGroup] == "apps.cozystack.io"
+}
+
+func (s *sim) onHelmRelease(old, obj any) {
+	hr, ok := obj.(*unstructured.Unstructured)
+	if !ok || !s.inScope(hr.GetNamespace()) {
+		return
+	}
+	ns := hr.GetNamespace()
+	if isParent(hr) {
+		s.ensureTenant(ns, hr.GetName())
+	}
+	// A child release (R-csi above all) decides whether R's driver runs.
+	if target := hr.GetLabels()[labelTargetCluster]; target != "" {
+		s.kickTenant(ns, target)
+	}
+	if r, ok := strings.CutSuffix(hr.GetName(), "-csi"); ok {
+		s.kickTenant(ns, r)
+	}
+	if old != nil {
+		s.flux.onUpdate(old.(*unstructured.Unstructured), hr)
+	} else {
+		s.flux.onUpdate(nil, hr)
+	}
+}
+
+func (s *sim) onTCP(obj any, deleted bool) {
+	tcp, ok := obj.(*unstructured.Unstructured)
+	if !ok || !s.inScope(tcp.GetNamespace()) {
+		return
+	}
+	if deleted || tcp.GetDeletionTimestamp() != nil {
+		s.kamaji.controlPlaneDeleted(tcp)
+	} else {
+		s.kamaji.controlPlanePresent(tcp)
+		s.ensureTenant(tcp.GetNamespace(), tcp.GetName())
+	}
+	s.kickTenant(tcp.GetNamespace(), tcp.GetName())
+}
+
+// ensureTenant starts the worker for tenant ns/name unless it runs.
+func (s *sim) ensureTenant(ns, name string) {
+	key := ns + "/" + name
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if s.ctx.Err() != nil {
+		return
+	}
+	if t := s.tenants[key]; t != nil {
+		t.kickNow()
+		return
+	}
+	t := newTenant(s, ns, name)
+	s.tenants[key] = t
+	s.wg.Go(func() { t.run(s.ctx) })
+}
+
+func (s *sim) kickTenant(ns, name string) {
+	s.mu.Lock()
+	t := s.tenants[ns+"/"+name]
+	s.mu.Unlock()
+	if t != nil {
+		t.kickNow()
+	}
+}
+
+// tenantExited removes t from the registry unless something brought it back
+// in the meantime; it reports whether t may exit.
+func (s *sim) tenantExited(t *tenant) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if t.wanted() && s.ctx.Err() == nil {
+		return false
+	}
+	if s.tenants[t.key] == t {
+		delete(s.tenants, t.key)
+	}
+	return true
+}
+
+// lazyInformer is a management-cluster informer for a custom resource that
+// may not be served yet: it waits (discovery, every few seconds) for the
+// CRD, then lists and watches. Tests install CRDs after starting the sim.
+type lazyInformer struct {
+	s       *sim
+	factory dynamicinformer.DynamicSharedInformerFactory
+	gvr     schema.GroupVersionResource
+	handler cache.ResourceEventHandler
+
+	mu      sync.Mutex
+	lister  cache.GenericLister
+	synced  chan struct{}
+	started bool
+}
+
+func newLazyInformer(s *sim, f dynamicinformer.DynamicSharedInformerFactory, gvr schema.GroupVersionResource, h cache.ResourceEventHandler) *lazyInformer {
+	return &lazyInformer{s: s, factory: f, gvr: gvr, handler: h, synced: make(chan struct{})}
+}
+
+func (li *lazyInformer) run(ctx context.Context) {
+	if !waitServed(ctx, li.s, li.gvr) {
+		return
+	}
+	inf := li.factory.ForResource(li.gvr)
+	if _, err := inf.Informer().AddEventHandler(li.handler); err != nil {
+		li.s.log.printf("sim", "", "error", "watch %s: %v", li.gvr.Resource, err)
+		return
+	}
+	li.factory.Start(ctx.Done())
+	if !cache.WaitForCacheSync(ctx.Done(), inf.Informer().HasSynced) {
+		return
+	}
+	li.mu.Lock()
+	li.lister = inf.Lister()
+	li.started = true
+	li.mu.Unlock()
+	close(li.synced)
+	li.s.log.printf("sim", "", "watching", "%s", li.gvr.GroupResource())
+}
+
+// get returns the cached object, whether it exists, and whether the cache
+// is running at all (the CRD may not be installed).
+func (li *lazyInformer) get(ns, name string) (obj *unstructured.Unstructured, exists, running bool) {
+	li.mu.Lock()
+	lister := li.lister
+	li.mu.Unlock()
+	if lister == nil {
+		return nil, false, false
+	}
+	o, err := lister.ByNamespace(ns).Get(name)
+	if err != nil {
+		return nil, false, true
+	}
+	return o.(*unstructured.Unstructured), true, true
+}
+
+// waitServed blocks until the API server serves gvr; it logs once while it
+// waits. It returns false if ctx ends first.
+func waitServed(ctx context.Context, s *sim, gvr schema.GroupVersionResource) bool {
+	logged := false
+	for {
+		served, err := resourceServed(s.disc, gvr)
+		if served {
+			return true
+		}
+		if !logged {
+			why := "CRD not installed"
+			if err != nil {
+				why = err.Error()
+			}
+			s.log.printf("sim", "", "waiting", "for %s to be served (%s)", gvr.GroupResource(), why)
+			logged = true
+		}
+		select {
+		case <-ctx.Done():
+			return false
+		case <-time.After(2 * time.Second):
+		}
+	}
+}
+
+// resourceServed asks discovery whether gvr is served. A group/version that
+// is not served at all is (false, nil): an absent API is not an error.
+func resourceServed(d discovery.DiscoveryInterface, gvr schema.GroupVersionResource) (bool, error) {
+	list, err := d.ServerResourcesForGroupVersion(gvr.GroupVersion().String())
+	if apierrors.IsNotFound(err) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	for _, r := range list.APIResources {
+		if r.Name == gvr.Resource {
+			return true, nil
+		}
+	}
+	return false, nil
+}
+
+func tombstone(obj any) any {
+	if t, ok := obj.(cache.DeletedFinalStateUnknown); ok {
+		return t.Obj
+	}
+	return obj
+}
+
+// withoutFinalizer builds a JSON patch that removes finalizer f, guarded by
+// a test of the current list so a concurrent change makes it fail (and the
+// caller retries) instead of dropping someone else's finalizer.
+func withoutFinalizer(current []string, f string) ([]byte, bool) {
+	if !slices.Contains(current, f) {
+		return nil, false
+	}
+	keep := slices.DeleteFunc(slices.Clone(current), func(s string) bool { return s == f })
+	patch := []map[string]any{
+		{"op": "test", "path": "/metadata/finalizers", "value": current},
+		{"op": "replace", "path": "/metadata/finalizers", "value": keep},
+	}
+	b, err := json.Marshal(patch)
+	if err != nil {
+		return nil, false
+	}
+	return b, true
+}
+
+// removeFinalizerDynamic removes finalizer f from a custom object, reading
+// it fresh. It reports whether it removed anything.
+func removeFinalizerDynamic(ctx context.Context, c dynamic.ResourceInterface, name string, uid types.UID, f string) (bool, error) {
+	obj, err := c.Get(ctx, name, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return false, nil
+	}
+	if err != nil {
+		return false, err
+	}
+	if uid != "" && obj.GetUID() != uid {
+		return false, nil
+	}
+	patch, ok := withoutFinalizer(obj.GetFinalizers(), f)
+	if !ok {
+		return false, nil
+	}
+	_, err = c.Patch(ctx, name, types.JSONPatchType, patch, metav1.PatchOptions{})
+	if apierrors.IsNotFound(err) {
+		return false, nil
+	}
+	return err == nil, err
+}
+
+var backgroundDeletion = func() metav1.DeleteOptions {
+	p := metav1.DeletePropagationBackground
+	return metav1.DeleteOptions{PropagationPolicy: &p}
+}
+
+// tenantRESTConfig parses an admin kubeconfig (from the Secret) into a
+// client configuration with short timeouts: the tenant API may be stopped
+// at any moment, and nothing must hang on it.
+func tenantRESTConfig(kubeconfig []byte) (*rest.Config, error) {
+	cfg, err := clientcmd.RESTConfigFromKubeConfig(kubeconfig)
+	if err != nil {
+		return nil, err
+	}
+	cfg.QPS, cfg.Burst = 50, 100
+	cfg.Timeout = 15 * time.Second
+	cfg.UserAgent = "volume-gate-sim"
+	return cfg, nil
+}
+
+// absPath makes the storage directory absolute, for the log and the ledger.
+func absPath(p string) string {
+	if a, err := filepath.Abs(p); err == nil {
+		return a
+	}
+	return p
+}

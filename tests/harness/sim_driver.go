@@ -1,0 +1,311 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"slices"
+	"strings"
+	"sync/atomic"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	storagelisters "k8s.io/client-go/listers/storage/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+)
+
+const (
+	annStorageProvisioner     = "volume.kubernetes.io/storage-provisioner"
+	annBetaStorageProvisioner = "volume.beta.kubernetes.io/storage-provisioner"
+	annSelectedNode           = "volume.kubernetes.io/selected-node"
+	annProvisionedBy          = "pv.kubernetes.io/provisioned-by"
+	provisionerFinalizer      = "external-provisioner.volume.kubernetes.io/finalizer"
+)
+
+// driver is the simulated CSI controller (external-provisioner plus the
+// plugin behind it) for one tenant. It exists only while the driver is
+// installed; when it is stopped, nothing frees the tenant's volumes, which
+// is exactly the incident this project prevents.
+type driver struct {
+	t     *tenant
+	name  string
+	cs    kubernetes.Interface
+	dyn   dynamic.Interface
+	store *storage
+	q     workqueue.TypedRateLimitingInterface[string]
+
+	pvcs corelisters.PersistentVolumeClaimLister
+	pvs  corelisters.PersistentVolumeLister
+	scs  storagelisters.StorageClassLister
+
+	// snap is set once the tenant is found to serve the snapshot API.
+	snap atomic.Pointer[snapshotter]
+}
+
+func (d *driver) setSnapshotter(sn *snapshotter) { d.snap.Store(sn) }
+
+func newDriver(t *tenant, cs kubernetes.Interface, dyn dynamic.Interface) *driver {
+	return &driver{t: t, name: t.s.cfg.driver, cs: cs, dyn: dyn, store: t.s.store}
+}
+
+func newItemQueue(name string) workqueue.TypedRateLimitingInterface[string] {
+	return workqueue.NewTypedRateLimitingQueueWithConfig(
+		workqueue.NewTypedItemExponentialFailureRateLimiter[string](500*time.Millisecond, 10*time.Second),
+		workqueue.TypedRateLimitingQueueConfig[string]{Name: name})
+}
+
+func (d *driver) run(ctx context.Context) {
+	d.q = newItemQueue("driver")
+	defer d.q.ShutDown()
+	// The resync is a safety net only: every decision is also triggered by
+	// the event that makes it possible.
+	f := informers.NewSharedInformerFactory(d.cs, 30*time.Second)
+	pvcInf := f.Core().V1().PersistentVolumeClaims()
+	pvInf := f.Core().V1().PersistentVolumes()
+	scInf := f.Storage().V1().StorageClasses()
+	d.pvcs, d.pvs, d.scs = pvcInf.Lister(), pvInf.Lister(), scInf.Lister()
+
+	enqueue := func(prefix string) func(any) {
+		return func(obj any) {
+			if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+				d.q.Add(prefix + key)
+			}
+		}
+	}
+	pvcInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    enqueue("pvc/"),
+		UpdateFunc: func(_, obj any) { enqueue("pvc/")(obj) },
+	})
+	pvInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    enqueue("pv/"),
+		UpdateFunc: func(_, obj any) { enqueue("pv/")(obj) },
+	})
+	// A claim may be created before its StorageClass.
+	scInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc: func(obj any) {
+			sc := obj.(*storagev1.StorageClass)
+			claims, _ := d.pvcs.List(labels.Everything())
+			for _, c := range claims {
+				if c.Spec.StorageClassName != nil && *c.Spec.StorageClassName == sc.Name {
+					enqueue("pvc/")(c)
+				}
+			}
+		},
+	})
+	f.Start(ctx.Done())
+	defer f.Shutdown()
+	if !cache.WaitForCacheSync(ctx.Done(), pvcInf.Informer().HasSynced, pvInf.Informer().HasSynced, scInf.Informer().HasSynced) {
+		return
+	}
+	go d.runSnapshots(ctx)
+	go func() {
+		<-ctx.Done()
+		d.q.ShutDown()
+	}()
+	for d.processNext(ctx) {
+	}
+}
+
+func (d *driver) processNext(ctx context.Context) bool {
+	key, quit := d.q.Get()
+	if quit {
+		return false
+	}
+	defer d.q.Done(key)
+	kind, rest, _ := strings.Cut(key, "/")
+	var err error
+	switch kind {
+	case "pvc":
+		err = d.syncClaim(ctx, rest)
+	case "pv":
+		err = d.syncVolume(ctx, rest)
+	case "vs", "vsc":
+		sn := d.snap.Load()
+		if sn == nil {
+			break // cannot happen: only the snapshot informers queue these
+		}
+		if kind == "vs" {
+			err = sn.syncSnapshot(ctx, rest)
+		} else {
+			err = sn.syncContent(ctx, rest)
+		}
+	}
+	if err != nil && ctx.Err() == nil {
+		d.t.logf("driver", "error", "%s: %v (retrying)", key, err)
+		d.q.AddRateLimited(key)
+		return true
+	}
+	d.q.Forget(key)
+	return true
+}
+
+// syncClaim is CreateVolume: it provisions a PV for an unbound claim of a
+// StorageClass of this driver, as external-provisioner does. The PV
+// controller then binds the two.
+func (d *driver) syncClaim(ctx context.Context, key string) error {
+	ns, name, _ := cache.SplitMetaNamespaceKey(key)
+	pvc, err := d.pvcs.PersistentVolumeClaims(ns).Get(name)
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if pvc.Spec.VolumeName != "" || pvc.Status.Phase != corev1.ClaimPending || pvc.DeletionTimestamp != nil {
+		return nil
+	}
+	if pvc.Spec.StorageClassName == nil || *pvc.Spec.StorageClassName == "" {
+		return nil
+	}
+	sc, err := d.scs.Get(*pvc.Spec.StorageClassName)
+	if err != nil || sc.Provisioner != d.name {
+		return nil
+	}
+	// The PV controller hands the claim to a provisioner by annotating it.
+	if p := pvc.Annotations[annStorageProvisioner]; p != d.name && pvc.Annotations[annBetaStorageProvisioner] != d.name {
+		return nil
+	}
+	if sc.VolumeBindingMode != nil && *sc.VolumeBindingMode == storagev1.VolumeBindingWaitForFirstConsumer &&
+		pvc.Annotations[annSelectedNode] == "" {
+		return nil
+	}
+	pvName := "pvc-" + string(pvc.UID)
+	if pv, err := d.pvs.Get(pvName); err == nil && pv.Spec.ClaimRef != nil && pv.Spec.ClaimRef.UID == pvc.UID {
+		return nil // provisioned; the PV controller binds it
+	}
+	size, ok := pvc.Spec.Resources.Requests[corev1.ResourceStorage]
+	if !ok || size.IsZero() {
+		return fmt.Errorf("claim %s requests no storage", key)
+	}
+	handle := fmt.Sprintf("%s.%s.%s", d.t.ns, d.t.name, pvc.UID)
+
+	// CreateVolume on the storage first, then the PV that names it.
+	created, err := d.store.create(volumeRecord{
+		Kind: "volume", Handle: handle, TenantNamespace: d.t.ns, Tenant: d.t.name,
+		PVC: key, PVCUID: string(pvc.UID), PV: pvName, StorageClass: sc.Name, Capacity: size.String(),
+	})
+	if err != nil {
+		return fmt.Errorf("CreateVolume %s: %w", handle, err)
+	}
+	if created {
+		d.t.logf("storage", "created", "volume %s (%s) for claim %s", handle, size.String(), key)
+	}
+
+	policy := corev1.PersistentVolumeReclaimDelete
+	if sc.ReclaimPolicy != nil {
+		policy = *sc.ReclaimPolicy
+	}
+	pv := &corev1.PersistentVolume{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:        pvName,
+			Annotations: map[string]string{annProvisionedBy: d.name},
+			Finalizers:  []string{provisionerFinalizer},
+		},
+		Spec: corev1.PersistentVolumeSpec{
+			Capacity:    corev1.ResourceList{corev1.ResourceStorage: size},
+			AccessModes: pvc.Spec.AccessModes,
+			PersistentVolumeSource: corev1.PersistentVolumeSource{
+				CSI: &corev1.CSIPersistentVolumeSource{Driver: d.name, VolumeHandle: handle, FSType: "ext4"},
+			},
+			ClaimRef: &corev1.ObjectReference{
+				Kind: "PersistentVolumeClaim", APIVersion: "v1",
+				Namespace: pvc.Namespace, Name: pvc.Name, UID: pvc.UID, ResourceVersion: pvc.ResourceVersion,
+			},
+			PersistentVolumeReclaimPolicy: policy,
+			StorageClassName:              sc.Name,
+			MountOptions:                  sc.MountOptions,
+			VolumeMode:                    pvc.Spec.VolumeMode,
+		},
+	}
+	if _, err := d.cs.CoreV1().PersistentVolumes().Create(ctx, pv, metav1.CreateOptions{}); err != nil {
+		if apierrors.IsAlreadyExists(err) {
+			return nil
+		}
+		return fmt.Errorf("create PV %s: %w", pvName, err)
+	}
+	d.t.logf("driver", "provisioned", "pv=%s claim=%s handle=%s capacity=%s reclaim=%s", pvName, key, handle, size.String(), policy)
+	return nil
+}
+
+// syncVolume is DeleteVolume: a Released PV of this driver with reclaim
+// policy Delete has its volume freed on storage first, then the PV goes.
+func (d *driver) syncVolume(ctx context.Context, name string) error {
+	pv, err := d.pvs.Get(name)
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != d.name || pv.Annotations[annProvisionedBy] != d.name {
+		return nil
+	}
+	handle := pv.Spec.CSI.VolumeHandle
+	switch pv.Spec.PersistentVolumeReclaimPolicy {
+	case corev1.PersistentVolumeReclaimDelete:
+		// A PV deleted directly (not Released) is freed too once nothing is
+		// bound to it: the provisioner's finalizer exists for that case.
+		released := pv.Status.Phase == corev1.VolumeReleased ||
+			(pv.DeletionTimestamp != nil && pv.Status.Phase != corev1.VolumeBound)
+		if !released {
+			return nil
+		}
+		existed, err := d.store.remove(handle)
+		if err != nil {
+			return fmt.Errorf("DeleteVolume %s: %w", handle, err)
+		}
+		if existed {
+			d.t.logf("storage", "deleted", "volume %s (pv %s, claim %s)", handle, pv.Name, claimOf(pv))
+		}
+		if err := d.dropFinalizer(ctx, pv); err != nil {
+			return err
+		}
+		if pv.DeletionTimestamp == nil {
+			pre := metav1.Preconditions{UID: &pv.UID}
+			opts := backgroundDeletion()
+			opts.Preconditions = &pre
+			if err := d.cs.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, opts); err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
+				return fmt.Errorf("delete PV %s: %w", pv.Name, err)
+			}
+		}
+		d.t.logf("driver", "deleted", "pv=%s handle=%s (DeleteVolume)", pv.Name, handle)
+	case corev1.PersistentVolumeReclaimRetain:
+		// Retained volumes stay on storage; only our finalizer goes, so the
+		// PV object itself can be deleted.
+		if pv.DeletionTimestamp != nil && slices.Contains(pv.Finalizers, provisionerFinalizer) {
+			if err := d.dropFinalizer(ctx, pv); err != nil {
+				return err
+			}
+			d.t.logf("driver", "retained", "pv=%s deleted; volume %s stays on storage (reclaim policy Retain)", pv.Name, handle)
+		}
+	}
+	return nil
+}
+
+func (d *driver) dropFinalizer(ctx context.Context, pv *corev1.PersistentVolume) error {
+	patch, ok := withoutFinalizer(pv.Finalizers, provisionerFinalizer)
+	if !ok {
+		return nil
+	}
+	_, err := d.cs.CoreV1().PersistentVolumes().Patch(ctx, pv.Name, types.JSONPatchType, patch, metav1.PatchOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("remove finalizer from PV %s: %w", pv.Name, err)
+	}
+	return nil
+}
+
+func claimOf(pv *corev1.PersistentVolume) string {
+	if pv.Spec.ClaimRef == nil {
+		return "-"
+	}
+	return pv.Spec.ClaimRef.Namespace + "/" + pv.Spec.ClaimRef.Name
+}

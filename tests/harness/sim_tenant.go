@@ -1,0 +1,228 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"sync/atomic"
+	"time"
+
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/dynamic"
+	"k8s.io/client-go/kubernetes"
+)
+
+// tenant follows one tenant cluster R in namespace N: it connects to the
+// tenant API with the admin kubeconfig Secret, asks it /readyz, and runs the
+// kubelet while the API answers and the CSI driver while, in addition, the
+// driver's release R-csi exists and is not being deleted.
+//
+// A tenant lives while its parent HelmRelease or its TenantControlPlane
+// exists in the management cluster.
+type tenant struct {
+	s        *sim
+	ns, name string
+	key      string // "N/R", the tenant column of the log
+	kick     chan struct{}
+
+	// Owned by the run goroutine.
+	server  string
+	client  kubernetes.Interface
+	dyn     dynamic.Interface
+	apiUp   bool
+	problem string // last reason logged for the API being unusable
+	kubelet *worker
+	driver  *worker
+
+	// driverActive is read by the kubelet: mounting a volume needs the
+	// driver's node plugin, which goes away with the driver release.
+	driverActive atomic.Bool
+}
+
+func newTenant(s *sim, ns, name string) *tenant {
+	return &tenant{s: s, ns: ns, name: name, key: ns + "/" + name, kick: make(chan struct{}, 1)}
+}
+
+func (t *tenant) logf(component, action, format string, args ...any) {
+	t.s.log.printf(component, t.key, action, format, args...)
+}
+
+// kickNow asks the worker to re-evaluate soon; it never blocks.
+func (t *tenant) kickNow() {
+	select {
+	case t.kick <- struct{}{}:
+	default:
+	}
+}
+
+// wanted reports whether the management cluster still has this tenant.
+func (t *tenant) wanted() bool {
+	if hr, ok, _ := t.s.hrs.get(t.ns, t.name); ok && isParent(hr) {
+		return true
+	}
+	_, ok, _ := t.s.tcps.get(t.ns, t.name)
+	return ok
+}
+
+func (t *tenant) run(ctx context.Context) {
+	t.logf("tenant", "found", "following tenant cluster %s in namespace %s", t.name, t.ns)
+	ticker := time.NewTicker(t.s.cfg.probeInterval)
+	defer ticker.Stop()
+	for {
+		if !t.wanted() && t.s.tenantExited(t) {
+			t.setWorkers(false, false, "tenant gone from the management cluster", "tenant gone from the management cluster")
+			t.logf("tenant", "forgotten", "no parent HelmRelease or TenantControlPlane left")
+			return
+		}
+		t.reconcile(ctx)
+		select {
+		case <-ctx.Done():
+			t.setWorkers(false, false, "simulator stopping", "simulator stopping")
+			return
+		case <-t.kick:
+		case <-ticker.C:
+		}
+	}
+}
+
+func (t *tenant) reconcile(ctx context.Context) {
+	up, why := t.probe(ctx)
+	switch {
+	case up && !t.apiUp:
+		t.logf("tenant", "api-up", "tenant API %s answers /readyz", t.server)
+		t.problem = ""
+	case !up && (t.apiUp || why != t.problem):
+		t.logf("tenant", "api-down", "%s", why)
+		t.problem = why
+	}
+	t.apiUp = up
+
+	csiOK, csiWhy := t.csiRelease()
+	driverWhy := csiWhy
+	if !up {
+		driverWhy = "tenant API down: " + why
+	}
+	t.setWorkers(up, up && csiOK, why, driverWhy)
+}
+
+// setWorkers starts or stops the kubelet and the driver; the reasons are
+// logged when a worker stops.
+func (t *tenant) setWorkers(kubeletOn, driverOn bool, kubeletWhy, driverWhy string) {
+	if !driverOn && t.driver != nil {
+		t.driverActive.Store(false)
+		t.driver.stop()
+		t.driver = nil
+		t.logf("driver", "deactivated", "%s stopped: %s", t.s.cfg.driver, driverWhy)
+	}
+	if !kubeletOn && t.kubelet != nil {
+		t.kubelet.stop()
+		t.kubelet = nil
+		t.logf("kubelet", "stopped", "node %s: %s", simNodeName, kubeletWhy)
+	}
+	if kubeletOn && t.kubelet == nil {
+		k := newKubelet(t, t.client)
+		t.kubelet = startWorker(t.s.ctx, k.run)
+		t.logf("kubelet", "started", "node %s on %s", simNodeName, t.server)
+	}
+	if driverOn && t.driver == nil {
+		d := newDriver(t, t.client, t.dyn)
+		t.driver = startWorker(t.s.ctx, d.run)
+		t.driverActive.Store(true)
+		t.logf("driver", "activated", "%s: HelmRelease %s-csi present and tenant API up", t.s.cfg.driver, t.name)
+	}
+}
+
+// csiRelease reports whether the CSI driver release R-csi is installed:
+// present and not being deleted.
+func (t *tenant) csiRelease() (bool, string) {
+	name := t.name + "-csi"
+	hr, ok, running := t.s.hrs.get(t.ns, name)
+	switch {
+	case !running:
+		return false, "HelmRelease API not served yet"
+	case !ok:
+		return false, fmt.Sprintf("HelmRelease %s is gone", name)
+	case hr.GetDeletionTimestamp() != nil:
+		return false, fmt.Sprintf("HelmRelease %s is being deleted", name)
+	}
+	return true, ""
+}
+
+// probe connects to the tenant API (once per outage, from the admin
+// kubeconfig Secret) and asks it /readyz, bounded by a short timeout.
+func (t *tenant) probe(ctx context.Context) (bool, string) {
+	if t.s.kamaji.stopped(t.ns, t.name) {
+		t.client = nil
+		return false, "TenantControlPlane deleted: tenant API server stopped"
+	}
+	if t.client == nil {
+		if why := t.connect(ctx); why != "" {
+			return false, why
+		}
+	}
+	pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
+	defer cancel()
+	if _, err := t.client.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(pctx); err != nil {
+		// Read the Secret again next time: the API may come back elsewhere.
+		t.client = nil
+		return false, fmt.Sprintf("tenant API %s did not answer /readyz: %v", t.server, err)
+	}
+	return true, ""
+}
+
+func (t *tenant) connect(ctx context.Context) string {
+	name := t.name + "-admin-kubeconfig"
+	gctx, cancel := context.WithTimeout(ctx, 10*time.Second)
+	defer cancel()
+	secret, err := t.s.mgmt.CoreV1().Secrets(t.ns).Get(gctx, name, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return fmt.Sprintf("no admin kubeconfig: Secret %s not found", name)
+	case err != nil:
+		return fmt.Sprintf("read Secret %s: %v", name, err)
+	}
+	data, key := secret.Data["super-admin.svc"], "super-admin.svc"
+	if len(data) == 0 {
+		data, key = secret.Data["super-admin.conf"], "super-admin.conf"
+	}
+	if len(data) == 0 {
+		return fmt.Sprintf("Secret %s has no key super-admin.svc or super-admin.conf", name)
+	}
+	cfg, err := tenantRESTConfig(data)
+	if err != nil {
+		// Never log the kubeconfig itself.
+		return fmt.Sprintf("Secret %s key %s is not a usable kubeconfig: %v", name, key, err)
+	}
+	client, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return err.Error()
+	}
+	dyn, err := dynamic.NewForConfig(cfg)
+	if err != nil {
+		return err.Error()
+	}
+	t.client, t.dyn, t.server = client, dyn, cfg.Host
+	return ""
+}
+
+// worker is a goroutine with its own context that can be stopped and
+// waited for, so two generations of a kubelet or driver never overlap.
+type worker struct {
+	cancel context.CancelFunc
+	done   chan struct{}
+}
+
+func startWorker(parent context.Context, run func(context.Context)) *worker {
+	ctx, cancel := context.WithCancel(parent)
+	w := &worker{cancel: cancel, done: make(chan struct{})}
+	go func() {
+		defer close(w.done)
+		run(ctx)
+	}()
+	return w
+}
+
+func (w *worker) stop() {
+	w.cancel()
+	<-w.done
+}

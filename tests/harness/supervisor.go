@@ -1,0 +1,718 @@
+package main
+
+import (
+	"context"
+	"crypto/tls"
+	"crypto/x509"
+	"encoding/json"
+	"errors"
+	"flag"
+	"fmt"
+	"io"
+	"log"
+	"net"
+	"net/http"
+	"os"
+	"os/exec"
+	"os/signal"
+	"path/filepath"
+	"slices"
+	"strconv"
+	"strings"
+	"sync"
+	"sync/atomic"
+	"syscall"
+	"time"
+
+	"k8s.io/client-go/tools/clientcmd"
+	clientcmdapi "k8s.io/client-go/tools/clientcmd/api"
+)
+
+const (
+	managementCluster = "management"
+	// stopGrace is how long a component gets between SIGTERM and SIGKILL.
+	stopGrace = 10 * time.Second
+	// serviceAccountIssuer is also the only API audience, as on kubeadm clusters.
+	serviceAccountIssuer = "https://kubernetes.default.svc.cluster.local"
+)
+
+// clusterInfo is DIR/NAME/info.json and the control API's answer.
+type clusterInfo struct {
+	Name           string            `json:"name"`
+	Server         string            `json:"server"`
+	Kubeconfig     string            `json:"kubeconfig"`
+	EtcdPrefix     string            `json:"etcd_prefix"`
+	APIServerPID   int               `json:"apiserver_pid"`
+	KCMPID         int               `json:"kcm_pid"`
+	SchedulerPID   int               `json:"scheduler_pid,omitempty"`
+	CAFile         string            `json:"ca_file"`
+	ClientCertFile string            `json:"client_cert_file"`
+	ClientKeyFile  string            `json:"client_key_file"`
+	Logs           map[string]string `json:"logs"`
+	Running        bool              `json:"running"`
+
+	procs []*proc
+}
+
+// proc is one component process started by the supervisor.
+type proc struct {
+	name     string // e.g. "tenant kube-apiserver"
+	logPath  string
+	cmd      *exec.Cmd
+	done     chan struct{} // closed once the process has been reaped
+	stopping atomic.Bool
+}
+
+type cluster struct {
+	mu   sync.Mutex // serialises starting and stopping
+	name string
+	// ports are the apiserver, controller manager and scheduler ports; they
+	// are reused when the cluster is restarted, so its kubeconfig stays valid.
+	ports [3]int
+	procs []*proc // apiserver first
+	info  atomic.Pointer[clusterInfo]
+}
+
+type supervisor struct {
+	ctx     context.Context // cancelled on SIGTERM/SIGINT or when the owner is gone
+	state   string
+	self    string
+	timeout time.Duration
+	admin   *http.Client // admin client certificate, CA verified
+	etcd    *proc
+	etcdURL string
+
+	mu        sync.Mutex
+	closing   bool
+	clusters  map[string]*cluster
+	usedPorts map[int]bool
+}
+
+func cmdSupervise(args []string) error {
+	fs := flag.NewFlagSet("supervise", flag.ContinueOnError)
+	state := fs.String("state", "", "state directory (required)")
+	owner := fs.Int("owner-pid", 0, "stop everything once this process is gone")
+	timeout := fs.Duration("timeout", defaultTimeout, "deadline for starting one cluster")
+	var clusters names
+	fs.Var(&clusters, "cluster", "cluster to start (repeatable)")
+	if _, err := parseArgs(fs, args, 0); err != nil {
+		return err
+	}
+	dir, err := stateDir(*state)
+	if err != nil {
+		return err
+	}
+	self, err := os.Executable()
+	if err != nil {
+		return err
+	}
+	admin, err := adminClient(filepath.Join(dir, "pki"))
+	if err != nil {
+		return err
+	}
+	s := &supervisor{
+		state: dir, self: self, timeout: *timeout, admin: admin,
+		clusters: map[string]*cluster{}, usedPorts: map[int]bool{},
+	}
+	return s.run(*owner, clusters)
+}
+
+func (s *supervisor) run(owner int, clusters []string) error {
+	lock, err := lockFile(filepath.Join(s.state, "supervisor.lock"), false)
+	if err != nil {
+		return fmt.Errorf("another supervisor is running for %s: %w", s.state, err)
+	}
+	defer lock.Close()
+
+	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+	defer stop()
+	if owner != 0 {
+		ctx = watchOwner(ctx, owner)
+	}
+	s.ctx = ctx
+
+	pidFile := filepath.Join(s.state, "supervisor.pid")
+	if err := writeFileAtomic(pidFile, []byte(strconv.Itoa(os.Getpid())+"\n"), 0o644); err != nil {
+		return err
+	}
+	defer func() {
+		for _, f := range []string{"ready", "control.addr", "supervisor.pid"} {
+			os.Remove(filepath.Join(s.state, f))
+		}
+		log.Printf("supervisor stopped")
+	}()
+	defer s.shutdown()
+	log.Printf("supervisor pid %d for %s, clusters %v", os.Getpid(), s.state, clusters)
+
+	if err := s.startEtcd(); err != nil {
+		return s.fail(err)
+	}
+	ln, err := net.Listen("tcp", "127.0.0.1:0")
+	if err != nil {
+		return s.fail(fmt.Errorf("control API: %w", err))
+	}
+	srv := &http.Server{Handler: s.routes()}
+	go srv.Serve(ln)
+	defer srv.Close()
+	if err := writeFileAtomic(filepath.Join(s.state, "control.addr"), []byte("http://"+ln.Addr().String()+"\n"), 0o644); err != nil {
+		return s.fail(err)
+	}
+
+	// Start the clusters in parallel: most of an apiserver's start is waiting.
+	errs := make([]error, len(clusters))
+	var wg sync.WaitGroup
+	for i, name := range clusters {
+		wg.Go(func() { _, errs[i] = s.startCluster(name) })
+	}
+	wg.Wait()
+	if err := errors.Join(errs...); err != nil {
+		return s.fail(err)
+	}
+	if err := os.WriteFile(filepath.Join(s.state, "ready"), nil, 0o644); err != nil {
+		return s.fail(err)
+	}
+	log.Printf("ready: control API on http://%s", ln.Addr())
+
+	<-ctx.Done()
+	log.Printf("shutting down: %v", context.Cause(ctx))
+	return nil
+}
+
+// fail records err in DIR/failed, where `harness up` reports it from.
+func (s *supervisor) fail(err error) error {
+	log.Printf("failed: %v", err)
+	os.WriteFile(filepath.Join(s.state, "failed"), []byte(err.Error()+"\n"), 0o644)
+	return err
+}
+
+// shutdown stops every cluster, then etcd.
+func (s *supervisor) shutdown() {
+	s.mu.Lock()
+	s.closing = true
+	clusters := make([]*cluster, 0, len(s.clusters))
+	for _, c := range s.clusters {
+		clusters = append(clusters, c)
+	}
+	s.mu.Unlock()
+	var wg sync.WaitGroup
+	for _, c := range clusters {
+		wg.Go(func() {
+			c.mu.Lock()
+			defer c.mu.Unlock()
+			s.stopProcs(c)
+		})
+	}
+	wg.Wait()
+	if s.etcd != nil {
+		s.etcd.stop()
+	}
+}
+
+func (s *supervisor) startEtcd() error {
+	data := filepath.Join(s.state, "etcd")
+	// A new supervisor means new, empty clusters: objects left by an earlier
+	// run would leak into the next test. The PKI is kept.
+	if err := os.RemoveAll(data); err != nil {
+		return err
+	}
+	client, err := s.port(0)
+	if err != nil {
+		return err
+	}
+	peer, err := s.port(0)
+	if err != nil {
+		return err
+	}
+	s.etcdURL = fmt.Sprintf("http://127.0.0.1:%d", client)
+	peerURL := fmt.Sprintf("http://127.0.0.1:%d", peer)
+	p, err := s.spawn("etcd", filepath.Join(s.state, "logs", "etcd.log"), "etcd",
+		"--name=harness",
+		"--data-dir="+data,
+		"--listen-client-urls="+s.etcdURL,
+		"--advertise-client-urls="+s.etcdURL,
+		"--listen-peer-urls="+peerURL,
+		"--initial-advertise-peer-urls="+peerURL,
+		"--initial-cluster=harness="+peerURL,
+		// Test data is thrown away, so durability buys nothing.
+		"--unsafe-no-fsync=true",
+	)
+	if err != nil {
+		return err
+	}
+	s.etcd = p
+	plain := &http.Client{Timeout: 5 * time.Second, Transport: &http.Transport{Proxy: nil}}
+	return s.waitReady(p, plain, s.etcdURL+"/health", time.Now().Add(s.timeout))
+}
+
+// startCluster starts cluster name, or returns its info if it is running.
+func (s *supervisor) startCluster(name string) (*clusterInfo, error) {
+	if !validName(name) {
+		return nil, errInvalidName(name)
+	}
+	s.mu.Lock()
+	if s.closing {
+		s.mu.Unlock()
+		return nil, errors.New("supervisor is shutting down")
+	}
+	c := s.clusters[name]
+	if c == nil {
+		c = &cluster{name: name}
+		s.clusters[name] = c
+	}
+	s.mu.Unlock()
+
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	if info := c.info.Load(); info != nil && allRunning(info.procs) {
+		return info, nil
+	}
+	s.stopProcs(c) // whatever is left of a cluster one of whose components died
+	info, err := s.bootCluster(c)
+	if err != nil {
+		s.stopProcs(c)
+		return nil, err
+	}
+	c.info.Store(info)
+	return info, nil
+}
+
+func (s *supervisor) stopCluster(name string) {
+	s.mu.Lock()
+	c := s.clusters[name]
+	s.mu.Unlock()
+	if c == nil {
+		return
+	}
+	c.mu.Lock()
+	defer c.mu.Unlock()
+	s.stopProcs(c)
+}
+
+// stopProcs stops c's components, the apiserver last. The caller holds c.mu.
+func (s *supervisor) stopProcs(c *cluster) {
+	c.info.Store(nil)
+	os.Remove(filepath.Join(s.state, c.name, "info.json"))
+	for _, p := range slices.Backward(c.procs) {
+		p.stop()
+	}
+	c.procs = nil
+}
+
+func (s *supervisor) bootCluster(c *cluster) (*clusterInfo, error) {
+	dir := filepath.Join(s.state, c.name)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	deadline := time.Now().Add(s.timeout)
+	for i := range c.ports {
+		port, err := s.port(c.ports[i])
+		if err != nil {
+			return nil, err
+		}
+		c.ports[i] = port
+	}
+	pki := func(file string) string { return filepath.Join(s.state, "pki", file) }
+	logFile := func(component string) string {
+		return filepath.Join(s.state, "logs", c.name+"-"+component+".log")
+	}
+	info := &clusterInfo{
+		Name:           c.name,
+		Server:         fmt.Sprintf("https://127.0.0.1:%d", c.ports[0]),
+		Kubeconfig:     filepath.Join(dir, "kubeconfig"),
+		EtcdPrefix:     "/registry-" + c.name,
+		CAFile:         pki(caCertFile),
+		ClientCertFile: pki(adminCertFile),
+		ClientKeyFile:  pki(adminKeyFile),
+		Logs:           map[string]string{},
+	}
+	serving := []string{"--tls-cert-file=" + pki(servingCertFile), "--tls-private-key-file=" + pki(servingKeyFile)}
+
+	apiserverArgs := append([]string{"kube-apiserver",
+		"--etcd-servers=" + s.etcdURL,
+		"--etcd-prefix=" + info.EtcdPrefix,
+		"--storage-backend=etcd3",
+		"--bind-address=127.0.0.1",
+		"--advertise-address=127.0.0.1",
+		"--secure-port=" + strconv.Itoa(c.ports[0]),
+		"--cert-dir=" + filepath.Join(dir, "certs"),
+		"--client-ca-file=" + pki(caCertFile),
+		"--service-account-issuer=" + serviceAccountIssuer,
+		"--api-audiences=" + serviceAccountIssuer,
+		"--service-account-key-file=" + pki(saPubFile),
+		"--service-account-signing-key-file=" + pki(saKeyFile),
+		"--service-cluster-ip-range=10.96.0.0/16",
+		"--authorization-mode=RBAC",
+		"--allow-privileged=true",
+		"--profiling=false",
+		"--enable-priority-and-fairness=false",
+	}, serving...)
+	api, err := s.spawnFor(c, info, "kube-apiserver", logFile, apiserverArgs)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.waitReady(api, s.admin, info.Server+"/readyz", deadline); err != nil {
+		return nil, err
+	}
+	if err := writeKubeconfig(info.Kubeconfig, c.name, info.Server, filepath.Join(s.state, "pki")); err != nil {
+		return nil, err
+	}
+
+	kubeconfig := []string{
+		"--kubeconfig=" + info.Kubeconfig,
+		"--authentication-kubeconfig=" + info.Kubeconfig,
+		"--authorization-kubeconfig=" + info.Kubeconfig,
+		"--bind-address=127.0.0.1",
+		"--leader-elect=false",
+	}
+	// The controller manager runs every default controller (garbage
+	// collector, namespace, PV binder, PVC/PV protection, StatefulSet, ...).
+	kcmArgs := slices.Concat([]string{"kube-controller-manager",
+		"--secure-port=" + strconv.Itoa(c.ports[1]),
+		"--service-account-private-key-file=" + pki(saKeyFile),
+		"--root-ca-file=" + pki(caCertFile),
+		"--use-service-account-credentials=false",
+		"--cluster-signing-cert-file=" + pki(caCertFile),
+		"--cluster-signing-key-file=" + pki(caKeyFile),
+	}, kubeconfig, serving)
+	kcmProc, err := s.spawnFor(c, info, "kube-controller-manager", logFile, kcmArgs)
+	if err != nil {
+		return nil, err
+	}
+	waits := map[*proc]string{kcmProc: fmt.Sprintf("https://127.0.0.1:%d/healthz", c.ports[1])}
+	if c.name != managementCluster {
+		schedArgs := slices.Concat([]string{"kube-scheduler",
+			"--secure-port=" + strconv.Itoa(c.ports[2]),
+		}, kubeconfig, serving)
+		sched, err := s.spawnFor(c, info, "kube-scheduler", logFile, schedArgs)
+		if err != nil {
+			return nil, err
+		}
+		waits[sched] = fmt.Sprintf("https://127.0.0.1:%d/healthz", c.ports[2])
+	}
+	for p, url := range waits {
+		if err := s.waitReady(p, s.admin, url, deadline); err != nil {
+			return nil, err
+		}
+	}
+
+	info.procs = slices.Clone(c.procs)
+	info.APIServerPID = c.procs[0].pid()
+	info.KCMPID = c.procs[1].pid()
+	if len(c.procs) > 2 {
+		info.SchedulerPID = c.procs[2].pid()
+	}
+	info.Running = true
+	data, err := json.MarshalIndent(info, "", "  ")
+	if err != nil {
+		return nil, err
+	}
+	if err := writeFileAtomic(filepath.Join(dir, "info.json"), append(data, '\n'), 0o644); err != nil {
+		return nil, err
+	}
+	log.Printf("cluster %s ready at %s", c.name, info.Server)
+	return info, nil
+}
+
+// spawnFor starts one component of cluster c; args[0] is the component.
+func (s *supervisor) spawnFor(c *cluster, info *clusterInfo, component string, logFile func(string) string, args []string) (*proc, error) {
+	path := logFile(component)
+	p, err := s.spawn(c.name+" "+component, path, args...)
+	if err != nil {
+		return nil, err
+	}
+	c.procs = append(c.procs, p)
+	info.Logs[component] = path
+	return p, nil
+}
+
+func (s *supervisor) spawn(name, logPath string, args ...string) (*proc, error) {
+	f, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return nil, err
+	}
+	defer f.Close()
+	fmt.Fprintf(f, "=== %s harness %s\n", time.Now().Format(time.RFC3339), strings.Join(args, " "))
+	cmd := exec.Command(s.self, args...)
+	cmd.Stdout, cmd.Stderr = f, f
+	// If the supervisor is SIGKILLed, the kernel kills its components too, so
+	// no orphan keeps a port or etcd busy.
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	if err := cmd.Start(); err != nil {
+		return nil, fmt.Errorf("start %s: %w", name, err)
+	}
+	p := &proc{name: name, logPath: logPath, cmd: cmd, done: make(chan struct{})}
+	go func() {
+		err := cmd.Wait()
+		if !p.stopping.Load() {
+			log.Printf("%s (pid %d) exited unexpectedly: %v; see %s", name, p.pid(), err, logPath)
+		}
+		close(p.done)
+	}()
+	log.Printf("started %s (pid %d), log %s", name, p.pid(), logPath)
+	return p, nil
+}
+
+func (p *proc) pid() int { return p.cmd.Process.Pid }
+
+func (p *proc) running() bool {
+	select {
+	case <-p.done:
+		return false
+	default:
+		return true
+	}
+}
+
+func allRunning(procs []*proc) bool {
+	for _, p := range procs {
+		if !p.running() {
+			return false
+		}
+	}
+	return true
+}
+
+// stop sends SIGTERM, then SIGKILL after stopGrace, and returns once the
+// process has been reaped.
+func (p *proc) stop() {
+	p.stopping.Store(true)
+	if !p.running() {
+		return
+	}
+	p.cmd.Process.Signal(syscall.SIGTERM)
+	select {
+	case <-p.done:
+	case <-time.After(stopGrace):
+		log.Printf("%s (pid %d) still running %s after SIGTERM; sending SIGKILL", p.name, p.pid(), stopGrace)
+		p.cmd.Process.Kill()
+		<-p.done
+	}
+	log.Printf("stopped %s (pid %d)", p.name, p.pid())
+}
+
+// failure names the component and shows the end of its log.
+func (p *proc) failure(err error) error {
+	return fmt.Errorf("%s (pid %d): %w\n--- last lines of %s ---\n%s", p.name, p.pid(), err, p.logPath, tail(p.logPath, 25))
+}
+
+// waitReady polls url until it answers 200, p exits, the deadline passes or
+// the supervisor is stopping.
+func (s *supervisor) waitReady(p *proc, client *http.Client, url string, deadline time.Time) error {
+	last := "no answer yet"
+	for {
+		select {
+		case <-p.done:
+			return p.failure(fmt.Errorf("exited before becoming ready (%v)", p.cmd.ProcessState))
+		case <-s.ctx.Done():
+			return fmt.Errorf("%s: interrupted while waiting for %s: %v", p.name, url, context.Cause(s.ctx))
+		default:
+		}
+		resp, err := client.Get(url)
+		if err == nil {
+			body, _ := io.ReadAll(io.LimitReader(resp.Body, 16<<10))
+			resp.Body.Close()
+			if resp.StatusCode == http.StatusOK {
+				return nil
+			}
+			last = resp.Status + " " + failedChecks(body)
+		} else {
+			last = err.Error()
+		}
+		if time.Now().After(deadline) {
+			return p.failure(fmt.Errorf("%s not ready before the deadline: %s", url, last))
+		}
+		time.Sleep(250 * time.Millisecond)
+	}
+}
+
+// failedChecks keeps the "[-]check failed" lines of a verbose /readyz answer.
+func failedChecks(body []byte) string {
+	var failed []string
+	for line := range strings.Lines(string(body)) {
+		if strings.HasPrefix(line, "[-]") {
+			failed = append(failed, strings.TrimSpace(line))
+		}
+	}
+	if len(failed) == 0 {
+		return strings.TrimSpace(string(body))
+	}
+	return strings.Join(failed, "; ")
+}
+
+// port returns prev if it is still free, else a free loopback port not yet
+// handed out by this supervisor.
+func (s *supervisor) port(prev int) (int, error) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	if prev != 0 {
+		if l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(prev))); err == nil {
+			l.Close()
+			return prev, nil
+		}
+	}
+	for range 50 {
+		l, err := net.Listen("tcp", "127.0.0.1:0")
+		if err != nil {
+			return 0, err
+		}
+		port := l.Addr().(*net.TCPAddr).Port
+		l.Close()
+		if !s.usedPorts[port] {
+			s.usedPorts[port] = true
+			return port, nil
+		}
+	}
+	return 0, errors.New("no free loopback port")
+}
+
+func (s *supervisor) routes() http.Handler {
+	mux := http.NewServeMux()
+	mux.HandleFunc("GET /clusters", func(w http.ResponseWriter, r *http.Request) {
+		writeJSON(w, http.StatusOK, s.list())
+	})
+	mux.HandleFunc("GET /clusters/{name}", func(w http.ResponseWriter, r *http.Request) {
+		for _, info := range s.list() {
+			if info.Name == r.PathValue("name") {
+				writeJSON(w, http.StatusOK, info)
+				return
+			}
+		}
+		http.Error(w, "no such cluster running", http.StatusNotFound)
+	})
+	mux.HandleFunc("POST /clusters/{name}", func(w http.ResponseWriter, r *http.Request) {
+		name := r.PathValue("name")
+		if !validName(name) {
+			http.Error(w, errInvalidName(name).Error(), http.StatusBadRequest)
+			return
+		}
+		info, err := s.startCluster(name)
+		if err != nil {
+			http.Error(w, err.Error(), http.StatusInternalServerError)
+			return
+		}
+		writeJSON(w, http.StatusOK, info)
+	})
+	mux.HandleFunc("DELETE /clusters/{name}", func(w http.ResponseWriter, r *http.Request) {
+		s.stopCluster(r.PathValue("name"))
+		w.WriteHeader(http.StatusNoContent)
+	})
+	return mux
+}
+
+// list returns the started clusters, sorted by name; Running is false for a
+// cluster one of whose components has died.
+func (s *supervisor) list() []clusterInfo {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	out := []clusterInfo{}
+	for _, c := range s.clusters {
+		if info := c.info.Load(); info != nil {
+			copied := *info
+			copied.Running = allRunning(info.procs)
+			out = append(out, copied)
+		}
+	}
+	slices.SortFunc(out, func(a, b clusterInfo) int { return strings.Compare(a.Name, b.Name) })
+	return out
+}
+
+func writeJSON(w http.ResponseWriter, status int, v any) {
+	w.Header().Set("Content-Type", "application/json")
+	w.WriteHeader(status)
+	enc := json.NewEncoder(w)
+	enc.SetIndent("", "  ")
+	enc.Encode(v)
+}
+
+// watchOwner returns a context cancelled once process pid is gone. The
+// process start time guards against the PID being reused.
+func watchOwner(parent context.Context, pid int) context.Context {
+	ctx, cancel := context.WithCancelCause(parent)
+	start, err := procStartTime(pid)
+	if err != nil {
+		cancel(fmt.Errorf("owner pid %d: %w", pid, err))
+		return ctx
+	}
+	go func() {
+		tick := time.NewTicker(time.Second)
+		defer tick.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-tick.C:
+			}
+			if now, err := procStartTime(pid); err != nil || now != start {
+				cancel(fmt.Errorf("owner pid %d is gone", pid))
+				return
+			}
+		}
+	}()
+	return ctx
+}
+
+// procStartTime reads field 22 of /proc/PID/stat; a zombie counts as gone.
+func procStartTime(pid int) (string, error) {
+	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
+	if err != nil {
+		return "", err
+	}
+	// The command name (field 2) may contain spaces; fields restart after ')'.
+	fields := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
+	if len(fields) < 20 {
+		return "", fmt.Errorf("unexpected /proc/%d/stat", pid)
+	}
+	if fields[0] == "Z" {
+		return "", errors.New("zombie")
+	}
+	return fields[19], nil
+}
+
+func adminClient(pkiDir string) (*http.Client, error) {
+	caPEM, err := os.ReadFile(filepath.Join(pkiDir, caCertFile))
+	if err != nil {
+		return nil, err
+	}
+	pool := x509.NewCertPool()
+	if !pool.AppendCertsFromPEM(caPEM) {
+		return nil, fmt.Errorf("no certificate in %s", filepath.Join(pkiDir, caCertFile))
+	}
+	cert, err := tls.LoadX509KeyPair(filepath.Join(pkiDir, adminCertFile), filepath.Join(pkiDir, adminKeyFile))
+	if err != nil {
+		return nil, err
+	}
+	return &http.Client{
+		Timeout: 5 * time.Second,
+		Transport: &http.Transport{
+			Proxy:           nil,
+			TLSClientConfig: &tls.Config{RootCAs: pool, Certificates: []tls.Certificate{cert}},
+		},
+	}, nil
+}
+
+// writeKubeconfig writes an admin kubeconfig with everything embedded.
+func writeKubeconfig(path, name, server, pkiDir string) error {
+	read := func(file string) ([]byte, error) { return os.ReadFile(filepath.Join(pkiDir, file)) }
+	ca, err := read(caCertFile)
+	if err != nil {
+		return err
+	}
+	crt, err := read(adminCertFile)
+	if err != nil {
+		return err
+	}
+	key, err := read(adminKeyFile)
+	if err != nil {
+		return err
+	}
+	cfg := clientcmdapi.NewConfig()
+	cfg.Clusters[name] = &clientcmdapi.Cluster{Server: server, CertificateAuthorityData: ca}
+	cfg.AuthInfos["admin"] = &clientcmdapi.AuthInfo{ClientCertificateData: crt, ClientKeyData: key}
+	cfg.Contexts[name] = &clientcmdapi.Context{Cluster: name, AuthInfo: "admin"}
+	cfg.CurrentContext = name
+	data, err := clientcmd.Write(*cfg)
+	if err != nil {
+		return err
+	}
+	return writeFileAtomic(path, data, 0o600)
+}
