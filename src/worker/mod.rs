@@ -21,7 +21,7 @@ use std::time::Duration;
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams};
-use kube::core::{GroupVersionKind, PartialObjectMeta};
+use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{Action, Controller};
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{self, ObjectRef, Store};
@@ -202,15 +202,9 @@ impl Context {
         }
     }
 
-    /// Ends custody: removes the finalizer, guarded by a JSON Patch `test`
-    /// so a concurrent change to the list is never clobbered.
+    /// Ends custody: removes the finalizer, guarded by a `test` of its index.
     async fn end_custody(&self, t: &TenantRef, finalizers: &[String]) -> Result<(), kube::Error> {
-        let Some(i) = finalizers.iter().position(|f| f == &self.profile.custody_finalizer) else { return Ok(()) };
-        let patch: json_patch::Patch = serde_json::from_value(serde_json::json!([
-            {"op": "test", "path": format!("/metadata/finalizers/{i}"), "value": self.profile.custody_finalizer},
-            {"op": "remove", "path": format!("/metadata/finalizers/{i}")},
-        ]))
-        .expect("static patch");
+        let Some(patch) = custody::remove_finalizer_patch(finalizers, &self.profile.custody_finalizer) else { return Ok(()) };
         self.parent_api(&t.namespace).patch_metadata(&t.name, &PatchParams::default(), &Patch::<()>::Json(patch)).await?;
         info!(tenant = %t, "custody ended: finalizer removed");
         Ok(())
@@ -218,17 +212,8 @@ impl Context {
 
     /// Takes custody of a parent that is not being deleted.
     async fn take_custody(&self, t: &TenantRef, meta: &ParentMeta) -> Result<(), kube::Error> {
-        let finalizers = meta.finalizers();
         let rv = meta.resource_version().unwrap_or_default();
-        let add = if finalizers.is_empty() {
-            serde_json::json!({"op": "add", "path": "/metadata/finalizers", "value": [self.profile.custody_finalizer]})
-        } else {
-            serde_json::json!({"op": "add", "path": "/metadata/finalizers/-", "value": self.profile.custody_finalizer})
-        };
-        // The resourceVersion test makes a stale view fail instead of racing a deletion.
-        let patch: json_patch::Patch =
-            serde_json::from_value(serde_json::json!([{"op": "test", "path": "/metadata/resourceVersion", "value": rv}, add]))
-                .expect("static patch");
+        let patch = custody::add_finalizer_patch(meta.finalizers(), &rv, &self.profile.custody_finalizer);
         self.parent_api(&t.namespace).patch_metadata(&t.name, &PatchParams::default(), &Patch::<()>::Json(patch)).await?;
         Ok(())
     }
@@ -466,14 +451,15 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
         .map_err(|e| lease_err(e.to_string()))?;
     let (mut leader, lease_task) = manager.watch().await;
     info!(identity = %identity, lease = %format!("{}/{}", args.lease_namespace, args.lease_name), "waiting to lead");
-    tokio::select! {
-        _ = shutdown.cancelled() => {
-            drop(leader);
-            let _ = lease_task.await;
-            let _ = admin.await;
-            return Ok(());
-        }
-        r = leader.wait_for(|is_leader| *is_leader) => { r.map_err(|e| lease_err(e.to_string()))?; }
+    let leading = tokio::select! {
+        _ = shutdown.cancelled() => false,
+        r = leader.wait_for(|is_leader| *is_leader) => { r.map_err(|e| lease_err(e.to_string()))?; true }
+    };
+    if !leading {
+        drop(leader);
+        let _ = lease_task.await;
+        let _ = admin.await;
+        return Ok(());
     }
     info!(identity = %identity, "leading: starting the controller");
 
@@ -525,8 +511,7 @@ async fn run_controller(
     identity: &str,
     stop: CancellationToken,
 ) {
-    let p = &profile.parent;
-    let parent_resource = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(&p.group, &p.version, &p.kind), &p.plural);
+    let parent_resource = custody::parent_resource(&profile);
     // Metadata only: thousands of HelmReleases with large specs stay cheap.
     let parents_api: Api<ParentMeta> = match &namespace {
         Some(ns) => Api::namespaced_with(client.clone(), ns, &parent_resource),

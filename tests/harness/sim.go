@@ -1,3 +1,5 @@
+//go:build simwip
+
 package main
 
 // The simulator stands in for everything a Cozystack installation has and
@@ -23,6 +25,7 @@ import (
 	"flag"
 	"fmt"
 	"io"
+	"maps"
 	"os"
 	"os/signal"
 	"path/filepath"
@@ -209,7 +212,7 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 	s.kamaji = newKamaji(s)
 	scope := "every namespace"
 	if len(cfg.namespaces) > 0 {
-		scope = "namespaces " + strings.Join(slices.Sorted(mapsKeys(cfg.namespaces)), ",")
+		scope = "namespaces " + strings.Join(slices.Sorted(maps.Keys(cfg.namespaces)), ",")
 	}
 	s.log.printf("sim", "", "start", "management=%s storage=%s driver=%s scope=%q grace-cap=%s hook-timeout=%s retry=%s..%s",
 		restCfg.Host, store.dir, cfg.driver, scope, cfg.graceCap, cfg.hookTimeout, cfg.retryBase, cfg.retryMax)
@@ -236,14 +239,6 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 	s.wg.Wait()
 	s.log.printf("sim", "", "stopped", "")
 	return nil
-}
-
-func mapsKeys(m map[string]bool) []string {
-	keys := make([]string, 0, len(m))
-	for k := range m {
-		keys = append(keys, k)
-	}
-	return keys
 }
 
 // inScope reports whether namespace ns is simulated.

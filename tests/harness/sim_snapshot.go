@@ -1,3 +1,5 @@
+//go:build simwip
+
 package main
 
 import (

@@ -1,3 +1,5 @@
+//go:build simwip
+
 package main
 
 import (
@@ -151,7 +153,7 @@ func (t *tenant) csiRelease() (bool, string) {
 // probe connects to the tenant API (once per outage, from the admin
 // kubeconfig Secret) and asks it /readyz, bounded by a short timeout.
 func (t *tenant) probe(ctx context.Context) (bool, string) {
-	if t.s.kamaji.stopped(t.ns, t.name) {
+	if t.s.kamaji.isStopped(t.ns, t.name) {
 		t.client = nil
 		return false, "TenantControlPlane deleted: tenant API server stopped"
 	}

@@ -333,6 +333,9 @@ func (s *supervisor) bootCluster(c *cluster) (*clusterInfo, error) {
 		"--storage-backend=etcd3",
 		"--bind-address=127.0.0.1",
 		"--advertise-address=127.0.0.1",
+		// The endpoint reconciler refuses a loopback advertise address; the
+		// default/kubernetes Service gets no endpoints, which nothing here uses.
+		"--endpoint-reconciler-type=none",
 		"--secure-port=" + strconv.Itoa(c.ports[0]),
 		"--cert-dir=" + filepath.Join(dir, "certs"),
 		"--client-ca-file=" + pki(caCertFile),

@@ -1,0 +1,440 @@
+//go:build simwip
+
+package main
+
+import (
+	"context"
+	"fmt"
+	"time"
+
+	coordinationv1 "k8s.io/api/coordination/v1"
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/fields"
+	"k8s.io/apimachinery/pkg/labels"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
+	corelisters "k8s.io/client-go/listers/core/v1"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+	"k8s.io/utils/ptr"
+)
+
+const (
+	simNodeName = "sim-node"
+	simNodeIP   = "127.0.0.1"
+	// leaseDuration is what a kubelet writes (40 s); the heartbeat renews it
+	// well within, so the node-lifecycle controller never marks it unknown.
+	leaseDuration = 40
+)
+
+// kubelet runs the one fake Node of a tenant cluster: it keeps the Node
+// Ready and its Lease fresh, starts the Pods bound to it (once their claims
+// are bound and the driver can mount them), and confirms the termination of
+// deleted Pods after their (capped) grace period, as a kubelet does, so that
+// kubernetes.io/pvc-protection behaves as on a real cluster.
+type kubelet struct {
+	t        *tenant
+	cs       kubernetes.Interface
+	graceCap time.Duration
+	q        workqueue.TypedRateLimitingInterface[string]
+
+	pods corelisters.PodLister
+	pvcs corelisters.PersistentVolumeClaimLister
+	pvs  corelisters.PersistentVolumeLister
+
+	// Owned by the single worker goroutine.
+	nextIP  int
+	waiting map[types.UID]string // last logged reason a Pod is not started
+	// Owned by the heartbeat goroutine.
+	heartbeatErr string
+}
+
+func newKubelet(t *tenant, cs kubernetes.Interface) *kubelet {
+	return &kubelet{t: t, cs: cs, graceCap: t.s.cfg.graceCap, waiting: map[types.UID]string{}}
+}
+
+func (k *kubelet) run(ctx context.Context) {
+	k.q = newItemQueue("kubelet")
+	defer k.q.ShutDown()
+	k.registerDriver(ctx)
+	k.heartbeat(ctx) // registers the Node before any Pod can be bound to it
+	go func() {
+		t := time.NewTicker(k.t.s.cfg.heartbeat)
+		defer t.Stop()
+		for {
+			select {
+			case <-ctx.Done():
+				return
+			case <-t.C:
+				k.heartbeat(ctx)
+			}
+		}
+	}()
+
+	// Only the Pods bound to this node, as a kubelet watches them. The
+	// resync re-checks Pods waiting for the driver, whose state is not an
+	// event in the tenant cluster.
+	podFactory := informers.NewSharedInformerFactoryWithOptions(k.cs, 10*time.Second,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) {
+			o.FieldSelector = fields.OneTermEqualSelector("spec.nodeName", simNodeName).String()
+		}))
+	volFactory := informers.NewSharedInformerFactory(k.cs, 0)
+	podInf := podFactory.Core().V1().Pods()
+	pvcInf := volFactory.Core().V1().PersistentVolumeClaims()
+	pvInf := volFactory.Core().V1().PersistentVolumes()
+	k.pods, k.pvcs, k.pvs = podInf.Lister(), pvcInf.Lister(), pvInf.Lister()
+
+	enqueue := func(obj any) {
+		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
+			k.q.Add(key)
+		}
+	}
+	podInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    enqueue,
+		UpdateFunc: func(_, obj any) { enqueue(obj) },
+	})
+	// A Pod waiting for its claim starts when the claim is bound.
+	pvcInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { k.claimChanged(obj) },
+		UpdateFunc: func(_, obj any) { k.claimChanged(obj) },
+	})
+	podFactory.Start(ctx.Done())
+	volFactory.Start(ctx.Done())
+	defer podFactory.Shutdown()
+	defer volFactory.Shutdown()
+	if !cache.WaitForCacheSync(ctx.Done(), podInf.Informer().HasSynced, pvcInf.Informer().HasSynced, pvInf.Informer().HasSynced) {
+		return
+	}
+	go func() {
+		<-ctx.Done()
+		k.q.ShutDown()
+	}()
+	for k.processNext(ctx) {
+	}
+}
+
+func (k *kubelet) claimChanged(obj any) {
+	pvc, ok := obj.(*corev1.PersistentVolumeClaim)
+	if !ok || k.pods == nil {
+		return
+	}
+	pods, _ := k.pods.Pods(pvc.Namespace).List(labels.Everything())
+	for _, p := range pods {
+		for _, c := range podClaims(p) {
+			if c == pvc.Name {
+				k.q.Add(p.Namespace + "/" + p.Name)
+				break
+			}
+		}
+	}
+}
+
+func (k *kubelet) processNext(ctx context.Context) bool {
+	key, quit := k.q.Get()
+	if quit {
+		return false
+	}
+	defer k.q.Done(key)
+	if err := k.syncPod(ctx, key); err != nil && ctx.Err() == nil {
+		k.t.logf("kubelet", "error", "pod %s: %v (retrying)", key, err)
+		k.q.AddRateLimited(key)
+		return true
+	}
+	k.q.Forget(key)
+	return true
+}
+
+func (k *kubelet) syncPod(ctx context.Context, key string) error {
+	ns, name, _ := cache.SplitMetaNamespaceKey(key)
+	pod, err := k.pods.Pods(ns).Get(name)
+	if apierrors.IsNotFound(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	if pod.DeletionTimestamp != nil {
+		return k.terminate(ctx, pod)
+	}
+	if pod.Status.Phase == corev1.PodSucceeded || pod.Status.Phase == corev1.PodFailed || podStarted(pod) {
+		return nil
+	}
+	if why := k.volumesNotReady(pod); why != "" {
+		if k.waiting[pod.UID] != why {
+			k.waiting[pod.UID] = why
+			k.t.logf("kubelet", "waiting", "pod %s: %s", key, why)
+		}
+		return nil
+	}
+	delete(k.waiting, pod.UID)
+	return k.start(ctx, pod)
+}
+
+// terminate confirms a deleted Pod gone once its grace period, capped by
+// --grace-cap, has passed since the deletion was requested.
+func (k *kubelet) terminate(ctx context.Context, pod *corev1.Pod) error {
+	grace := time.Duration(ptr.Deref(pod.DeletionGracePeriodSeconds, 0)) * time.Second
+	requested := pod.DeletionTimestamp.Add(-grace)
+	due := requested.Add(min(grace, k.graceCap))
+	if wait := time.Until(due); wait > 0 {
+		k.q.AddAfter(pod.Namespace+"/"+pod.Name, wait)
+		return nil
+	}
+	opts := metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0), Preconditions: &metav1.Preconditions{UID: &pod.UID}}
+	err := k.cs.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, opts)
+	if apierrors.IsNotFound(err) || apierrors.IsConflict(err) {
+		return nil
+	}
+	if err != nil {
+		return err
+	}
+	delete(k.waiting, pod.UID)
+	k.t.logf("kubelet", "terminated", "pod %s/%s after %s (grace %s, cap %s)",
+		pod.Namespace, pod.Name, min(grace, k.graceCap), grace, k.graceCap)
+	return nil
+}
+
+// podClaims lists the claims a Pod mounts, generic ephemeral volumes
+// included (their claim is named <pod>-<volume>).
+func podClaims(pod *corev1.Pod) []string {
+	var claims []string
+	for _, v := range pod.Spec.Volumes {
+		switch {
+		case v.PersistentVolumeClaim != nil:
+			claims = append(claims, v.PersistentVolumeClaim.ClaimName)
+		case v.Ephemeral != nil:
+			claims = append(claims, pod.Name+"-"+v.Name)
+		}
+	}
+	return claims
+}
+
+// volumesNotReady says why the Pod's volumes cannot be mounted yet, or "".
+func (k *kubelet) volumesNotReady(pod *corev1.Pod) string {
+	for _, claim := range podClaims(pod) {
+		pvc, err := k.pvcs.PersistentVolumeClaims(pod.Namespace).Get(claim)
+		switch {
+		case err != nil:
+			return fmt.Sprintf("claim %s not found", claim)
+		case pvc.DeletionTimestamp != nil:
+			return fmt.Sprintf("claim %s is being deleted", claim)
+		case pvc.Status.Phase != corev1.ClaimBound || pvc.Spec.VolumeName == "":
+			return fmt.Sprintf("claim %s is not bound", claim)
+		}
+		pv, err := k.pvs.Get(pvc.Spec.VolumeName)
+		if err != nil {
+			return fmt.Sprintf("volume %s of claim %s not found", pvc.Spec.VolumeName, claim)
+		}
+		if pv.Spec.CSI != nil && pv.Spec.CSI.Driver == k.t.s.cfg.driver && !k.t.driverActive.Load() {
+			return fmt.Sprintf("cannot mount %s: driver %s is not registered on the node", pv.Name, pv.Spec.CSI.Driver)
+		}
+	}
+	return ""
+}
+
+func podStarted(pod *corev1.Pod) bool {
+	if pod.Status.Phase != corev1.PodRunning || len(pod.Status.ContainerStatuses) != len(pod.Spec.Containers) {
+		return false
+	}
+	for _, c := range pod.Status.Conditions {
+		if c.Type == corev1.PodReady {
+			return c.Status == corev1.ConditionTrue
+		}
+	}
+	return false
+}
+
+// start reports the Pod Running and Ready with all containers running.
+func (k *kubelet) start(ctx context.Context, pod *corev1.Pod) error {
+	now := metav1.Now()
+	pod = pod.DeepCopy()
+	st := &pod.Status
+	st.Phase = corev1.PodRunning
+	st.HostIP, st.HostIPs = simNodeIP, []corev1.HostIP{{IP: simNodeIP}}
+	if st.PodIP == "" {
+		ip := simNodeIP
+		if !pod.Spec.HostNetwork {
+			k.nextIP++
+			ip = fmt.Sprintf("10.244.%d.%d", (k.nextIP/250)%256, k.nextIP%250+2)
+		}
+		st.PodIP, st.PodIPs = ip, []corev1.PodIP{{IP: ip}}
+	}
+	if st.StartTime == nil {
+		st.StartTime = &now
+	}
+	for _, t := range []corev1.PodConditionType{corev1.PodReadyToStartContainers, corev1.PodInitialized, corev1.ContainersReady, corev1.PodReady, corev1.PodScheduled} {
+		setPodCondition(st, t, now)
+	}
+	st.InitContainerStatuses = nil
+	for _, c := range pod.Spec.InitContainers {
+		st.InitContainerStatuses = append(st.InitContainerStatuses, corev1.ContainerStatus{
+			Name: c.Name, Image: c.Image, ImageID: "sim://" + c.Image, ContainerID: "sim://" + string(pod.UID) + "/" + c.Name,
+			Ready: true, Started: ptr.To(false),
+			State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: 0, Reason: "Completed", StartedAt: now, FinishedAt: now}},
+		})
+	}
+	st.ContainerStatuses = nil
+	for _, c := range pod.Spec.Containers {
+		st.ContainerStatuses = append(st.ContainerStatuses, corev1.ContainerStatus{
+			Name: c.Name, Image: c.Image, ImageID: "sim://" + c.Image, ContainerID: "sim://" + string(pod.UID) + "/" + c.Name,
+			Ready: true, Started: ptr.To(true),
+			State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: now}},
+		})
+	}
+	if _, err := k.cs.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, pod, metav1.UpdateOptions{}); err != nil {
+		if apierrors.IsNotFound(err) || apierrors.IsConflict(err) {
+			return nil // a newer version is on its way through the informer
+		}
+		return err
+	}
+	k.t.logf("kubelet", "running", "pod %s/%s ip=%s claims=%v", pod.Namespace, pod.Name, st.PodIP, podClaims(pod))
+	return nil
+}
+
+func setPodCondition(st *corev1.PodStatus, t corev1.PodConditionType, now metav1.Time) {
+	for i := range st.Conditions {
+		if st.Conditions[i].Type == t {
+			if st.Conditions[i].Status != corev1.ConditionTrue {
+				st.Conditions[i].Status, st.Conditions[i].LastTransitionTime = corev1.ConditionTrue, now
+				st.Conditions[i].Reason, st.Conditions[i].Message = "", ""
+			}
+			return
+		}
+	}
+	st.Conditions = append(st.Conditions, corev1.PodCondition{Type: t, Status: corev1.ConditionTrue, LastTransitionTime: now})
+}
+
+// registerDriver creates the CSIDriver object. attachRequired=false: no
+// VolumeAttachment is needed before a Pod mounts a volume.
+func (k *kubelet) registerDriver(ctx context.Context) {
+	obj := &storagev1.CSIDriver{
+		ObjectMeta: metav1.ObjectMeta{Name: k.t.s.cfg.driver},
+		Spec: storagev1.CSIDriverSpec{
+			AttachRequired:       ptr.To(false),
+			PodInfoOnMount:       ptr.To(false),
+			VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
+		},
+	}
+	_, err := k.cs.StorageV1().CSIDrivers().Create(ctx, obj, metav1.CreateOptions{})
+	switch {
+	case err == nil:
+		k.t.logf("kubelet", "csidriver", "created CSIDriver %s (attachRequired=false)", obj.Name)
+	case !apierrors.IsAlreadyExists(err):
+		k.t.logf("kubelet", "error", "create CSIDriver %s: %v", obj.Name, err)
+	}
+}
+
+// heartbeat registers the Node if needed, keeps its Ready condition fresh
+// and renews its Lease, as a kubelet does every 10 s.
+func (k *kubelet) heartbeat(ctx context.Context) {
+	err := k.updateNode(ctx)
+	if err == nil {
+		err = k.renewLease(ctx)
+	}
+	msg := ""
+	if err != nil {
+		msg = err.Error()
+	}
+	if msg != k.heartbeatErr && ctx.Err() == nil {
+		if err != nil {
+			k.t.logf("kubelet", "error", "heartbeat of node %s: %v", simNodeName, err)
+		} else {
+			k.t.logf("kubelet", "heartbeat", "node %s Ready, lease renewed (recovered)", simNodeName)
+		}
+	}
+	k.heartbeatErr = msg
+}
+
+func (k *kubelet) updateNode(ctx context.Context) error {
+	nodes := k.cs.CoreV1().Nodes()
+	node, err := nodes.Get(ctx, simNodeName, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		node, err = nodes.Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{
+			Name: simNodeName,
+			Labels: map[string]string{
+				"kubernetes.io/hostname": simNodeName,
+				"kubernetes.io/os":       "linux",
+				"kubernetes.io/arch":     "amd64",
+			},
+		}}, metav1.CreateOptions{})
+		if err == nil {
+			k.t.logf("kubelet", "registered", "node %s (cpu 64, memory 256Gi, pods 500)", simNodeName)
+		}
+	}
+	if err != nil {
+		return err
+	}
+	now := metav1.Now()
+	resources := corev1.ResourceList{
+		corev1.ResourceCPU:              resource.MustParse("64"),
+		corev1.ResourceMemory:           resource.MustParse("256Gi"),
+		corev1.ResourcePods:             resource.MustParse("500"),
+		corev1.ResourceEphemeralStorage: resource.MustParse("1Ti"),
+	}
+	st := &node.Status
+	st.Capacity, st.Allocatable = resources, resources
+	st.Phase = corev1.NodeRunning
+	st.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: simNodeIP}, {Type: corev1.NodeHostName, Address: simNodeName}}
+	st.DaemonEndpoints = corev1.NodeDaemonEndpoints{KubeletEndpoint: corev1.DaemonEndpoint{Port: 10250}}
+	st.NodeInfo = corev1.NodeSystemInfo{
+		MachineID: "sim", SystemUUID: "sim", BootID: "sim", KernelVersion: "sim", OSImage: "volume-gate simulator",
+		ContainerRuntimeVersion: "sim://1", KubeletVersion: "v1.37.2", OperatingSystem: "linux", Architecture: "amd64",
+	}
+	want := map[corev1.NodeConditionType]corev1.ConditionStatus{
+		corev1.NodeReady: corev1.ConditionTrue, corev1.NodeMemoryPressure: corev1.ConditionFalse,
+		corev1.NodeDiskPressure: corev1.ConditionFalse, corev1.NodePIDPressure: corev1.ConditionFalse,
+	}
+	reasons := map[corev1.NodeConditionType]string{
+		corev1.NodeReady: "KubeletReady", corev1.NodeMemoryPressure: "KubeletHasSufficientMemory",
+		corev1.NodeDiskPressure: "KubeletHasNoDiskPressure", corev1.NodePIDPressure: "KubeletHasSufficientPID",
+	}
+	for i := range st.Conditions {
+		c := &st.Conditions[i]
+		if status, ok := want[c.Type]; ok {
+			if c.Status != status {
+				c.Status, c.LastTransitionTime = status, now
+			}
+			c.Reason, c.Message, c.LastHeartbeatTime = reasons[c.Type], "simulated kubelet", now
+			delete(want, c.Type)
+		}
+	}
+	for t, status := range want {
+		st.Conditions = append(st.Conditions, corev1.NodeCondition{
+			Type: t, Status: status, Reason: reasons[t], Message: "simulated kubelet",
+			LastHeartbeatTime: now, LastTransitionTime: now,
+		})
+	}
+	_, err = nodes.UpdateStatus(ctx, node, metav1.UpdateOptions{})
+	return err
+}
+
+func (k *kubelet) renewLease(ctx context.Context) error {
+	leases := k.cs.CoordinationV1().Leases(corev1.NamespaceNodeLease)
+	now := metav1.NowMicro()
+	lease, err := leases.Get(ctx, simNodeName, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		node, err := k.cs.CoreV1().Nodes().Get(ctx, simNodeName, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		_, err = leases.Create(ctx, &coordinationv1.Lease{
+			ObjectMeta: metav1.ObjectMeta{
+				Name: simNodeName, Namespace: corev1.NamespaceNodeLease,
+				OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: node.Name, UID: node.UID}},
+			},
+			Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To(simNodeName), LeaseDurationSeconds: ptr.To[int32](leaseDuration), RenewTime: &now},
+		}, metav1.CreateOptions{})
+		return err
+	}
+	if err != nil {
+		return err
+	}
+	lease.Spec.HolderIdentity, lease.Spec.LeaseDurationSeconds, lease.Spec.RenewTime = ptr.To(simNodeName), ptr.To[int32](leaseDuration), &now
+	_, err = leases.Update(ctx, lease, metav1.UpdateOptions{})
+	return err
+}
