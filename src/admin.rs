@@ -114,10 +114,7 @@ mod tests {
     }
 
     async fn get(readiness: Arc<dyn Readiness>, path: &str) -> (StatusCode, Option<String>, String) {
-        let response = router(Metrics::new(), readiness)
-            .oneshot(Request::get(path).body(Body::empty()).unwrap())
-            .await
-            .unwrap();
+        let response = router(Metrics::new(), readiness).oneshot(Request::get(path).body(Body::empty()).unwrap()).await.unwrap();
         let content_type = response.headers().get(header::CONTENT_TYPE).map(|v| v.to_str().unwrap().to_string());
         let status = response.status();
         let body = response.into_body().collect().await.unwrap().to_bytes();

@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use base64::Engine as _;
 use jiff::{SignedDuration, Timestamp};
 use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa,
-    Issuer, KeyPair, KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
+    KeyUsagePurpose, SanType,
 };
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
@@ -89,8 +89,7 @@ impl ServingSpec {
     /// Every name the API server may use to reach the Service, then the extras.
     pub fn subject_alt_names(&self) -> Vec<String> {
         let (svc, ns) = (&self.service, &self.namespace);
-        let mut names =
-            vec![svc.clone(), format!("{svc}.{ns}"), format!("{svc}.{ns}.svc"), format!("{svc}.{ns}.svc.cluster.local")];
+        let mut names = vec![svc.clone(), format!("{svc}.{ns}"), format!("{svc}.{ns}.svc"), format!("{svc}.{ns}.svc.cluster.local")];
         for extra in &self.extra_sans {
             if !names.contains(extra) {
                 names.push(extra.clone());
@@ -242,7 +241,8 @@ fn read_ca(dir: &Path) -> Result<Option<CaPem>, CertsError> {
 }
 
 fn mint_ca(spec: &ServingSpec, not_before: Timestamp, not_after: Timestamp) -> Result<CertifiedIssuer<'static, KeyPair>, CertsError> {
-    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|source| CertsError::Mint { step: "generate the CA key", source })?;
+    let key =
+        KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|source| CertsError::Mint { step: "generate the CA key", source })?;
     let mut params = CertificateParams::default();
     params.distinguished_name = DistinguishedName::new();
     params.distinguished_name.push(DnType::OrganizationName, "volume-gate");
@@ -280,8 +280,7 @@ fn issue_serving_cert(
 /// Parses a CA to sign with, checking it is a CA and that the key is its own.
 fn reusable_ca(ca: &CaPem) -> Result<(Issuer<'static, KeyPair>, Timestamp), CertsError> {
     let unusable = |reason: String| CertsError::CaUnusable { reason };
-    let der = CertificateDer::from_pem_slice(ca.cert.as_bytes())
-        .map_err(|e| unusable(format!("ca.crt holds no PEM certificate ({e})")))?;
+    let der = CertificateDer::from_pem_slice(ca.cert.as_bytes()).map_err(|e| unusable(format!("ca.crt holds no PEM certificate ({e})")))?;
     let (_, parsed) =
         x509_parser::parse_x509_certificate(&der).map_err(|e| unusable(format!("ca.crt is not a valid X.509 certificate ({e})")))?;
     if !parsed.is_ca() {
@@ -520,8 +519,11 @@ mod tests {
         assert_eq!(b64.lines().count(), 1);
         let decoded = base64::engine::general_purpose::STANDARD.decode(b64.trim_end()).unwrap();
         assert_eq!(decoded, fs::read(dir.path().join(CA_CERT_FILE)).unwrap());
-        let leftovers: Vec<_> =
-            fs::read_dir(dir.path()).unwrap().filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().ends_with(".tmp")).collect();
+        let leftovers: Vec<_> = fs::read_dir(dir.path())
+            .unwrap()
+            .filter_map(|e| e.ok())
+            .filter(|e| e.file_name().to_string_lossy().ends_with(".tmp"))
+            .collect();
         assert!(leftovers.is_empty());
     }
 

@@ -101,11 +101,7 @@ impl Server {
     /// Stops the server; it must drain and return well within its 20 s bound.
     async fn stop(self) {
         self.shutdown.cancel();
-        tokio::time::timeout(Duration::from_secs(15), self.task)
-            .await
-            .expect("serve did not return after shutdown")
-            .unwrap()
-            .unwrap();
+        tokio::time::timeout(Duration::from_secs(15), self.task).await.expect("serve did not return after shutdown").unwrap().unwrap();
     }
 }
 
@@ -142,11 +138,7 @@ async fn request<S: AsyncRead + AsyncWrite + Unpin>(stream: &mut BufReader<S>, p
     stream.flush().await.map_err(io)?;
     let mut status_line = String::new();
     stream.read_line(&mut status_line).await.map_err(io)?;
-    let status = status_line
-        .split(' ')
-        .nth(1)
-        .and_then(|s| s.parse().ok())
-        .ok_or_else(|| format!("bad status line {status_line:?}"))?;
+    let status = status_line.split(' ').nth(1).and_then(|s| s.parse().ok()).ok_or_else(|| format!("bad status line {status_line:?}"))?;
     let mut length = 0;
     loop {
         let mut line = String::new();
@@ -205,8 +197,8 @@ async fn a_client_trusting_the_generated_ca_gets_answers() {
 
     let other_ca = certs::generate(&spec(), None).unwrap();
     let stranger = connector(&other_ca.ca.cert, rustls::DEFAULT_VERSIONS, &[b"http/1.1"]);
-    let err = connect(&stranger, server.addr).await.err().expect("a client trusting another CA must refuse the server");
-    assert!(err.to_string().contains("UnknownIssuer"), "{err}");
+    let err = connect(&stranger, server.addr).await.expect_err("a client trusting another CA must refuse the server");
+    assert!(err.to_string().contains("invalid peer certificate"), "{err}");
 
     server.stop().await;
 }
@@ -349,26 +341,20 @@ async fn certificate_rotates_under_traffic_without_a_failed_request() {
 
     wait_until("the reloader to swap", || server.reloader.generation() > generation_before).await;
     assert_eq!(server.reloader.current_leaf_der(), second_leaf);
-    wait_until("a new connection to be served the new certificate", || {
-        observe(&|t| t.leaves_seen.contains(&second_leaf))
-    })
-    .await;
+    wait_until("a new connection to be served the new certificate", || observe(&|t| t.leaves_seen.contains(&second_leaf))).await;
     let kept_alive_at_swap = traffic.lock().unwrap().kept_alive_ok;
-    wait_until("the kept-alive connection to keep answering after the swap", || {
-        observe(&|t| t.kept_alive_ok > kept_alive_at_swap)
-    })
-    .await;
+    wait_until("the kept-alive connection to keep answering after the swap", || observe(&|t| t.kept_alive_ok > kept_alive_at_swap)).await;
 
     stop.cancel();
     fresh.await.unwrap();
     kept.await.unwrap();
-    let traffic = traffic.lock().unwrap();
-    assert!(traffic.failures.is_empty(), "failed requests during rotation: {:#?}", traffic.failures);
-    assert!(traffic.leaves_seen.contains(&first_leaf) && traffic.leaves_seen.contains(&second_leaf));
-    assert_eq!(traffic.leaves_seen.len(), 2);
-    assert!(traffic.fresh_ok >= 2 && traffic.kept_alive_ok >= 2);
-    drop(traffic);
-
+    {
+        let traffic = traffic.lock().unwrap();
+        assert!(traffic.failures.is_empty(), "failed requests during rotation: {:#?}", traffic.failures);
+        assert!(traffic.leaves_seen.contains(&first_leaf) && traffic.leaves_seen.contains(&second_leaf));
+        assert_eq!(traffic.leaves_seen.len(), 2);
+        assert!(traffic.fresh_ok >= 2 && traffic.kept_alive_ok >= 2);
+    }
     server.stop().await;
 }
 

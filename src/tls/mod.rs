@@ -41,6 +41,8 @@ pub enum TlsError {
     UnusableKey { path: PathBuf, reason: String },
     #[error("the certificate in {path} cannot be parsed: {reason}")]
     BadCertificate { path: PathBuf, reason: String },
+    #[error("the certificate in {path} expired at {not_after}; re-issue it, e.g. `volume-gate certs generate --reuse-ca`")]
+    Expired { path: PathBuf, not_after: jiff::Timestamp },
     #[error(
         "the private key in {key} does not match the certificate in {cert}; \
          mount tls.crt and tls.key of the same Secret, or re-issue both with `volume-gate certs generate`"

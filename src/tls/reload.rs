@@ -60,7 +60,9 @@ pub(super) enum Reload {
     Unchanged,
     /// The files are back to the pair being served after being unusable.
     Restored,
-    Swapped { generation: u64 },
+    Swapped {
+        generation: u64,
+    },
     /// The files changed to something that cannot be served; the previous pair stays.
     Rejected(TlsError),
 }
@@ -71,6 +73,10 @@ impl CertReloader {
         let (cert_path, key_path) = (cert_path.as_ref().to_path_buf(), key_path.as_ref().to_path_buf());
         let pair = read_pair(&cert_path, &key_path)?;
         let certified = parse_pair(&pair, &cert_path, &key_path)?;
+        if let Some(not_after) = expired(&certified) {
+            // Refusing to start would not help: a renewed pair is picked up once mounted.
+            warn!(cert = %cert_path.display(), %not_after, "the serving certificate has expired; clients will refuse it");
+        }
         Ok(Arc::new(Self {
             cert_path,
             key_path,
@@ -136,14 +142,16 @@ impl CertReloader {
         if pair == disk.served {
             return Reload::Restored;
         }
-        match parse_pair(&pair, &self.cert_path, &self.key_path) {
-            Ok(certified) => {
-                *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(certified);
-                disk.served = pair;
-                Reload::Swapped { generation: self.generation.fetch_add(1, Ordering::AcqRel) + 1 }
-            }
-            Err(e) => Reload::Rejected(e),
+        let certified = match parse_pair(&pair, &self.cert_path, &self.key_path) {
+            Ok(certified) => certified,
+            Err(e) => return Reload::Rejected(e),
+        };
+        if let Some(not_after) = expired(&certified) {
+            return Reload::Rejected(TlsError::Expired { path: self.cert_path.clone(), not_after });
         }
+        *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(certified);
+        disk.served = pair;
+        Reload::Swapped { generation: self.generation.fetch_add(1, Ordering::AcqRel) + 1 }
     }
 
     fn log(&self, outcome: Reload) {
@@ -203,11 +211,8 @@ fn read_file(path: &Path) -> Result<Vec<u8>, TlsError> {
 
 fn parse_pair(pair: &Pair, cert_path: &Path, key_path: &Path) -> Result<CertifiedKey, TlsError> {
     let sections = pem_sections(&pair.cert, cert_path)?;
-    let chain: Vec<CertificateDer<'static>> = sections
-        .iter()
-        .filter(|(kind, _)| *kind == SectionKind::Certificate)
-        .map(|(_, der)| CertificateDer::from(der.clone()))
-        .collect();
+    let chain: Vec<CertificateDer<'static>> =
+        sections.iter().filter(|(kind, _)| *kind == SectionKind::Certificate).map(|(_, der)| CertificateDer::from(der.clone())).collect();
     if chain.is_empty() {
         return Err(TlsError::NoCertificate { path: cert_path.to_path_buf(), found: kinds(&sections) });
     }
@@ -253,6 +258,12 @@ fn pem_sections(bytes: &[u8], path: &Path) -> Result<Vec<(SectionKind, Vec<u8>)>
 
 fn kinds(sections: &[(SectionKind, Vec<u8>)]) -> String {
     sections.iter().map(|(kind, _)| format!("{kind:?}")).collect::<Vec<_>>().join(", ")
+}
+
+/// The leaf's expiry, if it has passed.
+fn expired(certified: &CertifiedKey) -> Option<Timestamp> {
+    let not_after = leaf_not_after(certified.end_entity_cert().ok()?)?;
+    (not_after < Timestamp::now()).then_some(not_after)
 }
 
 fn leaf_not_after(der: &[u8]) -> Option<Timestamp> {
@@ -356,6 +367,28 @@ pub(super) mod tests {
         write_pair(dir.path(), &b);
         assert!(matches!(reloader.reload_if_changed(), Reload::Swapped { generation: 1 }));
         assert_eq!(reloader.current_leaf_der(), leaf(&b));
+    }
+
+    #[test]
+    fn reload_refuses_to_swap_in_an_expired_certificate() {
+        let dir = tempfile::tempdir().unwrap();
+        let (a, _) = bundles();
+        let (cert, key) = write_pair(dir.path(), &a);
+        let reloader = CertReloader::load(cert, key).unwrap();
+
+        let expired_key = rcgen::KeyPair::generate().unwrap();
+        let mut params = rcgen::CertificateParams::new(vec!["volume-gate-webhook.volume-gate.svc".to_string()]).unwrap();
+        params.not_before = rcgen::date_time_ymd(2020, 1, 1);
+        params.not_after = rcgen::date_time_ymd(2021, 1, 1);
+        let expired_cert = params.self_signed(&expired_key).unwrap();
+        write_files(dir.path(), expired_cert.pem().as_bytes(), expired_key.serialize_pem().as_bytes());
+
+        let outcome = reloader.reload_if_changed();
+        assert!(
+            matches!(&outcome, Reload::Rejected(TlsError::Expired { not_after, .. }) if not_after.to_string() == "2021-01-01T00:00:00Z"),
+            "{outcome:?}"
+        );
+        assert_eq!((reloader.generation(), reloader.current_leaf_der()), (0, leaf(&a)));
     }
 
     #[test]

@@ -19,7 +19,8 @@ use tracing::{debug, error, info, warn};
 
 /// A client that connects and stalls must not hold a task forever.
 const HANDSHAKE_TIMEOUT: Duration = Duration::from_secs(10);
-/// Slowloris guard for HTTP/1: the request head must arrive within this.
+/// Slowloris guard for HTTP/1: a request head must arrive within this (hyper
+/// also starts it while a keep-alive connection idles, so it bounds idle time).
 const HEADER_READ_TIMEOUT: Duration = Duration::from_secs(10);
 /// Pings detect HTTP/2 peers that vanished without closing the connection.
 const H2_KEEP_ALIVE_INTERVAL: Duration = Duration::from_secs(20);
@@ -32,12 +33,7 @@ type Http = auto::Builder<TokioExecutor>;
 
 /// Serves `router` over TLS on `listener` until `shutdown`, then stops
 /// accepting and drains open connections for up to 20 s.
-pub async fn serve(
-    listener: TcpListener,
-    config: Arc<ServerConfig>,
-    router: Router,
-    shutdown: CancellationToken,
-) -> io::Result<()> {
+pub async fn serve(listener: TcpListener, config: Arc<ServerConfig>, router: Router, shutdown: CancellationToken) -> io::Result<()> {
     let acceptor = TlsAcceptor::from(config);
     let mut http = auto::Builder::new(TokioExecutor::new());
     http.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT).keep_alive(true);
@@ -68,14 +64,7 @@ pub async fn serve(
                 }
             },
         };
-        connections.spawn(serve_connection(
-            tcp,
-            peer,
-            acceptor.clone(),
-            Arc::clone(&http),
-            service.clone(),
-            graceful.watcher(),
-        ));
+        connections.spawn(serve_connection(tcp, peer, acceptor.clone(), Arc::clone(&http), service.clone(), graceful.watcher()));
     }
 
     drop(listener);
@@ -118,8 +107,5 @@ async fn serve_connection(
 
 /// Errors that concern one incoming connection, not the listener.
 fn is_per_connection(e: &io::Error) -> bool {
-    matches!(
-        e.kind(),
-        io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset
-    )
+    matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset)
 }

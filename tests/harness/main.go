@@ -70,6 +70,8 @@ func main() {
 		if err := cli.RunNoErrOutput(kubectl.NewDefaultKubectlCommand()); err != nil {
 			kubectlutil.CheckErr(err) // prints the error as kubectl does and exits
 		}
+	case "sim":
+		os.Exit(runSim(os.Args[1:]))
 	default:
 		fmt.Fprintf(os.Stderr, "harness: unknown command %q\n\n%s", command, usage)
 		os.Exit(2)

@@ -1,5 +1,3 @@
-//go:build simwip
-
 package main
 
 // The simulator stands in for everything a Cozystack installation has and
@@ -44,9 +42,9 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/tools/clientcmd"
-	"k8s.io/client-go/rest"
 )
 
 // Cozystack names (DESIGN.md §1).
@@ -192,6 +190,8 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 	}
 	restCfg.QPS, restCfg.Burst = 50, 100
 	restCfg.UserAgent = "volume-gate-sim"
+	// API warnings (e.g. about finalizer names in test fixtures) are noise here.
+	restCfg.WarningHandler = rest.NoWarnings{}
 	mgmt, err := kubernetes.NewForConfig(restCfg)
 	if err != nil {
 		return err
@@ -494,6 +494,7 @@ func tenantRESTConfig(kubeconfig []byte) (*rest.Config, error) {
 	cfg.QPS, cfg.Burst = 50, 100
 	cfg.Timeout = 15 * time.Second
 	cfg.UserAgent = "volume-gate-sim"
+	cfg.WarningHandler = rest.NoWarnings{}
 	return cfg, nil
 }
 

@@ -1,5 +1,3 @@
-//go:build simwip
-
 package main
 
 import (
@@ -268,23 +266,26 @@ func (d *driver) syncVolume(ctx context.Context, name string) error {
 		if existed {
 			d.t.logf("storage", "deleted", "volume %s (pv %s, claim %s)", handle, pv.Name, claimOf(pv))
 		}
-		if err := d.dropFinalizer(ctx, pv); err != nil {
+		if _, err := d.dropFinalizer(ctx, pv); err != nil {
 			return err
 		}
 		if pv.DeletionTimestamp == nil {
 			pre := metav1.Preconditions{UID: &pv.UID}
 			opts := backgroundDeletion()
 			opts.Preconditions = &pre
-			if err := d.cs.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, opts); err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) {
+			err := d.cs.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, opts)
+			switch {
+			case err == nil:
+				d.t.logf("driver", "deleted", "pv=%s handle=%s (DeleteVolume done)", pv.Name, handle)
+			case !apierrors.IsNotFound(err) && !apierrors.IsConflict(err):
 				return fmt.Errorf("delete PV %s: %w", pv.Name, err)
 			}
 		}
-		d.t.logf("driver", "deleted", "pv=%s handle=%s (DeleteVolume)", pv.Name, handle)
 	case corev1.PersistentVolumeReclaimRetain:
 		// Retained volumes stay on storage; only our finalizer goes, so the
 		// PV object itself can be deleted.
 		if pv.DeletionTimestamp != nil && slices.Contains(pv.Finalizers, provisionerFinalizer) {
-			if err := d.dropFinalizer(ctx, pv); err != nil {
+			if removed, err := d.dropFinalizer(ctx, pv); err != nil || !removed {
 				return err
 			}
 			d.t.logf("driver", "retained", "pv=%s deleted; volume %s stays on storage (reclaim policy Retain)", pv.Name, handle)
@@ -293,16 +294,21 @@ func (d *driver) syncVolume(ctx context.Context, name string) error {
 	return nil
 }
 
-func (d *driver) dropFinalizer(ctx context.Context, pv *corev1.PersistentVolume) error {
+// dropFinalizer removes the provisioner's finalizer from pv (as cached; a
+// stale copy makes the guarded patch fail and the item is retried).
+func (d *driver) dropFinalizer(ctx context.Context, pv *corev1.PersistentVolume) (bool, error) {
 	patch, ok := withoutFinalizer(pv.Finalizers, provisionerFinalizer)
 	if !ok {
-		return nil
+		return false, nil
 	}
 	_, err := d.cs.CoreV1().PersistentVolumes().Patch(ctx, pv.Name, types.JSONPatchType, patch, metav1.PatchOptions{})
-	if err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("remove finalizer from PV %s: %w", pv.Name, err)
+	switch {
+	case apierrors.IsNotFound(err):
+		return false, nil
+	case err != nil:
+		return false, fmt.Errorf("remove finalizer from PV %s: %w", pv.Name, err)
 	}
-	return nil
+	return true, nil
 }
 
 func claimOf(pv *corev1.PersistentVolume) string {

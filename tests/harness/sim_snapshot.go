@@ -1,5 +1,3 @@
-//go:build simwip
-
 package main
 
 import (
@@ -40,8 +38,8 @@ const (
 )
 
 type snapshotter struct {
-	d                 *driver
-	vs, vsc, vsclass  cache.GenericLister
+	d                *driver
+	vs, vsc, vsclass cache.GenericLister
 }
 
 func (d *driver) runSnapshots(ctx context.Context) {

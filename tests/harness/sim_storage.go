@@ -1,5 +1,3 @@
-//go:build simwip
-
 package main
 
 import (
@@ -36,7 +34,7 @@ type volumeRecord struct {
 	PV              string `json:"pv,omitempty"`
 	StorageClass    string `json:"storageClass,omitempty"`
 	Capacity        string `json:"capacity"`
-	Snapshot        string `json:"snapshot,omitempty"`       // namespace/name of the VolumeSnapshot
+	Snapshot        string `json:"snapshot,omitempty"`           // namespace/name of the VolumeSnapshot
 	SourceHandle    string `json:"sourceVolumeHandle,omitempty"` // snapshots: the volume it was taken of
 	Created         string `json:"created"`
 }
@@ -76,6 +74,10 @@ func (st *storage) create(rec volumeRecord) (created bool, err error) {
 	}
 	defer os.Remove(tmp.Name())
 	if _, err := tmp.Write(append(body, '\n')); err != nil {
+		tmp.Close()
+		return false, err
+	}
+	if err := tmp.Chmod(0o644); err != nil {
 		tmp.Close()
 		return false, err
 	}

@@ -1,5 +1,3 @@
-//go:build simwip
-
 package main
 
 import (

@@ -1,0 +1,176 @@
+//! The real control plane for a test binary: kube-apiserver,
+//! kube-controller-manager (and kube-scheduler on tenant clusters) and etcd,
+//! built and run by `tests/harness`. One control plane is shared by the tests
+//! of a binary; it stops when the test process exits, however it exits (the
+//! supervisor watches our PID).
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+use k8s_openapi::api::authentication::v1::{TokenRequest, TokenRequestSpec};
+use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
+use kube::api::{Api, ObjectMeta, PostParams};
+use serde::Deserialize;
+
+pub fn repo_root() -> PathBuf {
+    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+}
+
+/// One cluster of the harness (`DIR/NAME/info.json`).
+#[derive(Debug, Clone, Deserialize)]
+pub struct ClusterInfo {
+    pub name: String,
+    pub server: String,
+    pub kubeconfig: PathBuf,
+    pub ca_file: PathBuf,
+}
+
+pub struct ControlPlane {
+    pub state: PathBuf,
+    pub harness: PathBuf,
+    pub management: ClusterInfo,
+    /// The tenant cluster started with the control plane, handed to the first tenant.
+    pub first_tenant_cluster: String,
+    names: AtomicUsize,
+}
+
+static CONTROL_PLANE: OnceLock<ControlPlane> = OnceLock::new();
+
+/// The harness binary, built on first use into a cache keyed by its sources.
+pub fn harness_binary() -> PathBuf {
+    static BIN: OnceLock<PathBuf> = OnceLock::new();
+    BIN.get_or_init(|| {
+        let out = Command::new("bash")
+            .arg(repo_root().join("tests/harness/build.sh"))
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run tests/harness/build.sh");
+        assert!(out.status.success(), "tests/harness/build.sh failed (see its messages above)");
+        PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
+    })
+    .clone()
+}
+
+/// The shared control plane of this test binary, started on first use.
+pub fn control_plane() -> &'static ControlPlane {
+    CONTROL_PLANE.get_or_init(|| {
+        let harness = harness_binary();
+        let state = std::env::temp_dir().join(format!("volume-gate-cp-{}", std::process::id()));
+        std::fs::create_dir_all(&state).expect("state dir");
+        let started = std::time::Instant::now();
+        let out = Command::new(&harness)
+            .args(["up", "--state"])
+            .arg(&state)
+            .args(["--owner-pid", &std::process::id().to_string(), "--tenant", "t0"])
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run harness up");
+        assert!(out.status.success(), "harness up failed; logs in {}", state.join("logs").display());
+        eprintln!("control plane up in {:.1}s (state {})", started.elapsed().as_secs_f64(), state.display());
+        let management = read_info(&state, "management");
+        ControlPlane { state, harness, management, first_tenant_cluster: "t0".into(), names: AtomicUsize::new(0) }
+    })
+}
+
+fn read_info(state: &Path, name: &str) -> ClusterInfo {
+    let path = state.join(name).join("info.json");
+    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("parse {}: {e}", path.display()))
+}
+
+impl ControlPlane {
+    /// A name unique within this test binary: `prefix-N`.
+    pub fn unique(&self, prefix: &str) -> String {
+        format!("{prefix}-{}", self.names.fetch_add(1, Ordering::SeqCst))
+    }
+
+    /// Starts (or finds running) the harness cluster `name`.
+    pub fn cluster_up(&self, name: &str) -> ClusterInfo {
+        let out = Command::new(&self.harness)
+            .args(["cluster", "up", name, "--state"])
+            .arg(&self.state)
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run harness cluster up");
+        assert!(out.status.success(), "harness cluster up {name} failed; logs in {}", self.state.join("logs").display());
+        serde_json::from_slice(&out.stdout).expect("cluster info JSON")
+    }
+
+    /// Stops the harness cluster `name` (its API server stops answering).
+    pub fn cluster_down(&self, name: &str) {
+        let status = Command::new(&self.harness)
+            .args(["cluster", "down", name, "--state"])
+            .arg(&self.state)
+            .status()
+            .expect("run harness cluster down");
+        assert!(status.success(), "harness cluster down {name} failed");
+    }
+
+    pub async fn management_client(&self) -> kube::Client {
+        client_from(&self.management.kubeconfig).await
+    }
+
+    /// The harness's own kubectl against a kubeconfig.
+    pub fn kubectl(&self, kubeconfig: &Path) -> Command {
+        let mut c = Command::new(&self.harness);
+        c.arg("kubectl").arg("--kubeconfig").arg(kubeconfig);
+        c
+    }
+
+    /// Creates a namespace in the management cluster.
+    pub async fn namespace(&self, name: &str) {
+        let api: Api<Namespace> = Api::all(self.management_client().await);
+        let ns = Namespace { metadata: ObjectMeta { name: Some(name.into()), ..Default::default() }, ..Default::default() };
+        match api.create(&PostParams::default(), &ns).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => {}
+            Err(e) => panic!("create namespace {name}: {e}"),
+        }
+    }
+
+    /// A kubeconfig file for a ServiceAccount of the management cluster,
+    /// with a token from TokenRequest: the identity a component runs as.
+    pub async fn service_account_kubeconfig(&self, namespace: &str, name: &str) -> PathBuf {
+        let client = self.management_client().await;
+        let api: Api<ServiceAccount> = Api::namespaced(client, namespace);
+        let req = TokenRequest {
+            spec: Some(TokenRequestSpec { expiration_seconds: Some(24 * 3600), ..Default::default() }),
+            ..Default::default()
+        };
+        let token = api
+            .create_token_request(name, &PostParams::default(), &req)
+            .await
+            .unwrap_or_else(|e| panic!("TokenRequest for {namespace}/{name}: {e}"))
+            .status
+            .expect("token status")
+            .token;
+        let ca = std::fs::read(&self.management.ca_file).expect("read CA");
+        use base64::Engine;
+        let kc = serde_json::json!({
+            "apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "management", "cluster": {
+                "server": self.management.server,
+                "certificate-authority-data": base64::engine::general_purpose::STANDARD.encode(ca)}}],
+            "users": [{"name": name, "user": {"token": token}}],
+            "contexts": [{"name": "sa", "context": {"cluster": "management", "user": name}}],
+            "current-context": "sa",
+        });
+        let path = self.state.join(format!("sa-{namespace}-{name}.kubeconfig"));
+        std::fs::write(&path, serde_json::to_vec_pretty(&kc).unwrap()).expect("write SA kubeconfig");
+        path
+    }
+
+    pub async fn service_account_client(&self, namespace: &str, name: &str) -> kube::Client {
+        client_from(&self.service_account_kubeconfig(namespace, name).await).await
+    }
+}
+
+pub async fn client_from(kubeconfig: &Path) -> kube::Client {
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap_or_else(|e| panic!("read {}: {e}", kubeconfig.display()));
+    let config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+        .await
+        .unwrap_or_else(|e| panic!("kubeconfig {}: {e}", kubeconfig.display()));
+    kube::Client::try_from(config).expect("client")
+}

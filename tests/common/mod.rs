@@ -1,0 +1,54 @@
+//! The test fixture: a real control plane, the gate installed from
+//! `manifests/`, the simulator, and Cozystack tenants.
+#![allow(dead_code)]
+
+pub mod cluster;
+pub mod gate;
+pub mod manifests;
+pub mod process;
+pub mod sim;
+pub mod tenant;
+pub mod wait;
+
+use std::sync::OnceLock;
+
+/// The gate and the simulator, shared by the tests of a binary.
+pub struct Env {
+    pub cp: &'static cluster::ControlPlane,
+    /// `None` without the gate.
+    pub gate: Option<std::sync::Mutex<gate::Gate>>,
+    pub sim: sim::Simulator,
+}
+
+/// Control plane, simulator and gate, started once per test binary. Async
+/// set-up runs on a runtime of its own: each test has its own runtime.
+pub fn gated() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let cp = cluster::control_plane();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            let gate = rt.block_on(gate::Gate::install(cp));
+            let sim = sim::Simulator::start(cp);
+            Env { cp, gate: Some(std::sync::Mutex::new(gate)), sim }
+        })
+        .join()
+        .expect("gate install")
+    })
+}
+
+/// Control plane and simulator without the gate: the world as it was.
+pub fn ungated() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let cp = cluster::control_plane();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(gate::apply_crds(cp));
+        })
+        .join()
+        .expect("CRDs");
+        let sim = sim::Simulator::start(cp);
+        Env { cp, gate: None, sim }
+    })
+}

@@ -1,0 +1,87 @@
+//! Processes a test starts (webhook, worker, simulator), stopped by their
+//! own PIDs: on drop, and by the kernel if the test process dies first.
+
+use std::path::PathBuf;
+use std::process::{Child, Command, Stdio};
+use std::sync::mpsc;
+use std::sync::{Mutex, OnceLock};
+
+type SpawnRequest = (Command, mpsc::Sender<std::io::Result<Child>>);
+
+/// Children are spawned from one thread that lives as long as the test
+/// process: PR_SET_PDEATHSIG fires when the *spawning thread* exits, and
+/// libtest ends a test's thread when the test ends.
+fn keeper() -> &'static Mutex<mpsc::Sender<SpawnRequest>> {
+    static KEEPER: OnceLock<Mutex<mpsc::Sender<SpawnRequest>>> = OnceLock::new();
+    KEEPER.get_or_init(|| {
+        let (tx, rx) = mpsc::channel::<SpawnRequest>();
+        std::thread::Builder::new()
+            .name("process-keeper".into())
+            .spawn(move || {
+                for (mut cmd, reply) in rx {
+                    use std::os::unix::process::CommandExt;
+                    // SAFETY: prctl is async-signal-safe; nothing else runs between fork and exec.
+                    unsafe {
+                        cmd.pre_exec(|| {
+                            if libc::prctl(libc::PR_SET_PDEATHSIG, libc::SIGKILL) != 0 {
+                                return Err(std::io::Error::last_os_error());
+                            }
+                            Ok(())
+                        });
+                    }
+                    let _ = reply.send(cmd.spawn());
+                }
+            })
+            .expect("spawn keeper thread");
+        Mutex::new(tx)
+    })
+}
+
+pub struct Process {
+    pub name: String,
+    pub log: PathBuf,
+    child: Mutex<Option<Child>>,
+}
+
+impl Process {
+    /// Starts `cmd` with stdout and stderr appended to `log`.
+    pub fn start(name: &str, mut cmd: Command, log: PathBuf) -> Process {
+        let file = std::fs::OpenOptions::new().create(true).append(true).open(&log).expect("open log");
+        cmd.stdin(Stdio::null()).stdout(file.try_clone().expect("dup log")).stderr(file);
+        let (tx, rx) = mpsc::channel();
+        keeper().lock().unwrap().send((cmd, tx)).expect("keeper alive");
+        let child = rx.recv().expect("keeper replies").unwrap_or_else(|e| panic!("start {name}: {e}"));
+        Process { name: name.into(), log, child: Mutex::new(Some(child)) }
+    }
+
+    pub fn pid(&self) -> Option<u32> {
+        self.child.lock().unwrap().as_ref().map(|c| c.id())
+    }
+
+    /// Sends `signal` (e.g. libc::SIGKILL) and reaps the process.
+    pub fn kill(&self, signal: i32) {
+        if let Some(mut child) = self.child.lock().unwrap().take() {
+            // SAFETY: a plain kill(2) of our own child's PID.
+            unsafe { libc::kill(child.id() as i32, signal) };
+            let _ = child.wait();
+        }
+    }
+
+    /// Whether it is still running.
+    pub fn alive(&self) -> bool {
+        match self.child.lock().unwrap().as_mut() {
+            Some(c) => matches!(c.try_wait(), Ok(None)),
+            None => false,
+        }
+    }
+
+    pub fn log_text(&self) -> String {
+        std::fs::read_to_string(&self.log).unwrap_or_default()
+    }
+}
+
+impl Drop for Process {
+    fn drop(&mut self) {
+        self.kill(libc::SIGTERM);
+    }
+}

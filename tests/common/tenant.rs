@@ -1,0 +1,279 @@
+//! A Cozystack tenant Kubernetes cluster, built as Cozystack builds it: the
+//! namespace, the parent and child HelmReleases with the real labels, the
+//! control plane objects, and `R-admin-kubeconfig` pointing at a real tenant
+//! API server of the harness; and workloads with claims inside it.
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::StatefulSet;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, Secret};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use serde_json::{Value, json};
+
+use super::cluster::{ClusterInfo, ControlPlane, client_from, repo_root};
+use super::gate::helmrelease_resource;
+use super::manifests;
+use super::wait::eventually;
+use volume_gate::record::{Keys, Record};
+
+pub const STORAGE_CLASS: &str = "sim";
+pub const RETAIN_STORAGE_CLASS: &str = "sim-retain";
+pub const CLUSTER_ANNOTATION: &str = "harness.volume-gate.test/cluster";
+
+pub fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)
+}
+
+pub fn kcp_resource() -> ApiResource {
+    resource("controlplane.cluster.x-k8s.io", "v1alpha1", "KamajiControlPlane", "kamajicontrolplanes")
+}
+
+pub fn tcp_resource() -> ApiResource {
+    resource("kamaji.clastix.io", "v1alpha1", "TenantControlPlane", "tenantcontrolplanes")
+}
+
+pub struct Tenant {
+    /// The tenant namespace in the management cluster.
+    pub namespace: String,
+    /// R, the parent release's name.
+    pub name: String,
+    pub cluster: ClusterInfo,
+    pub management: kube::Client,
+    pub api: kube::Client,
+}
+
+fn obj(ar: &ApiResource, ns: &str, name: &str, labels: Value, body: Value) -> DynamicObject {
+    let mut o = DynamicObject::new(name, ar).within(ns);
+    o.metadata.labels = serde_json::from_value(labels).unwrap();
+    o.data = body;
+    o
+}
+
+impl Tenant {
+    /// Creates a tenant named `app` (parent `kubernetes-<app>` in namespace
+    /// `tenant-<app>`) with a tenant API server of its own.
+    pub async fn create(cp: &ControlPlane, app: &str) -> Tenant {
+        static FIRST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+        let cluster_name = if FIRST.swap(false, std::sync::atomic::Ordering::SeqCst) {
+            cp.first_tenant_cluster.clone()
+        } else {
+            cp.unique("t")
+        };
+        let cluster = cp.cluster_up(&cluster_name);
+        let management = cp.management_client().await;
+        let api = client_from(&cluster.kubeconfig).await;
+        let namespace = format!("tenant-{app}");
+        let name = format!("kubernetes-{app}");
+        cp.namespace(&namespace).await;
+        let t = Tenant { namespace, name, cluster, management, api };
+        t.create_management_objects().await;
+        manifests::apply_file(&t.api, &repo_root().join("tests/fixtures/tenant-storageclass.yaml")).await;
+        t
+    }
+
+    async fn create_management_objects(&self) {
+        let (ns, r) = (self.namespace.as_str(), self.name.as_str());
+        let hr = helmrelease_resource();
+        let hrs: Api<DynamicObject> = Api::namespaced_with(self.management.clone(), ns, &hr);
+        let pp = PostParams::default();
+        let mut parent = obj(
+            &hr,
+            ns,
+            r,
+            json!({
+                "apps.cozystack.io/application.kind": "Kubernetes",
+                "apps.cozystack.io/application.group": "apps.cozystack.io",
+                "apps.cozystack.io/application.name": r.trim_start_matches("kubernetes-"),
+                "sharding.fluxcd.io/key": "shard1",
+            }),
+            json!({"spec": {"chart": {"spec": {"chart": "kubernetes"}}, "interval": "5m"}}),
+        );
+        parent.metadata.finalizers = Some(vec!["finalizers.fluxcd.io".into()]);
+        hrs.create(&pp, &parent).await.expect("create parent HelmRelease");
+        for child in ["csi", "cilium", "coredns"] {
+            let mut c = obj(
+                &hr,
+                ns,
+                &format!("{r}-{child}"),
+                json!({"cozystack.io/target-cluster-name": r}),
+                json!({"spec": {"chart": {"spec": {"chart": child}}, "kubeConfig": {"secretRef": {"name": format!("{r}-admin-kubeconfig")}}}}),
+            );
+            c.metadata.finalizers = Some(vec!["finalizers.fluxcd.io".into()]);
+            hrs.create(&pp, &c).await.expect("create child HelmRelease");
+        }
+        let kcps: Api<DynamicObject> = Api::namespaced_with(self.management.clone(), ns, &kcp_resource());
+        kcps.create(&pp, &obj(&kcp_resource(), ns, r, json!({}), json!({"spec": {"version": "v1.33.0"}}))).await.expect("create KamajiControlPlane");
+        let tcps: Api<DynamicObject> = Api::namespaced_with(self.management.clone(), ns, &tcp_resource());
+        let mut tcp = obj(&tcp_resource(), ns, r, json!({}), json!({"spec": {}}));
+        tcp.metadata.annotations = Some(BTreeMap::from([(CLUSTER_ANNOTATION.to_string(), self.cluster.name.clone())]));
+        let tcp = tcps.create(&pp, &tcp).await.expect("create TenantControlPlane");
+
+        let kubeconfig = std::fs::read(&self.cluster.kubeconfig).expect("tenant kubeconfig");
+        let secret: Secret = serde_json::from_value(json!({
+            "metadata": {
+                "name": format!("{r}-admin-kubeconfig"),
+                "namespace": ns,
+                "labels": {"kamaji.clastix.io/name": r, "kamaji.clastix.io/component": "admin-kubeconfig"},
+                "ownerReferences": [{
+                    "apiVersion": "kamaji.clastix.io/v1alpha1", "kind": "TenantControlPlane",
+                    "name": r, "uid": tcp.metadata.uid.clone().expect("tcp uid"),
+                }],
+            },
+            "data": {
+                "super-admin.svc": base64(&kubeconfig),
+                "super-admin.conf": base64(&kubeconfig),
+            },
+        }))
+        .unwrap();
+        Api::<Secret>::namespaced(self.management.clone(), ns).create(&pp, &secret).await.expect("create admin kubeconfig Secret");
+    }
+
+    pub fn hr_api(&self) -> Api<DynamicObject> {
+        Api::namespaced_with(self.management.clone(), &self.namespace, &helmrelease_resource())
+    }
+
+    pub async fn parent(&self) -> Option<DynamicObject> {
+        self.hr_api().get_opt(&self.name).await.expect("get parent")
+    }
+
+    pub async fn record(&self) -> Record {
+        let p = self.parent().await.expect("parent exists");
+        Record::from_annotations(&Keys::new("volumes.cozystack.io/"), &p.metadata.annotations.unwrap_or_default())
+    }
+
+    /// Deletes the Kubernetes application: the parent release.
+    pub async fn delete_parent(&self) {
+        self.hr_api().delete(&self.name, &DeleteParams::default()).await.expect("delete parent HelmRelease");
+    }
+
+    /// Waits until the parent release is gone from the management cluster.
+    pub async fn wait_parent_gone(&self, timeout: Duration) {
+        let api = self.hr_api();
+        let name = self.name.clone();
+        eventually(&format!("parent {}/{} gone", self.namespace, self.name), timeout, || {
+            let (api, name) = (api.clone(), name.clone());
+            async move {
+                match api.get_opt(&name).await.map_err(|e| e.to_string())? {
+                    None => Ok(()),
+                    Some(p) => Err(format!(
+                        "still there: finalizers {:?}, annotations {:?}",
+                        p.metadata.finalizers,
+                        p.metadata.annotations.unwrap_or_default().into_iter().filter(|(k, _)| k.starts_with("volumes.")).collect::<Vec<_>>()
+                    )),
+                }
+            }
+        })
+        .await
+    }
+
+    /// Waits until the worker has taken the tenant into custody.
+    pub async fn wait_custody(&self) {
+        let api = self.hr_api();
+        let name = self.name.clone();
+        eventually("custody finalizer on the parent", Duration::from_secs(30), || {
+            let (api, name) = (api.clone(), name.clone());
+            async move {
+                let p = api.get(&name).await.map_err(|e| e.to_string())?;
+                let f = p.metadata.finalizers.unwrap_or_default();
+                if f.iter().any(|f| f == "volumes.cozystack.io/release") { Ok(()) } else { Err(format!("{f:?}")) }
+            }
+        })
+        .await
+    }
+
+    // ---- inside the tenant cluster ----
+
+    pub async fn tenant_namespace(&self, ns: &str) {
+        let api: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(self.api.clone());
+        let n = serde_json::from_value(json!({"metadata": {"name": ns}})).unwrap();
+        match api.create(&PostParams::default(), &n).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => {}
+            Err(e) => panic!("create tenant namespace {ns}: {e}"),
+        }
+    }
+
+    pub async fn claim(&self, ns: &str, name: &str, class: &str) {
+        let pvc: PersistentVolumeClaim = serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": class,
+                     "resources": {"requests": {"storage": "1Gi"}}},
+        }))
+        .unwrap();
+        Api::<PersistentVolumeClaim>::namespaced(self.api.clone(), ns).create(&PostParams::default(), &pvc).await.expect("create claim");
+    }
+
+    /// A Pod mounting each of `claims`.
+    pub async fn pod(&self, ns: &str, name: &str, claims: &[&str]) {
+        let volumes: Vec<Value> = claims
+            .iter()
+            .enumerate()
+            .map(|(i, c)| json!({"name": format!("v{i}"), "persistentVolumeClaim": {"claimName": c}}))
+            .collect();
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"terminationGracePeriodSeconds": 1, "containers": [{"name": "app", "image": "busybox"}], "volumes": volumes},
+        }))
+        .unwrap();
+        Api::<Pod>::namespaced(self.api.clone(), ns).create(&PostParams::default(), &pod).await.expect("create pod");
+    }
+
+    /// A Pod with a generic ephemeral volume (claim `<pod>-scratch`).
+    pub async fn ephemeral_pod(&self, ns: &str, name: &str) {
+        let pod: Pod = serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {"terminationGracePeriodSeconds": 1, "containers": [{"name": "app", "image": "busybox"}],
+                     "volumes": [{"name": "scratch", "ephemeral": {"volumeClaimTemplate": {"spec": {
+                         "accessModes": ["ReadWriteOnce"], "storageClassName": STORAGE_CLASS,
+                         "resources": {"requests": {"storage": "1Gi"}}}}}}]},
+        }))
+        .unwrap();
+        Api::<Pod>::namespaced(self.api.clone(), ns).create(&PostParams::default(), &pod).await.expect("create ephemeral pod");
+    }
+
+    /// A StatefulSet whose Pods each get a claim from a template.
+    pub async fn statefulset(&self, ns: &str, name: &str, replicas: i32) {
+        let sts: StatefulSet = serde_json::from_value(json!({
+            "metadata": {"name": name, "namespace": ns},
+            "spec": {
+                "replicas": replicas, "serviceName": name,
+                "selector": {"matchLabels": {"app": name}},
+                "template": {"metadata": {"labels": {"app": name}}, "spec": {
+                    "terminationGracePeriodSeconds": 1,
+                    "containers": [{"name": "db", "image": "postgres", "volumeMounts": [{"name": "data", "mountPath": "/data"}]}]}},
+                "volumeClaimTemplates": [{"metadata": {"name": "data"}, "spec": {
+                    "accessModes": ["ReadWriteOnce"], "storageClassName": STORAGE_CLASS,
+                    "resources": {"requests": {"storage": "1Gi"}}}}],
+            },
+        }))
+        .unwrap();
+        Api::<StatefulSet>::namespaced(self.api.clone(), ns).create(&PostParams::default(), &sts).await.expect("create statefulset");
+    }
+
+    /// Waits until `n` claims are Bound and every Pod is Running.
+    pub async fn wait_settled(&self, claims: usize, pods: usize) {
+        let api = self.api.clone();
+        eventually(&format!("{claims} claims bound and {pods} pods running in {}", self.name), Duration::from_secs(90), || {
+            let api = api.clone();
+            async move {
+                let pvcs = Api::<PersistentVolumeClaim>::all(api.clone()).list(&ListParams::default()).await.map_err(|e| e.to_string())?;
+                let bound = pvcs.items.iter().filter(|c| c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")).count();
+                let podl = Api::<Pod>::all(api).list(&ListParams::default()).await.map_err(|e| e.to_string())?;
+                let running = podl.items.iter().filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")).count();
+                if bound >= claims && running >= pods { Ok(()) } else { Err(format!("{bound} bound, {running} running")) }
+            }
+        })
+        .await
+    }
+
+    pub async fn pv_count(&self) -> usize {
+        Api::<PersistentVolume>::all(self.api.clone()).list(&ListParams::default()).await.expect("list PVs").items.len()
+    }
+}
+
+pub fn base64(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
