@@ -338,14 +338,12 @@ type lazyInformer struct {
 	gvr     schema.GroupVersionResource
 	handler cache.ResourceEventHandler
 
-	mu      sync.Mutex
-	lister  cache.GenericLister
-	synced  chan struct{}
-	started bool
+	mu     sync.Mutex
+	lister cache.GenericLister // nil until the resource is served
 }
 
 func newLazyInformer(s *sim, f dynamicinformer.DynamicSharedInformerFactory, gvr schema.GroupVersionResource, h cache.ResourceEventHandler) *lazyInformer {
-	return &lazyInformer{s: s, factory: f, gvr: gvr, handler: h, synced: make(chan struct{})}
+	return &lazyInformer{s: s, factory: f, gvr: gvr, handler: h}
 }
 
 func (li *lazyInformer) run(ctx context.Context) {
@@ -353,6 +351,11 @@ func (li *lazyInformer) run(ctx context.Context) {
 		return
 	}
 	inf := li.factory.ForResource(li.gvr)
+	// The lister is published before the informer starts: event handlers
+	// (which run after the cache holds the object) look objects up in it.
+	li.mu.Lock()
+	li.lister = inf.Lister()
+	li.mu.Unlock()
 	if _, err := inf.Informer().AddEventHandler(li.handler); err != nil {
 		li.s.log.printf("sim", "", "error", "watch %s: %v", li.gvr.Resource, err)
 		return
@@ -361,11 +364,6 @@ func (li *lazyInformer) run(ctx context.Context) {
 	if !cache.WaitForCacheSync(ctx.Done(), inf.Informer().HasSynced) {
 		return
 	}
-	li.mu.Lock()
-	li.lister = inf.Lister()
-	li.started = true
-	li.mu.Unlock()
-	close(li.synced)
 	li.s.log.printf("sim", "", "watching", "%s", li.gvr.GroupResource())
 }
 

@@ -130,8 +130,10 @@ func (d *driver) processNext(ctx context.Context) bool {
 		err = d.syncVolume(ctx, rest)
 	case "vs", "vsc":
 		sn := d.snap.Load()
-		if sn == nil {
-			break // cannot happen: only the snapshot informers queue these
+		if sn == nil || !sn.synced() {
+			// Decide on complete caches only.
+			d.q.AddAfter(key, time.Second)
+			break
 		}
 		if kind == "vs" {
 			err = sn.syncSnapshot(ctx, rest)

@@ -18,6 +18,7 @@ import (
 	"k8s.io/client-go/kubernetes"
 	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/retry"
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/utils/ptr"
 )
@@ -349,6 +350,11 @@ func (k *kubelet) heartbeat(ctx context.Context) {
 }
 
 func (k *kubelet) updateNode(ctx context.Context) error {
+	// The node-lifecycle controller writes the Node too (taints, at first).
+	return retry.RetryOnConflict(retry.DefaultRetry, func() error { return k.updateNodeOnce(ctx) })
+}
+
+func (k *kubelet) updateNodeOnce(ctx context.Context) error {
 	nodes := k.cs.CoreV1().Nodes()
 	node, err := nodes.Get(ctx, simNodeName, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
@@ -434,5 +440,8 @@ func (k *kubelet) renewLease(ctx context.Context) error {
 	}
 	lease.Spec.HolderIdentity, lease.Spec.LeaseDurationSeconds, lease.Spec.RenewTime = ptr.To(simNodeName), ptr.To[int32](leaseDuration), &now
 	_, err = leases.Update(ctx, lease, metav1.UpdateOptions{})
+	if apierrors.IsConflict(err) {
+		return nil // someone else wrote it; renewed on the next beat
+	}
 	return err
 }

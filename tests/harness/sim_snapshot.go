@@ -40,6 +40,7 @@ const (
 type snapshotter struct {
 	d                *driver
 	vs, vsc, vsclass cache.GenericLister
+	synced           func() bool
 }
 
 func (d *driver) runSnapshots(ctx context.Context) {
@@ -87,13 +88,16 @@ func (d *driver) runSnapshots(ctx context.Context) {
 		UpdateFunc: func(_, obj any) { contentChanged(obj) },
 		DeleteFunc: contentChanged,
 	})
-	classInf.Informer()
+	sn.synced = func() bool {
+		return vsInf.Informer().HasSynced() && vscInf.Informer().HasSynced() && classInf.Informer().HasSynced()
+	}
+	// Set before the informers start: their first events queue work for it.
+	d.setSnapshotter(sn)
 	f.Start(ctx.Done())
 	defer f.Shutdown()
-	if !cache.WaitForCacheSync(ctx.Done(), vsInf.Informer().HasSynced, vscInf.Informer().HasSynced, classInf.Informer().HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), sn.synced) {
 		return
 	}
-	d.setSnapshotter(sn)
 	d.t.logf("driver", "snapshots", "tenant serves snapshot.storage.k8s.io/v1: handling VolumeSnapshots")
 	<-ctx.Done()
 }
