@@ -8,6 +8,7 @@ use std::time::Duration;
 use common::tenant::{STORAGE_CLASS, Tenant};
 use kube::api::{Api, DeleteParams, ListParams};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use serde_json::json;
 use volume_gate::record::Phase;
 
 fn env() -> &'static common::Env {
@@ -107,4 +108,88 @@ async fn deleting_the_tenant_namespace_leaves_zero_volumes() {
     assert!(left.is_empty(), "volumes left after deleting the namespace: {left:?}");
     let _ = Phase::Released;
     let _ = ListParams::default();
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_silent_tenant_api_blocks_loudly_and_an_authorized_override_finishes_the_teardown() {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("silent")).await;
+    t.wait_custody().await;
+    t.tenant_namespace("apps").await;
+    t.claim("apps", "data", STORAGE_CLASS).await;
+    t.pod("apps", "p", &["data"]).await;
+    t.wait_settled(1, 1).await;
+    // A port that accepts connections and never answers: an API server that exists and is silent.
+    let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
+    t.point_kubeconfig_at(&format!("https://127.0.0.1:{}", silent.local_addr().unwrap().port())).await;
+
+    t.delete_parent().await;
+    let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
+    let message = record.message.unwrap_or_default();
+    assert!(message.contains("did not answer /readyz within 3s"), "{message}");
+    let events = t.events().await;
+    assert!(events.iter().any(|(ty, reason, note)| ty == "Warning" && reason == "Blocked" && note.contains("/readyz")), "{events:?}");
+    // Nothing wedged silently: the CSI release is still held, and says why.
+    let err = t.hr_api().delete(&format!("{}-csi", t.name), &DeleteParams::default()).await.expect_err("held");
+    assert!(err.to_string().contains("phase Blocked"), "{err}");
+
+    // Someone who may edit releases but lacks the override permission cannot abandon the volumes.
+    grant_release_editing(&t, "editors").await;
+    let mallory = env.cp.client_as("mallory", &["editors", "system:authenticated"]).await;
+    let err = t.annotate_override(&mallory, "let me").await.expect_err("unauthorized override refused");
+    assert!(err.to_string().contains("may not record an override") && err.to_string().contains("\"override\""), "{err}");
+
+    // An authorized person can, and the teardown then finishes.
+    t.grant_override("platform-admins").await;
+    let alice = env.cp.client_as("alice", &["platform-admins", "system:authenticated"]).await;
+    t.annotate_override(&alice, "tenant abandoned; API unrecoverable (ticket 42)").await.expect("authorized override accepted");
+    let record = t.wait_phase(Phase::Overridden, Duration::from_secs(30)).await;
+    let ov = record.override_.expect("override recorded");
+    assert_eq!(ov.by.as_deref(), Some("alice"), "stamped from userInfo");
+    let events = t.events().await;
+    assert!(
+        events.iter().any(|(ty, reason, note)| ty == "Warning" && reason == "Overridden" && note.contains("alice")),
+        "{events:?}"
+    );
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+    // The override abandoned the disk, by decision: it is still on storage.
+    assert_eq!(env.sim.volumes_of(&t.namespace, &t.name).len(), 1);
+    drop(silent);
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn forged_record_stamps_and_custody_removal_are_refused() {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("forge")).await;
+    t.wait_custody().await;
+    let admin = t.hr_api();
+    let forge = |key: &str, value: &str| json!({"metadata": {"annotations": {format!("volumes.cozystack.io/{key}"): value}}});
+    for (key, value) in [("phase", "Released"), ("volumes", "{}"), ("override-by", "root")] {
+        let err = admin
+            .patch(&t.name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&forge(key, value)))
+            .await
+            .expect_err("forged key refused");
+        assert!(err.to_string().contains(key), "{key}: {err}");
+    }
+    let parent = t.parent().await.unwrap();
+    let finalizers: Vec<String> = parent.metadata.finalizers.unwrap_or_default().into_iter().filter(|f| f != "volumes.cozystack.io/release").collect();
+    let err = admin
+        .patch(&t.name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&json!({"metadata": {"finalizers": finalizers}})))
+        .await
+        .expect_err("custody finalizer removal refused");
+    assert!(err.to_string().contains("only the volume-gate worker ends custody"), "{err}");
+}
+
+/// A Role letting `group` get and patch the tenant's releases: a tenant
+/// operator, without the override verb.
+async fn grant_release_editing(t: &Tenant, group: &str) {
+    let role = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
+        "metadata": {"name": "release-editors", "namespace": t.namespace},
+        "rules": [{"apiGroups": ["helm.toolkit.fluxcd.io"], "resources": ["helmreleases"], "verbs": ["get", "patch"]}]});
+    let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
+        "metadata": {"name": "release-editors", "namespace": t.namespace},
+        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "release-editors"},
+        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": group}]});
+    common::manifests::apply(&t.management, &role).await;
+    common::manifests::apply(&t.management, &binding).await;
 }

@@ -416,8 +416,10 @@ pub fn mutate(profile: &Profile, keys: &Keys, change: Change<'_>, who: Requester
         return Vec::new();
     }
     let mut out = Vec::new();
-    // Custody starts before deletion, never during it.
-    if !new.deleting && !new.finalizers.contains(&profile.custody_finalizer) {
+    // Custody starts before deletion, never during it. A removal is not
+    // quietly undone here: the validating guard refuses it, loudly.
+    let removal = old.is_some_and(|o| o.finalizers.contains(&profile.custody_finalizer));
+    if !new.deleting && !removal && !new.finalizers.contains(&profile.custody_finalizer) {
         out.push(Mutation::AddFinalizer { create_list: new.finalizers.is_empty() });
     }
     if annotation(old, &keys.override_reason) != annotation(Some(new), &keys.override_reason) {

@@ -64,10 +64,15 @@ pub fn control_plane() -> &'static ControlPlane {
             .args(["up", "--state"])
             .arg(&state)
             .args(["--owner-pid", &std::process::id().to_string(), "--tenant", "t0"])
-            .stderr(Stdio::inherit())
             .output()
             .expect("run harness up");
-        assert!(out.status.success(), "harness up failed; logs in {}", state.join("logs").display());
+        assert!(
+            out.status.success(),
+            "harness up failed ({}): {}\nlogs in {}",
+            out.status,
+            String::from_utf8_lossy(&out.stderr),
+            state.join("logs").display()
+        );
         eprintln!("control plane up in {:.1}s (state {})", started.elapsed().as_secs_f64(), state.display());
         let management = read_info(&state, "management");
         ControlPlane { state, harness, management, first_tenant_cluster: "t0".into(), names: AtomicUsize::new(0) }
@@ -173,4 +178,16 @@ pub async fn client_from(kubeconfig: &Path) -> kube::Client {
         .await
         .unwrap_or_else(|e| panic!("kubeconfig {}: {e}", kubeconfig.display()));
     kube::Client::try_from(config).expect("client")
+}
+
+impl ControlPlane {
+    /// A management client acting as `user` in `groups` (impersonation by
+    /// the admin): how a test speaks as a person without real credentials.
+    pub async fn client_as(&self, user: &str, groups: &[&str]) -> kube::Client {
+        let kc = kube::config::Kubeconfig::read_from(&self.management.kubeconfig).expect("read kubeconfig");
+        let mut config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default()).await.expect("config");
+        config.auth_info.impersonate = Some(user.to_string());
+        config.auth_info.impersonate_groups = Some(groups.iter().map(|g| g.to_string()).collect());
+        kube::Client::try_from(config).expect("client")
+    }
 }

@@ -277,3 +277,73 @@ pub fn base64(bytes: &[u8]) -> String {
     use base64::Engine;
     base64::engine::general_purpose::STANDARD.encode(bytes)
 }
+
+impl Tenant {
+    /// Events recorded on the parent release (events.k8s.io), as
+    /// `(type, reason, note)`.
+    pub async fn events(&self) -> Vec<(String, String, String)> {
+        let api: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(self.management.clone(), &self.namespace);
+        let mut out: Vec<(String, String, String)> = api
+            .list(&ListParams::default())
+            .await
+            .expect("list events")
+            .items
+            .into_iter()
+            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(self.name.as_str()))
+            .map(|e| (e.type_.unwrap_or_default(), e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Points the admin kubeconfig Secret at `server` (e.g. an address where
+    /// nothing answers), keeping its credentials.
+    pub async fn point_kubeconfig_at(&self, server: &str) {
+        let text = std::fs::read_to_string(&self.cluster.kubeconfig).expect("tenant kubeconfig");
+        let moved = text.replace(&self.cluster.server, server);
+        assert_ne!(moved, text, "kubeconfig server replaced");
+        let secrets: Api<Secret> = Api::namespaced(self.management.clone(), &self.namespace);
+        let patch = json!({"data": {"super-admin.svc": base64(moved.as_bytes()), "super-admin.conf": base64(moved.as_bytes())}});
+        secrets
+            .patch(&format!("{}-admin-kubeconfig", self.name), &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
+            .await
+            .expect("patch kubeconfig Secret");
+    }
+
+    /// Waits until the record reaches `phase`, returning it.
+    pub async fn wait_phase(&self, phase: volume_gate::record::Phase, timeout: Duration) -> Record {
+        let api = self.hr_api();
+        let name = self.name.clone();
+        eventually(&format!("phase {phase} on {}", self.name), timeout, || {
+            let (api, name) = (api.clone(), name.clone());
+            async move {
+                let p = api.get_opt(&name).await.map_err(|e| e.to_string())?.ok_or("parent gone")?;
+                let r = Record::from_annotations(&Keys::new("volumes.cozystack.io/"), &p.metadata.annotations.unwrap_or_default());
+                if r.phase == Some(phase) { Ok(r) } else { Err(format!("phase {:?}, message {:?}", r.phase, r.message)) }
+            }
+        })
+        .await
+    }
+
+    /// Records an override as `client`'s user: `kubectl annotate`.
+    pub async fn annotate_override(&self, client: &kube::Client, reason: &str) -> Result<(), kube::Error> {
+        let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &self.namespace, &helmrelease_resource());
+        let patch = json!({"metadata": {"annotations": {"volumes.cozystack.io/override": reason}}});
+        api.patch(&self.name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch)).await.map(|_| ())
+    }
+
+    /// Grants `group` the override verb on this tenant's namespace, from the
+    /// shipped example Role.
+    pub async fn grant_override(&self, group: &str) {
+        let path = repo_root().join("manifests/examples/override-role.yaml");
+        let text = std::fs::read_to_string(&path).expect("override-role.yaml");
+        let docs: Vec<Value> = serde_saphyr::from_multiple(&text).expect("parse override-role.yaml");
+        for mut d in docs.into_iter().filter(|d| !d.is_null()) {
+            d["metadata"]["namespace"] = json!(self.namespace);
+            if d["kind"] == "RoleBinding" {
+                d["subjects"][0]["name"] = json!(group);
+            }
+            manifests::apply(&self.management, &d).await;
+        }
+    }
+}

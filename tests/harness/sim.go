@@ -153,7 +153,8 @@ func (l *simLog) printf(component, tenant, action, format string, args ...any) {
 	if tenant == "" {
 		tenant = "-"
 	}
-	details := fmt.Sprintf(format, args...)
+	// One action, one line: multi-line errors (errors.Join) are folded.
+	details := strings.ReplaceAll(fmt.Sprintf(format, args...), "\n", "; ")
 	line := fmt.Sprintf("%s %-7s %s %s %s", time.Now().UTC().Format("2006-01-02T15:04:05.000Z"), component, tenant, action, details)
 	l.mu.Lock()
 	defer l.mu.Unlock()

@@ -49,12 +49,16 @@ type driver struct {
 
 	// snap is set once the tenant is found to serve the snapshot API.
 	snap atomic.Pointer[snapshotter]
+	// deleted holds the PVs this driver deleted, so that a second delete
+	// from a stale cache (which the API server also answers with success)
+	// is not logged twice. Owned by the worker goroutine.
+	deleted map[types.UID]bool
 }
 
 func (d *driver) setSnapshotter(sn *snapshotter) { d.snap.Store(sn) }
 
 func newDriver(t *tenant, cs kubernetes.Interface, dyn dynamic.Interface) *driver {
-	return &driver{t: t, name: t.s.cfg.driver, cs: cs, dyn: dyn, store: t.s.store}
+	return &driver{t: t, name: t.s.cfg.driver, cs: cs, dyn: dyn, store: t.s.store, deleted: map[types.UID]bool{}}
 }
 
 func newItemQueue(name string) workqueue.TypedRateLimitingInterface[string] {
@@ -277,9 +281,10 @@ func (d *driver) syncVolume(ctx context.Context, name string) error {
 			opts.Preconditions = &pre
 			err := d.cs.CoreV1().PersistentVolumes().Delete(ctx, pv.Name, opts)
 			switch {
-			case err == nil:
+			case err == nil && !d.deleted[pv.UID]:
+				d.deleted[pv.UID] = true
 				d.t.logf("driver", "deleted", "pv=%s handle=%s (DeleteVolume done)", pv.Name, handle)
-			case !apierrors.IsNotFound(err) && !apierrors.IsConflict(err):
+			case err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err):
 				return fmt.Errorf("delete PV %s: %w", pv.Name, err)
 			}
 		}

@@ -193,6 +193,9 @@ func (h *hookRun) run(ctx context.Context) error {
 			h.logf("step2", "WARNING list children: %v", err)
 		} else {
 			for _, c := range left.Items {
+				if len(c.GetFinalizers()) == 0 {
+					continue
+				}
 				patch := []byte(`{"metadata":{"finalizers":null}}`)
 				if _, err := hrs.Patch(ctx, c.GetName(), types.MergePatchType, patch, metav1.PatchOptions{}); err != nil && !apierrors.IsNotFound(err) {
 					h.logf("step2", "WARNING failed to clear finalizers on HelmRelease %s: %v", c.GetName(), err)

@@ -517,6 +517,14 @@ fn custody_finalizer_is_not_added_once_deletion_began() {
 }
 
 #[test]
+fn a_removed_custody_finalizer_is_left_for_the_guard_to_refuse() {
+    let old = meta(parent_labels());
+    let mut new = old.clone();
+    new.finalizers.retain(|f| f != "volumes.cozystack.io/release");
+    assert!(mutations(Some(&old), &new, "mallory").is_empty());
+}
+
+#[test]
 fn children_are_not_mutated() {
     let mut new = meta(child_labels());
     new.finalizers.clear();
