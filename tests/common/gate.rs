@@ -20,8 +20,28 @@ pub const NAMESPACE: &str = "volume-gate";
 pub const WORKER_SA: &str = "volume-gate-worker";
 pub const WEBHOOK_SA: &str = "volume-gate-webhook";
 
+/// The volume-gate binary: Cargo's for tests; for the demo example, built
+/// beside it (examples do not get CARGO_BIN_EXE_*).
 pub fn binary() -> PathBuf {
-    PathBuf::from(env!("CARGO_BIN_EXE_volume-gate"))
+    if let Some(p) = option_env!("CARGO_BIN_EXE_volume-gate") {
+        return PathBuf::from(p);
+    }
+    static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
+    BUILT
+        .get_or_init(|| {
+            let exe = std::env::current_exe().expect("current exe");
+            let profile_dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>/examples");
+            let release = profile_dir.ends_with("release");
+            let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
+            let mut cmd = Command::new(cargo);
+            cmd.args(["build", "--bin", "volume-gate"]).current_dir(super::cluster::repo_root());
+            if release {
+                cmd.arg("--release");
+            }
+            assert!(cmd.status().expect("run cargo build").success(), "cargo build --bin volume-gate failed");
+            profile_dir.join("volume-gate")
+        })
+        .clone()
 }
 
 pub fn free_port() -> u16 {
