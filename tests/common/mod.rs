@@ -23,12 +23,17 @@ pub struct Env {
 /// Control plane, simulator and gate, started once per test binary. Async
 /// set-up runs on a runtime of its own: each test has its own runtime.
 pub fn gated() -> &'static Env {
+    gated_with(gate::test_worker_args())
+}
+
+/// As [`gated`], with these worker flags (the first caller's win).
+pub fn gated_with(worker_args: Vec<String>) -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();
     ENV.get_or_init(|| {
         let cp = cluster::control_plane();
         std::thread::spawn(move || {
             let rt = tokio::runtime::Runtime::new().unwrap();
-            let gate = rt.block_on(gate::Gate::install(cp));
+            let gate = rt.block_on(gate::Gate::install_with(cp, worker_args));
             let sim = sim::Simulator::start(cp);
             Env { cp, gate: Some(std::sync::Mutex::new(gate)), sim }
         })
@@ -51,4 +56,10 @@ pub fn ungated() -> &'static Env {
         let sim = sim::Simulator::start(cp);
         Env { cp, gate: None, sim }
     })
+}
+
+/// Serializes tests that disturb shared processes (killing the worker).
+pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+    static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
+    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
 }

@@ -347,3 +347,29 @@ impl Tenant {
         }
     }
 }
+
+impl Tenant {
+    /// Stops (or restarts) this tenant's simulated CSI driver while its
+    /// release stays installed: a stuck or crashed driver. Returns once the
+    /// simulator has acted on it.
+    pub async fn set_driver(&self, sim: &super::sim::Simulator, running: bool) {
+        let needle = format!("{}/{} {}", self.namespace, self.name, if running { "activated" } else { "deactivated" });
+        let before = sim.log().matches(&needle).count();
+        let value = if running { serde_json::Value::Null } else { json!("stopped") };
+        let patch = json!({"metadata": {"annotations": {"harness.volume-gate.test/driver": value}}});
+        self.hr_api()
+            .patch(&format!("{}-csi", self.name), &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
+            .await
+            .expect("annotate the CSI release");
+        eventually(&format!("simulator saw: {needle}"), Duration::from_secs(20), || {
+            let n = sim.log().matches(&needle).count();
+            async move { if n > before { Ok(()) } else { Err(format!("{n} times")) } }
+        })
+        .await;
+    }
+
+    /// The parent's raw record annotations.
+    pub async fn volumes_annotation(&self) -> Option<String> {
+        self.parent().await.and_then(|p| p.metadata.annotations).and_then(|a| a.get("volumes.cozystack.io/volumes").cloned())
+    }
+}

@@ -59,6 +59,8 @@ const (
 	// annHarnessCluster on a TenantControlPlane names the harness cluster
 	// that serves as that tenant's API server.
 	annHarnessCluster = "harness.volume-gate.test/cluster"
+	// annDriverStopped on R-csi ("stopped") stops that tenant's driver.
+	annDriverStopped = "harness.volume-gate.test/driver"
 )
 
 var (
@@ -220,17 +222,17 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 
 	factory := dynamicinformer.NewDynamicSharedInformerFactory(dyn, 0)
 	s.hrs = newLazyInformer(s, factory, gvrHelmRelease, cache.ResourceEventHandlerFuncs{
-		AddFunc:    func(obj any) { s.onHelmRelease(nil, obj) },
-		UpdateFunc: func(old, obj any) { s.onHelmRelease(old, obj) },
-		DeleteFunc: func(obj any) { s.onHelmRelease(nil, tombstone(obj)) },
+		AddFunc:    func(obj any) { s.onHelmRelease(obj) },
+		UpdateFunc: func(_, obj any) { s.onHelmRelease(obj) },
+		DeleteFunc: func(obj any) { s.onHelmRelease(tombstone(obj)) },
 	})
 	s.tcps = newLazyInformer(s, factory, gvrTCP, cache.ResourceEventHandlerFuncs{
 		AddFunc:    func(obj any) { s.onTCP(obj, false) },
 		UpdateFunc: func(_, obj any) { s.onTCP(obj, false) },
 		DeleteFunc: func(obj any) { s.onTCP(tombstone(obj), true) },
 	})
-	// The TenantControlPlane informer starts first: a tenant found through its
-	// parent release then already knows whether its control plane exists.
+	// Each informer starts once its CRD is served; a tenant worker consults
+	// both caches on every round, so the order they start in does not matter.
 	s.wg.Go(func() { s.tcps.run(ctx) })
 	s.wg.Go(func() { s.hrs.run(ctx) })
 	s.wg.Go(func() { s.flux.run(ctx) })
@@ -253,7 +255,7 @@ func isParent(hr *unstructured.Unstructured) bool {
 	return l[labelAppKind] == "Kubernetes" && l[labelAppGroup] == "apps.cozystack.io"
 }
 
-func (s *sim) onHelmRelease(old, obj any) {
+func (s *sim) onHelmRelease(obj any) {
 	hr, ok := obj.(*unstructured.Unstructured)
 	if !ok || !s.inScope(hr.GetNamespace()) {
 		return
@@ -269,11 +271,7 @@ func (s *sim) onHelmRelease(old, obj any) {
 	if r, ok := strings.CutSuffix(hr.GetName(), "-csi"); ok {
 		s.kickTenant(ns, r)
 	}
-	if old != nil {
-		s.flux.onUpdate(old.(*unstructured.Unstructured), hr)
-	} else {
-		s.flux.onUpdate(nil, hr)
-	}
+	s.flux.onUpdate(hr)
 }
 
 func (s *sim) onTCP(obj any, deleted bool) {

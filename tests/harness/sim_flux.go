@@ -45,7 +45,7 @@ func inTeardown(hr *unstructured.Unstructured) bool {
 // onUpdate queues a HelmRelease being deleted. A release whose uninstall
 // failed waits for its backoff: as with Flux, a change to the object (say,
 // an annotation written by the volume-gate worker) does not retry it early.
-func (f *flux) onUpdate(_, hr *unstructured.Unstructured) {
+func (f *flux) onUpdate(hr *unstructured.Unstructured) {
 	if !inTeardown(hr) {
 		return
 	}

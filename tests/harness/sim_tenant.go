@@ -144,6 +144,9 @@ func (t *tenant) csiRelease() (bool, string) {
 		return false, fmt.Sprintf("HelmRelease %s is gone", name)
 	case hr.GetDeletionTimestamp() != nil:
 		return false, fmt.Sprintf("HelmRelease %s is being deleted", name)
+	case hr.GetAnnotations()[annDriverStopped] == "stopped":
+		// A driver that is installed but stuck or crashed: tests flip it.
+		return false, fmt.Sprintf("driver stopped (annotation %s on HelmRelease %s)", annDriverStopped, name)
 	}
 	return true, ""
 }

@@ -1,0 +1,149 @@
+//! Faults on the real control plane: a stopped driver, a killed worker, a
+//! tenant API that goes away mid-phase, Retain residue. After each: zero
+//! leaked volumes, or Blocked naming the exact residue, never a silent loss.
+
+mod common;
+
+use std::time::Duration;
+
+use common::tenant::{RETAIN_STORAGE_CLASS, STORAGE_CLASS, Tenant};
+use volume_gate::record::{Inventory, Phase};
+
+/// Short bounds: a pass waits 8s for the PVs before Blocked.
+fn env() -> &'static common::Env {
+    let args = ["--wait-bound", "8s", "--retry-base", "1s", "--retry-max", "3s", "--probe-timeout", "3s", "--lease-duration", "3s"];
+    common::gated_with(args.map(String::from).to_vec())
+}
+
+async fn tenant_with_volumes(app: &str, claims: &[&str]) -> Tenant {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique(app)).await;
+    t.wait_custody().await;
+    t.tenant_namespace("apps").await;
+    for c in claims {
+        t.claim("apps", c, STORAGE_CLASS).await;
+    }
+    t.pod("apps", "holder", claims).await;
+    t.wait_settled(claims.len(), 1).await;
+    t
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_stopped_driver_blocks_naming_each_remaining_volume_and_recovery_frees_them() {
+    let _serial = common::serial();
+    let env = env();
+    let t = tenant_with_volumes("stuck", &["a", "b"]).await;
+    let handles = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(handles.len(), 2);
+    t.set_driver(&env.sim, false).await;
+
+    t.delete_parent().await;
+    let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
+    let message = record.message.unwrap_or_default();
+    for h in &handles {
+        assert!(message.contains(h), "Blocked names volumeHandle {h}: {message}");
+    }
+    assert!(message.contains("csi.volume-gate.test"), "and the driver: {message}");
+    let events = t.events().await;
+    assert!(events.iter().any(|(ty, r, note)| ty == "Warning" && r == "Blocked" && note.contains(&handles[0])), "{events:?}");
+    assert_eq!(env.sim.volumes_of(&t.namespace, &t.name), handles, "nothing freed, nothing lost while the driver is stopped");
+
+    // The driver comes back: the retry frees everything and the teardown ends.
+    t.set_driver(&env.sim, true).await;
+    t.wait_parent_gone(Duration::from_secs(90)).await;
+    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_worker_killed_after_the_inventory_and_again_mid_wait_is_replaced_and_the_next_one_finishes() {
+    let _serial = common::serial();
+    let env = env();
+    let t = tenant_with_volumes("killed", &["a", "b", "c"]).await;
+    t.set_driver(&env.sim, false).await;
+    t.delete_parent().await;
+
+    // Killed as soon as the inventory is in the record.
+    common::wait::eventually("inventory in the record", Duration::from_secs(30), || async {
+        t.volumes_annotation().await.ok_or_else(|| "no inventory yet".to_string())
+    })
+    .await;
+    env.gate.as_ref().unwrap().lock().unwrap().kill_worker();
+    env.gate.as_ref().unwrap().lock().unwrap().start_worker();
+
+    // Killed again while it waits for the PVs (the driver is stopped).
+    let inventory = common::wait::eventually("a new pass waiting on the PVs", Duration::from_secs(60), || async {
+        let r = t.record().await;
+        match (&r.phase, &r.message, &r.inventory) {
+            (Some(Phase::Releasing), Some(m), Some(inv)) if m.contains("deleting claims") || m.contains("freed") => Ok(inv.clone()),
+            (Some(Phase::Blocked), _, Some(inv)) => Ok(inv.clone()),
+            _ => Err(format!("{:?} {:?}", r.phase, r.message)),
+        }
+    })
+    .await;
+    assert_eq!(inventory.total, 3, "the inventory survived the first kill");
+    env.gate.as_ref().unwrap().lock().unwrap().kill_worker();
+    env.gate.as_ref().unwrap().lock().unwrap().start_worker();
+
+    t.set_driver(&env.sim, true).await;
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty(), "the third worker finished the job");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_api_killed_mid_phase_blocks_and_the_phase_finishes_when_it_returns() {
+    let _serial = common::serial();
+    let env = env();
+    let t = tenant_with_volumes("apidown", &["a"]).await;
+    t.set_driver(&env.sim, false).await;
+    t.delete_parent().await;
+    common::wait::eventually("inventory in the record", Duration::from_secs(30), || async {
+        t.volumes_annotation().await.ok_or_else(|| "no inventory yet".to_string())
+    })
+    .await;
+    env.cp.cluster_down(&t.cluster.name);
+    let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
+    let message = record.message.unwrap_or_default();
+    assert!(message.contains("tenant API"), "{message}");
+    assert_eq!(record.inventory.map(|i| i.total), Some(1), "the inventory is kept while the API is away");
+
+    env.cp.cluster_up(&t.cluster.name);
+    t.set_driver(&env.sim, true).await;
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_record() {
+    let _serial = common::serial();
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("retain")).await;
+    t.wait_custody().await;
+    t.tenant_namespace("apps").await;
+    t.claim("apps", "kept", RETAIN_STORAGE_CLASS).await;
+    t.claim("apps", "freed", STORAGE_CLASS).await;
+    t.pod("apps", "holder", &["kept", "freed"]).await;
+    t.wait_settled(2, 1).await;
+    t.delete_parent().await;
+
+    let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
+    let message = record.message.clone().unwrap_or_default();
+    assert!(message.contains("Retain") && message.contains("override"), "{message}");
+    let inv: Inventory = record.inventory.expect("inventory");
+    assert_eq!((inv.total, inv.left()), (2, 1), "the Delete volume was freed, the Retain one is residue");
+    let residue = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(residue.len(), 1);
+    assert!(message.contains(&residue[0]), "the residue is named by its volumeHandle: {message}");
+
+    t.grant_override("platform-admins").await;
+    let alice = env.cp.client_as("alice", &["platform-admins"]).await;
+    t.annotate_override(&alice, "retained by design; archived").await.expect("override accepted");
+    let events = common::wait::eventually("Overridden event", Duration::from_secs(30), || async {
+        let ev = t.events().await;
+        if ev.iter().any(|(_, r, _)| r == "Overridden") { Ok(ev) } else { Err(format!("{ev:?}")) }
+    })
+    .await;
+    let (_, _, note) = events.iter().find(|(_, r, _)| r == "Overridden").unwrap();
+    assert!(note.contains(&residue[0]) && note.contains("stay on storage"), "the Warning names the disk left: {note}");
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+    assert_eq!(env.sim.volumes_of(&t.namespace, &t.name), residue, "exactly the residue stays, by decision");
+}
