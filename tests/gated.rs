@@ -193,3 +193,31 @@ async fn grant_release_editing(t: &Tenant, group: &str) {
     common::manifests::apply(&t.management, &role).await;
     common::manifests::apply(&t.management, &binding).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn relabelling_a_child_away_from_a_tenant_in_teardown_is_refused() {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("relabel")).await;
+    t.wait_custody().await;
+    t.tenant_namespace("apps").await;
+    t.claim("apps", "a", STORAGE_CLASS).await;
+    t.pod("apps", "p", &["a"]).await;
+    t.wait_settled(1, 1).await;
+    // Hold the phase open: the driver is stuck, the tenant is being deleted.
+    t.set_driver(&env.sim, false).await;
+    t.delete_parent().await;
+    t.wait_phase(Phase::Releasing, Duration::from_secs(30)).await;
+    for child in ["cilium", "csi"] {
+        let name = format!("{}-{child}", t.name);
+        let patch = json!({"metadata": {"labels": {"cozystack.io/target-cluster-name": "kubernetes-nobody"}}});
+        let err = t
+            .hr_api()
+            .patch(&name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
+            .await
+            .expect_err("relabel refused");
+        assert!(err.to_string().contains("refusing to relabel"), "{child}: {err}");
+    }
+    t.set_driver(&env.sim, true).await;
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
+}

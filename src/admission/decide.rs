@@ -51,17 +51,13 @@ pub fn classify(profile: &Profile, kind: &GroupKind, name: &str, labels: &BTreeM
         if profile.is_parent(labels) {
             return Target::Parent { tenant: name.to_string() };
         }
-        if let Some(tenant) = labels.get(&profile.child_label).filter(|t| !t.is_empty()) {
-            return if name == profile.csi_release_name(tenant) {
-                Target::CsiRelease { tenant: tenant.clone() }
-            } else {
-                Target::Child { tenant: tenant.clone() }
-            };
-        }
-        // A CSI release stripped of its label is still the CSI release; the
-        // parent lookup decides whether such a tenant exists.
+        // The name decides what a CSI release is: a label can be rewritten
+        // to point at another (or no) tenant, a name cannot.
         if let Some(tenant) = tenant_from_name(&profile.csi_release, name) {
             return Target::CsiRelease { tenant };
+        }
+        if let Some(tenant) = labels.get(&profile.child_label).filter(|t| !t.is_empty()) {
+            return Target::Child { tenant: tenant.clone() };
         }
         return Target::Unrelated;
     }
@@ -148,6 +144,9 @@ pub struct Subject<'a> {
     pub kind: &'a GroupKind,
     pub namespace: &'a str,
     pub name: &'a str,
+    /// What is refused: "delete", or "relabel" for an update that would
+    /// move the object away from its tenant.
+    pub action: &'static str,
 }
 
 impl std::fmt::Display for Subject<'_> {
@@ -171,10 +170,10 @@ pub fn decide_parent_delete(profile: &Profile, subject: Subject<'_>, parent: &Pa
     forbid(
         "not-in-custody",
         format!(
-            "refusing to delete {subject}: tenant {} is not yet in custody (the finalizer {} is missing), so nothing \
+            "refusing to {} {subject}: tenant {} is not yet in custody (the finalizer {} is missing), so nothing \
              would free its volumes before the CSI driver is removed. The volume-gate worker adds it within seconds; \
              retry shortly. If this persists, check that the volume-gate worker is running.",
-            parent.name, profile.custody_finalizer
+            subject.action, parent.name, profile.custody_finalizer
         ),
     )
 }
@@ -207,10 +206,11 @@ pub fn decide_dependent_delete(
         forbid(
             reason,
             format!(
-                "refusing to delete {subject} ({what}): tenant {tenant} in namespace {ns} {when}, and its volumes are \
-                 not released yet: {summary}. The CSI driver is the only thing that frees them; this delete will be \
+                "refusing to {action} {subject} ({what}): tenant {tenant} in namespace {ns} {when}, and its volumes are \
+                 not released yet: {summary}. The CSI driver is the only thing that frees them; this will be \
                  allowed once the volume-release phase records them gone. To abandon the volumes instead, an \
                  authorized person records an override: {cmd}",
+                action = subject.action,
                 ns = parent.namespace,
                 summary = parent.record.summary(),
                 cmd = profile.override_command(&parent.namespace, tenant),
@@ -232,11 +232,29 @@ pub fn decide_dependent_delete(
         }
         Target::Child { .. } | Target::Guarded { .. } if parent.namespace_deleting.is_none() && !parent.deleting => {
             // The caller skipped the namespace read: never allow on a guess.
-            cannot_judge(format!("refusing to delete {subject}: the state of namespace {} was not read", parent.namespace))
+            cannot_judge(format!("refusing to {} {subject}: the state of namespace {} was not read", subject.action, parent.namespace))
         }
         Target::Child { .. } => Verdict::allow("not-in-teardown"),
         Target::Guarded { .. } => Verdict::allow("not-in-teardown"),
         Target::Parent { .. } | Target::Unrelated => Verdict::allow("unrelated"),
+    }
+}
+
+/// An UPDATE that rewrites or removes a label of a tenant's dependent can
+/// take it away from the tenant (or out of a webhook's objectSelector) as
+/// surely as a DELETE. Returns the target to judge it as; a relabel is held
+/// only while the tenant is torn down, so the CSI release is judged as an
+/// ordinary child here (its DELETE stays gated by its name).
+pub fn retargeted(profile: &Profile, kind: &GroupKind, name: &str, old: &BTreeMap<String, String>, new: &BTreeMap<String, String>) -> Option<Target> {
+    let before = classify(profile, kind, name, old);
+    let relabelled = old.iter().any(|(k, v)| new.get(k) != Some(v)) || classify(profile, kind, name, new) != before;
+    if !relabelled {
+        return None;
+    }
+    match before {
+        Target::CsiRelease { tenant } => Some(Target::Child { tenant }),
+        Target::Child { .. } | Target::Guarded { .. } => Some(before),
+        Target::Parent { .. } | Target::Unrelated => None,
     }
 }
 

@@ -30,6 +30,8 @@ use crate::profile::Profile;
 use crate::record::{Keys, Record};
 
 pub const DEFAULT_MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
+/// The API server sends a review at once; its own timeout is at most 30s.
+const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
 pub const DEFAULT_WORKER_IDENTITY: &str = "system:serviceaccount:volume-gate:volume-gate-worker";
 
 #[derive(clap::Args, Debug, Clone)]
@@ -158,7 +160,7 @@ impl Gate {
                 };
                 let labels = review::labels_of(Some(old));
                 let target = classify(&self.profile, &kind, &req.name, &labels);
-                let subject = Subject { kind: &kind, namespace, name: &req.name };
+                let subject = Subject { kind: &kind, namespace, name: &req.name, action: "delete" };
                 let verdict = match &target {
                     Target::Unrelated => Verdict::allow("unrelated"),
                     Target::Parent { tenant } => {
@@ -177,6 +179,13 @@ impl Gate {
                         self.decide_dependent(&target, subject, namespace, tenant).await
                     }
                 };
+                (target, verdict)
+            }
+            Operation::Update if self.retarget(req, &kind).is_some() => {
+                let target = self.retarget(req, &kind).expect("checked");
+                let subject = Subject { kind: &kind, namespace, name: &req.name, action: "relabel" };
+                let tenant = target.tenant().expect("a dependent has a tenant").to_string();
+                let verdict = self.decide_dependent(&target, subject, namespace, &tenant).await;
                 (target, verdict)
             }
             Operation::Create | Operation::Update if kind == self.profile.parent_kind() => {
@@ -200,16 +209,25 @@ impl Gate {
         }
     }
 
+    /// The old target of an UPDATE that moves an object away from its tenant.
+    fn retarget(&self, req: &AdmissionRequest<DynamicObject>, kind: &crate::profile::GroupKind) -> Option<Target> {
+        let old = review::labels_of(req.old_object.as_ref());
+        let new = review::labels_of(req.object.as_ref());
+        decide::retargeted(&self.profile, kind, &req.name, &old, &new)
+    }
+
     async fn decide_dependent(&self, target: &Target, subject: Subject<'_>, namespace: &str, tenant: &str) -> Verdict {
         let mut parent = match self.read_parent(namespace, tenant).await {
             Ok(p) => p,
-            Err(e) => return cannot_judge(format!("refusing to delete {subject}: cannot read tenant {namespace}/{tenant}: {e}")),
+            Err(e) => {
+                return cannot_judge(format!("refusing to {} {subject}: cannot read tenant {namespace}/{tenant}: {e}", subject.action));
+            }
         };
         if let Some(p) = parent.as_mut().filter(|p| decide::needs_namespace(target, p)) {
             match self.namespace_deleting(namespace).await {
                 Ok(deleting) => p.namespace_deleting = Some(deleting),
                 Err(e) => {
-                    return cannot_judge(format!("refusing to delete {subject}: cannot read namespace {namespace}: {e}"));
+                    return cannot_judge(format!("refusing to {} {subject}: cannot read namespace {namespace}: {e}", subject.action));
                 }
             }
         }
@@ -309,13 +327,15 @@ pub fn router(gate: Arc<Gate>, max_body_bytes: usize) -> Router {
 async fn handle(State(state): State<AppState>, body: Body, endpoint: Endpoint) -> Response {
     let started = Instant::now();
     let gate = &state.gate;
-    let response = match read_limited(body, state.max_body_bytes).await {
+    // A body that trickles in must not hold a connection forever.
+    let read = tokio::time::timeout(BODY_READ_TIMEOUT, read_limited(body, state.max_body_bytes)).await;
+    let response = match read.unwrap_or(Err(StatusCode::REQUEST_TIMEOUT)) {
         Ok(bytes) => answer(gate, &bytes, endpoint).await,
         Err(status) => {
-            let message = if status == StatusCode::PAYLOAD_TOO_LARGE {
-                format!("AdmissionReview body exceeds {} bytes", state.max_body_bytes)
-            } else {
-                "cannot read the request body".to_string()
+            let message = match status {
+                StatusCode::PAYLOAD_TOO_LARGE => format!("AdmissionReview body exceeds {} bytes", state.max_body_bytes),
+                StatusCode::REQUEST_TIMEOUT => format!("request body not received within {}s", BODY_READ_TIMEOUT.as_secs()),
+                _ => "cannot read the request body".to_string(),
             };
             reject_invalid(gate, endpoint, status, Invalid { uid: None, message })
         }

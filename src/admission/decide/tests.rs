@@ -103,7 +103,7 @@ impl Facts {
 }
 
 fn subject<'a>(kind: &'a GroupKind, name: &'a str) -> Subject<'a> {
-    Subject { kind, namespace: NS, name }
+    Subject { kind, namespace: NS, name, action: "delete" }
 }
 
 fn delete(target: &Target, name: &str, parent: Option<ParentFacts>) -> Verdict {
@@ -159,6 +159,43 @@ fn csi_release_is_the_child_named_r_csi() {
     let p = profile();
     assert_eq!(classify(&p, &hr(), "kubernetes-prod-csi", &child_labels()), csi());
     assert_eq!(classify(&p, &hr(), "kubernetes-prod-cilium", &child_labels()), child());
+}
+
+#[test]
+fn csi_release_is_known_by_its_name_whatever_its_label_says() {
+    let relabelled = labels(&[("cozystack.io/target-cluster-name", "kubernetes-other")]);
+    assert_eq!(classify(&profile(), &hr(), "kubernetes-prod-csi", &relabelled), csi());
+}
+
+#[test]
+fn relabelling_a_dependent_away_from_its_tenant_is_judged_as_its_delete() {
+    let p = profile();
+    let moved = labels(&[("cozystack.io/target-cluster-name", "kubernetes-other")]);
+    assert_eq!(retargeted(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &moved), Some(child()));
+    assert_eq!(retargeted(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &BTreeMap::new()), Some(child()));
+    let machine = GroupKind::new("cluster.x-k8s.io", "Machine");
+    let capi = labels(&[("cluster.x-k8s.io/cluster-name", R)]);
+    assert!(matches!(retargeted(&p, &machine, "m", &capi, &BTreeMap::new()), Some(Target::Guarded { .. })));
+    // A relabelled CSI release is held like a child: only during teardown.
+    assert_eq!(retargeted(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &BTreeMap::new()), Some(child()));
+    // A Secret known by its name loses the labels a webhook selects it by.
+    let secret = GroupKind::new("", "Secret");
+    let kamaji = labels(&[("kamaji.clastix.io/component", "admin-kubeconfig")]);
+    assert!(matches!(
+        retargeted(&p, &secret, &format!("{R}-admin-kubeconfig"), &kamaji, &BTreeMap::new()),
+        Some(Target::Guarded { .. })
+    ));
+}
+
+#[test]
+fn updates_that_keep_the_tenant_are_not_retargets() {
+    let p = profile();
+    let mut more = child_labels();
+    more.insert("extra".into(), "x".into());
+    assert_eq!(retargeted(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &more), None);
+    // Adding a label moves nothing.
+    assert_eq!(retargeted(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &more), None);
+    assert_eq!(retargeted(&p, &hr(), R, &parent_labels(), &BTreeMap::new()), None, "parents have guards of their own");
 }
 
 #[test]
