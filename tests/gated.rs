@@ -221,3 +221,27 @@ async fn relabelling_a_child_away_from_a_tenant_in_teardown_is_refused() {
     t.wait_parent_gone(Duration::from_secs(120)).await;
     assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_installed_webhook_configurations_are_the_shipped_ones_but_for_where_the_webhook_is() {
+    let env = env();
+    let client = env.cp.management_client().await;
+    for shipped in common::manifests::base_documents().iter().filter(|d| common::manifests::is_webhook_configuration(d)) {
+        let kind = shipped["kind"].as_str().unwrap();
+        let gvk = kube::core::GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", kind);
+        let (ar, _) = kube::discovery::pinned_kind(&client, &gvk).await.unwrap();
+        let live = Api::<kube::api::DynamicObject>::all_with(client.clone(), &ar).get("volume-gate").await.unwrap();
+        let live_hooks = live.data["webhooks"].as_array().unwrap();
+        let shipped_hooks = shipped["webhooks"].as_array().unwrap();
+        assert_eq!(live_hooks.len(), shipped_hooks.len(), "{kind}");
+        for (l, s) in live_hooks.iter().zip(shipped_hooks) {
+            for field in ["name", "rules", "failurePolicy", "sideEffects", "timeoutSeconds", "matchPolicy", "admissionReviewVersions"] {
+                assert_eq!(l[field], s[field], "{kind} {} {field}", s["name"]);
+            }
+            if !s["objectSelector"].is_null() {
+                assert_eq!(l["objectSelector"], s["objectSelector"], "{kind} {}", s["name"]);
+            }
+            assert!(l["clientConfig"]["url"].as_str().unwrap().ends_with(s["clientConfig"]["service"]["path"].as_str().unwrap()));
+        }
+    }
+}

@@ -17,7 +17,7 @@ pub const MAX_KUBECONFIG_BYTES: usize = 256 * 1024;
 pub enum TenantAccessError {
     #[error("kubeconfig Secret {namespace}/{name} not found: the release phase needs the tenant's admin kubeconfig to reach its API")]
     SecretNotFound { namespace: String, name: String },
-    #[error("reading kubeconfig Secret {namespace}/{name} is forbidden for the worker: grant it get on that Secret (see manifests/worker-rbac.yaml)")]
+    #[error("reading kubeconfig Secret {namespace}/{name} is forbidden for the worker: grant it get on that Secret (see manifests/base/worker-rbac.yaml)")]
     SecretForbidden { namespace: String, name: String },
     #[error("cannot read kubeconfig Secret {namespace}/{name}: {message}")]
     SecretUnreadable { namespace: String, name: String, message: String },

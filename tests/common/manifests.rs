@@ -11,7 +11,7 @@ use super::cluster::repo_root;
 
 /// Every document of the base, in kustomization order.
 pub fn base_documents() -> Vec<Value> {
-    let dir = repo_root().join("manifests");
+    let dir = repo_root().join("manifests/base");
     let k: Value = serde_saphyr::from_str(&std::fs::read_to_string(dir.join("kustomization.yaml")).unwrap()).unwrap();
     let mut docs = Vec::new();
     for r in k["resources"].as_array().expect("resources") {
