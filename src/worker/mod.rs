@@ -222,15 +222,18 @@ impl Context {
         self.namespaces.get(&ObjectRef::new(namespace)).is_some_and(|n| n.metadata.deletion_timestamp.is_some())
     }
 
+    /// Recounts tenants by phase. Only the phase annotation is parsed, and
+    /// an inventory only for the few Blocked or Overridden tenants: this runs
+    /// over every parent, so it must stay cheap with thousands of them.
     fn refresh_phase_gauge(&self) {
         let mut counts: HashMap<&'static str, i64> = HashMap::new();
         let mut residue = 0i64;
         for p in self.parents.state() {
-            let record = Record::from_annotations(&self.keys, p.annotations());
-            let phase = record.phase.map_or("NotStarted", Phase::as_str);
-            *counts.entry(phase).or_default() += 1;
-            if matches!(record.phase, Some(Phase::Blocked | Phase::Overridden)) {
-                residue += record.inventory.as_ref().map_or(0, |i| i.left() as i64);
+            let annotations = p.annotations();
+            let phase = annotations.get(&self.keys.phase).and_then(|v| v.parse::<Phase>().ok());
+            *counts.entry(phase.map_or("NotStarted", Phase::as_str)).or_default() += 1;
+            if matches!(phase, Some(Phase::Blocked | Phase::Overridden)) {
+                residue += Record::from_annotations(&self.keys, annotations).inventory.map_or(0, |i| i.left() as i64);
             }
         }
         for phase in ["NotStarted", "Releasing", "Released", "Blocked", "Overridden"] {
@@ -263,7 +266,6 @@ fn truncate(s: &str, max: usize) -> String {
 /// One reconcile of a parent release.
 async fn reconcile(parent: Arc<ParentMeta>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
     let t = TenantRef { namespace: parent.namespace().unwrap_or_default(), name: parent.name_any() };
-    ctx.refresh_phase_gauge();
     if !ctx.profile.is_parent(parent.labels()) {
         return Ok(Action::await_change());
     }
@@ -565,6 +567,17 @@ async fn run_controller(
             .map(|p| ObjectRef::from_obj_with(p.as_ref(), ns_resource.clone()))
             .collect::<Vec<_>>()
     };
+    let gauge_ctx = ctx.clone();
+    let gauge_stop = stop.clone();
+    tokio::spawn(async move {
+        let mut tick = tokio::time::interval(Duration::from_secs(10));
+        loop {
+            tokio::select! {
+                _ = gauge_stop.cancelled() => break,
+                _ = tick.tick() => gauge_ctx.refresh_phase_gauge(),
+            }
+        }
+    });
     let stop_signal = stop.clone();
     let ctx_for_tasks = ctx.clone();
     Controller::for_stream_with(parent_stream, parents, parent_resource)
