@@ -19,12 +19,7 @@ async fn tenant_with_volumes(app: &str, claims: &[&str]) -> Tenant {
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique(app)).await;
     t.wait_custody().await;
-    t.tenant_namespace("apps").await;
-    for c in claims {
-        t.claim("apps", c, STORAGE_CLASS).await;
-    }
-    t.pod("apps", "holder", claims).await;
-    t.wait_settled(claims.len(), 1).await;
+    t.with_held_claims(claims).await;
     t
 }
 
@@ -63,10 +58,7 @@ async fn a_worker_killed_after_the_inventory_and_again_mid_wait_is_replaced_and_
     t.delete_parent().await;
 
     // Killed as soon as the inventory is in the record.
-    common::wait::eventually("inventory in the record", Duration::from_secs(30), || async {
-        t.volumes_annotation().await.ok_or_else(|| "no inventory yet".to_string())
-    })
-    .await;
+    t.wait_inventory().await;
     env.gate.as_ref().unwrap().lock().unwrap().kill_worker();
     env.gate.as_ref().unwrap().lock().unwrap().start_worker();
 
@@ -96,10 +88,7 @@ async fn a_tenant_api_killed_mid_phase_blocks_and_the_phase_finishes_when_it_ret
     let t = tenant_with_volumes("apidown", &["a"]).await;
     t.set_driver(&env.sim, false).await;
     t.delete_parent().await;
-    common::wait::eventually("inventory in the record", Duration::from_secs(30), || async {
-        t.volumes_annotation().await.ok_or_else(|| "no inventory yet".to_string())
-    })
-    .await;
+    t.wait_inventory().await;
     env.cp.cluster_down(&t.cluster.name);
     let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
     let message = record.message.unwrap_or_default();

@@ -6,7 +6,7 @@ mod common;
 use std::time::Duration;
 
 use common::tenant::{STORAGE_CLASS, Tenant};
-use kube::api::{Api, DeleteParams, ListParams};
+use kube::api::{Api, DeleteParams};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use serde_json::json;
 use volume_gate::record::Phase;
@@ -20,13 +20,7 @@ async fn deleting_a_tenant_frees_every_volume_with_the_gate_installed() {
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("closed")).await;
     t.wait_custody().await;
-    t.tenant_namespace("apps").await;
-    for c in ["data-a", "data-b", "single"] {
-        t.claim("apps", c, STORAGE_CLASS).await;
-    }
-    t.pod("apps", "two-claims", &["data-a", "data-b"]).await;
-    t.pod("apps", "one-claim", &["single"]).await;
-    t.statefulset("apps", "db", 1).await;
+    t.incident_workload().await;
     t.ephemeral_pod("apps", "scratch").await;
     t.wait_settled(5, 4).await;
     assert_eq!(env.sim.volumes_of(&t.namespace, &t.name).len(), 5);
@@ -92,10 +86,7 @@ async fn deleting_the_tenant_namespace_leaves_zero_volumes() {
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("nsdel")).await;
     t.wait_custody().await;
-    t.tenant_namespace("apps").await;
-    t.claim("apps", "a", STORAGE_CLASS).await;
-    t.pod("apps", "p", &["a"]).await;
-    t.wait_settled(1, 1).await;
+    t.incident_workload().await;
     let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(t.management.clone());
     namespaces.delete(&t.namespace, &DeleteParams::default()).await.unwrap();
     common::wait::eventually("tenant namespace gone", Duration::from_secs(240), || {
@@ -106,8 +97,6 @@ async fn deleting_the_tenant_namespace_leaves_zero_volumes() {
     .await;
     let left = env.sim.volumes_of(&t.namespace, &t.name);
     assert!(left.is_empty(), "volumes left after deleting the namespace: {left:?}");
-    let _ = Phase::Released;
-    let _ = ListParams::default();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -115,10 +104,7 @@ async fn a_silent_tenant_api_blocks_loudly_and_an_authorized_override_finishes_t
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("silent")).await;
     t.wait_custody().await;
-    t.tenant_namespace("apps").await;
-    t.claim("apps", "data", STORAGE_CLASS).await;
-    t.pod("apps", "p", &["data"]).await;
-    t.wait_settled(1, 1).await;
+    t.with_held_claims(&["data"]).await;
     // A port that accepts connections and never answers: an API server that exists and is silent.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
     t.point_kubeconfig_at(&format!("https://127.0.0.1:{}", silent.local_addr().unwrap().port())).await;
@@ -199,10 +185,7 @@ async fn relabelling_a_child_away_from_a_tenant_in_teardown_is_refused() {
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("relabel")).await;
     t.wait_custody().await;
-    t.tenant_namespace("apps").await;
-    t.claim("apps", "a", STORAGE_CLASS).await;
-    t.pod("apps", "p", &["a"]).await;
-    t.wait_settled(1, 1).await;
+    t.with_held_claims(&["a"]).await;
     // Hold the phase open: the driver is stuck, the tenant is being deleted.
     t.set_driver(&env.sim, false).await;
     t.delete_parent().await;

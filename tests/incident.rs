@@ -7,20 +7,13 @@ mod common;
 
 use std::time::Duration;
 
-use common::tenant::{STORAGE_CLASS, Tenant};
+use common::tenant::Tenant;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_gate_tenant_teardown_leaks_every_volume() {
     let env = common::ungated();
     let t = Tenant::create(env.cp, &env.cp.unique("leak")).await;
-    t.tenant_namespace("apps").await;
-    for c in ["data-a", "data-b", "single"] {
-        t.claim("apps", c, STORAGE_CLASS).await;
-    }
-    t.pod("apps", "two-claims", &["data-a", "data-b"]).await;
-    t.pod("apps", "one-claim", &["single"]).await;
-    t.statefulset("apps", "db", 1).await;
-    t.wait_settled(4, 3).await;
+    t.incident_workload().await;
     let before = env.sim.volumes_of(&t.namespace, &t.name);
     assert_eq!(before.len(), 4, "the driver provisioned one disk per claim: {before:?}");
 

@@ -373,3 +373,37 @@ impl Tenant {
         self.parent().await.and_then(|p| p.metadata.annotations).and_then(|a| a.get("volumes.cozystack.io/volumes").cloned())
     }
 }
+
+impl Tenant {
+    /// Claims in namespace `apps`, all mounted by one running Pod `holder`.
+    pub async fn with_held_claims(&self, claims: &[&str]) {
+        self.tenant_namespace("apps").await;
+        for c in claims {
+            self.claim("apps", c, STORAGE_CLASS).await;
+        }
+        self.pod("apps", "holder", claims).await;
+        self.wait_settled(claims.len(), 1).await;
+    }
+
+    /// The seed's workload in namespace `apps`: a Pod mounting two claims, a
+    /// Pod mounting one, a StatefulSet with a claim template. Returns once
+    /// all 4 claims are bound and the 3 Pods run.
+    pub async fn incident_workload(&self) {
+        self.tenant_namespace("apps").await;
+        for c in ["data-a", "data-b", "logs"] {
+            self.claim("apps", c, STORAGE_CLASS).await;
+        }
+        self.pod("apps", "two-claims", &["data-a", "data-b"]).await;
+        self.pod("apps", "one-claim", &["logs"]).await;
+        self.statefulset("apps", "db", 1).await;
+        self.wait_settled(4, 3).await;
+    }
+
+    /// Waits until the worker has written the inventory into the record.
+    pub async fn wait_inventory(&self) -> String {
+        eventually("inventory in the record", Duration::from_secs(30), || async {
+            self.volumes_annotation().await.ok_or_else(|| "no inventory yet".to_string())
+        })
+        .await
+    }
+}

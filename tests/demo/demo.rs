@@ -12,7 +12,7 @@ mod common;
 
 use std::time::{Duration, Instant};
 
-use common::tenant::{STORAGE_CLASS, Tenant};
+use common::tenant::Tenant;
 use volume_gate::record::Phase;
 
 fn step(n: u32, text: &str) {
@@ -47,14 +47,7 @@ async fn main() {
     let t = Tenant::create(cp, "demo").await;
     t.wait_custody().await;
     println!("    custody taken: finalizer volumes.cozystack.io/release on {}/{}", t.namespace, t.name);
-    t.tenant_namespace("apps").await;
-    for c in ["data-a", "data-b", "logs"] {
-        t.claim("apps", c, STORAGE_CLASS).await;
-    }
-    t.pod("apps", "two-claims", &["data-a", "data-b"]).await;
-    t.pod("apps", "one-claim", &["logs"]).await;
-    t.statefulset("apps", "db", 1).await;
-    t.wait_settled(4, 3).await;
+    t.incident_workload().await;
     let before = ledger(&env.sim, &t);
 
     step(4, "Deleting the tenant (its parent HelmRelease), as Cozystack does");

@@ -1,0 +1,261 @@
+//! VolumeSnapshots with the gate installed (DESIGN.md §5 step 5): a tenant
+//! that serves snapshot.storage.k8s.io has its snapshots deleted by the
+//! worker and their contents waited for, so storage keeps nothing of the
+//! tenant; a tenant without that API is released as well, the absent API
+//! skipped rather than reported as a failure.
+
+mod common;
+
+use std::sync::{Arc, Mutex};
+use std::time::Duration;
+
+use common::cluster::repo_root;
+use common::tenant::{STORAGE_CLASS, Tenant, resource};
+use common::wait::eventually;
+use futures::StreamExt;
+use kube::api::{Api, ApiResource, DynamicObject, PostParams};
+use kube::runtime::{WatchStreamExt, watcher};
+use serde_json::{Value, json};
+use volume_gate::record::{Keys, Phase, Record};
+
+const DRIVER: &str = "csi.volume-gate.test";
+const SNAPSHOT_GROUP: &str = "snapshot.storage.k8s.io";
+
+fn env() -> &'static common::Env {
+    common::gated()
+}
+
+fn snapshot_resource() -> ApiResource {
+    resource(SNAPSHOT_GROUP, "v1", "VolumeSnapshot", "volumesnapshots")
+}
+
+fn content_resource() -> ApiResource {
+    resource(SNAPSHOT_GROUP, "v1", "VolumeSnapshotContent", "volumesnapshotcontents")
+}
+
+/// Whether the tenant API serves the snapshot group at all.
+async fn snapshot_api_served(t: &Tenant) -> Result<bool, String> {
+    let groups = t.api.list_api_groups().await.map_err(|e| e.to_string())?;
+    Ok(groups.groups.iter().any(|g| g.name == SNAPSHOT_GROUP))
+}
+
+/// Installs the snapshot CRDs in the tenant cluster and waits until the
+/// three resources are served.
+async fn install_snapshot_api(t: &Tenant) {
+    common::manifests::apply_file(&t.api, &repo_root().join("tests/fixtures/crds/tenant-snapshots/snapshot.storage.k8s.io.yaml")).await;
+    eventually("snapshot.storage.k8s.io/v1 served by the tenant API", Duration::from_secs(30), || async {
+        let list = t.api.list_api_group_resources("snapshot.storage.k8s.io/v1").await.map_err(|e| e.to_string())?;
+        let names: Vec<&str> = list.resources.iter().map(|r| r.name.as_str()).collect();
+        if ["volumesnapshots", "volumesnapshotcontents", "volumesnapshotclasses"].iter().all(|n| names.contains(n)) {
+            Ok(())
+        } else {
+            Err(format!("{names:?}"))
+        }
+    })
+    .await;
+}
+
+/// What a watch on the tenant API saw: `Delete` events by name, and the
+/// names seen with a deletionTimestamp.
+#[derive(Default, Debug)]
+struct Seen {
+    synced: bool,
+    terminating: Vec<String>,
+    deleted: Vec<String>,
+}
+
+/// Watches `ar` in the tenant cluster from now on, recording deletions.
+fn watch_deletions(t: &Tenant, ar: &ApiResource) -> (Arc<Mutex<Seen>>, tokio::task::JoinHandle<()>) {
+    let seen = Arc::new(Mutex::new(Seen::default()));
+    let api: Api<DynamicObject> = Api::all_with(t.api.clone(), ar);
+    let s = seen.clone();
+    let task = tokio::spawn(async move {
+        let stream = watcher(api, watcher::Config::default()).default_backoff();
+        futures::pin_mut!(stream);
+        while let Some(ev) = stream.next().await {
+            // The tenant API is stopped at the end of the teardown: errors are expected then.
+            let Ok(ev) = ev else { continue };
+            let mut seen = s.lock().unwrap();
+            match ev {
+                watcher::Event::InitDone => seen.synced = true,
+                watcher::Event::Apply(o) | watcher::Event::InitApply(o) => {
+                    if o.metadata.deletion_timestamp.is_some() {
+                        seen.terminating.push(o.metadata.name.unwrap_or_default());
+                    }
+                }
+                watcher::Event::Delete(o) => seen.deleted.push(o.metadata.name.unwrap_or_default()),
+                watcher::Event::Init => {}
+            }
+        }
+    });
+    (seen, task)
+}
+
+async fn wait_synced(seen: &Arc<Mutex<Seen>>, what: &str) {
+    eventually(&format!("watch on {what} synced"), Duration::from_secs(30), || {
+        let synced = seen.lock().unwrap().synced;
+        async move { if synced { Ok(()) } else { Err("listing".into()) } }
+    })
+    .await;
+}
+
+/// Records every (phase, message) the parent shows until it is gone.
+fn follow_record(t: &Tenant) -> (Arc<Mutex<Vec<(Option<Phase>, Option<String>)>>>, tokio::task::JoinHandle<()>) {
+    let seen = Arc::new(Mutex::new(Vec::new()));
+    let (api, name, s) = (t.hr_api(), t.name.clone(), seen.clone());
+    let task = tokio::spawn(async move {
+        loop {
+            match api.get_opt(&name).await {
+                Ok(None) => return,
+                Ok(Some(p)) => {
+                    let r = Record::from_annotations(&Keys::new("volumes.cozystack.io/"), &p.metadata.annotations.unwrap_or_default());
+                    let entry = (r.phase, r.message);
+                    let mut seen = s.lock().unwrap();
+                    if seen.last() != Some(&entry) {
+                        seen.push(entry);
+                    }
+                }
+                Err(_) => {}
+            }
+            tokio::time::sleep(Duration::from_millis(100)).await;
+        }
+    });
+    (seen, task)
+}
+
+fn storage_record(env: &common::Env, file: &str) -> Value {
+    let text = std::fs::read_to_string(env.sim.storage.join(file)).unwrap_or_else(|e| panic!("read {file}: {e}"));
+    serde_json::from_str(&text).unwrap_or_else(|e| panic!("parse {file}: {e}"))
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_volume_snapshot_is_deleted_by_the_worker_and_storage_keeps_nothing_of_the_tenant() {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("snap")).await;
+    t.wait_custody().await;
+    install_snapshot_api(&t).await;
+    let class = json!({
+        "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+        "metadata": {"name": "sim-snapshots"},
+        "driver": DRIVER, "deletionPolicy": "Delete",
+    });
+    common::manifests::apply(&t.api, &class).await;
+
+    t.tenant_namespace("apps").await;
+    t.claim("apps", "data", STORAGE_CLASS).await;
+    t.pod("apps", "holder", &["data"]).await;
+    t.wait_settled(1, 1).await;
+    let volumes = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(volumes.len(), 1, "one volume provisioned: {volumes:?}");
+
+    let snapshots: Api<DynamicObject> = Api::namespaced_with(t.api.clone(), "apps", &snapshot_resource());
+    let mut vs = DynamicObject::new("data-snap", &snapshot_resource()).within("apps");
+    vs.data = json!({"spec": {"volumeSnapshotClassName": "sim-snapshots", "source": {"persistentVolumeClaimName": "data"}}});
+    let vs = snapshots.create(&PostParams::default(), &vs).await.expect("create VolumeSnapshot");
+    let uid = vs.metadata.uid.clone().expect("uid");
+
+    // The driver takes it: ready, bound to a content, recorded on storage.
+    let content_name = eventually("VolumeSnapshot ready and bound", Duration::from_secs(90), || {
+        let snapshots = snapshots.clone();
+        async move {
+            let vs = snapshots.get("data-snap").await.map_err(|e| e.to_string())?;
+            let ready = vs.data.pointer("/status/readyToUse").and_then(Value::as_bool) == Some(true);
+            match vs.data.pointer("/status/boundVolumeSnapshotContentName").and_then(Value::as_str) {
+                Some(c) if ready => Ok(c.to_string()),
+                _ => Err(format!("status {:?}", vs.data.get("status"))),
+            }
+        }
+    })
+    .await;
+    let snap_file = format!("{}.{}.snap-{uid}", t.namespace, t.name);
+    let on_storage = env.sim.volumes_of(&t.namespace, &t.name);
+    assert!(on_storage.contains(&snap_file), "the snapshot is on storage as {snap_file}: {on_storage:?}");
+    assert_eq!(on_storage.len(), 2, "one volume and one snapshot: {on_storage:?}");
+    let rec = storage_record(env, &snap_file);
+    assert_eq!(rec["kind"], "snapshot");
+    assert_eq!(rec["sourceVolumeHandle"], json!(volumes[0]), "taken of the tenant's volume");
+    let contents: Api<DynamicObject> = Api::all_with(t.api.clone(), &content_resource());
+    let content = contents.get(&content_name).await.expect("VolumeSnapshotContent");
+    assert_eq!(content.data.pointer("/spec/deletionPolicy").and_then(Value::as_str), Some("Delete"));
+    assert_eq!(content.data.pointer("/status/snapshotHandle").and_then(Value::as_str), Some(snap_file.as_str()));
+
+    // Watch the snapshot API through the teardown: the tenant API server is
+    // stopped at its end, so what happened to them must be seen as it happens.
+    let (vs_seen, vs_watch) = watch_deletions(&t, &snapshot_resource());
+    let (vsc_seen, vsc_watch) = watch_deletions(&t, &content_resource());
+    wait_synced(&vs_seen, "VolumeSnapshots").await;
+    wait_synced(&vsc_seen, "VolumeSnapshotContents").await;
+
+    t.delete_parent().await;
+    t.wait_parent_gone(Duration::from_secs(180)).await;
+    vs_watch.abort();
+    vsc_watch.abort();
+
+    // Nothing but the worker deletes VolumeSnapshots in this world (the hook
+    // and Flux never touch the tenant cluster's objects), and it had to be
+    // done while the driver was still there to free the snapshot.
+    let vs_seen = vs_seen.lock().unwrap();
+    assert!(vs_seen.terminating.iter().any(|n| n == "data-snap"), "the VolumeSnapshot was deleted: {vs_seen:?}");
+    assert!(vs_seen.deleted.iter().any(|n| n == "data-snap"), "and went: {vs_seen:?}");
+    let vsc_seen = vsc_seen.lock().unwrap();
+    assert!(vsc_seen.deleted.contains(&content_name), "its content {content_name} went: {vsc_seen:?}");
+
+    let log = env.sim.log();
+    let tenant_key = format!(" {}/{} ", t.namespace, t.name);
+    let ours: Vec<&str> = log.lines().filter(|l| l.contains(&tenant_key)).collect();
+    let freed = ours
+        .iter()
+        .position(|l| l.contains(" deleted ") && l.contains(&format!("snapshot {snap_file} (content {content_name})")))
+        .unwrap_or_else(|| panic!("the driver freed the snapshot on storage:\n{}", ours.join("\n")));
+    let deactivated = ours.iter().position(|l| l.contains(" deactivated ")).unwrap_or(usize::MAX);
+    assert!(freed < deactivated, "the snapshot was freed before the driver went:\n{}", ours.join("\n"));
+
+    let events = eventually("Released event", Duration::from_secs(30), || async {
+        let ev = t.events().await;
+        if ev.iter().any(|(_, r, _)| r == "Released") { Ok(ev) } else { Err(format!("{ev:?}")) }
+    })
+    .await;
+    assert!(!events.iter().any(|(ty, _, _)| ty == "Warning"), "released without a warning: {events:?}");
+
+    let left = env.sim.volumes_of(&t.namespace, &t.name);
+    assert!(!left.contains(&snap_file), "the snapshot was freed: {left:?}");
+    assert!(left.is_empty(), "storage holds nothing of the tenant (no volume, no snapshot): {left:?}");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_without_the_snapshot_api_is_released_and_never_reports_a_snapshot_failure() {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("nosnap")).await;
+    t.wait_custody().await;
+    assert_eq!(snapshot_api_served(&t).await, Ok(false), "this tenant cluster has no snapshot API");
+    t.tenant_namespace("apps").await;
+    t.claim("apps", "data", STORAGE_CLASS).await;
+    t.pod("apps", "holder", &["data"]).await;
+    t.wait_settled(1, 1).await;
+    assert_eq!(env.sim.volumes_of(&t.namespace, &t.name).len(), 1);
+
+    let (records, follower) = follow_record(&t);
+    t.delete_parent().await;
+    t.wait_parent_gone(Duration::from_secs(180)).await;
+    follower.abort();
+
+    let records = records.lock().unwrap().clone();
+    assert!(records.iter().any(|(p, _)| p.is_some()), "the record was followed: {records:?}");
+    assert!(!records.iter().any(|(p, _)| *p == Some(Phase::Blocked)), "never Blocked: {records:?}");
+    for (_, message) in &records {
+        let m = message.as_deref().unwrap_or_default().to_lowercase();
+        assert!(!m.contains("snapshot"), "the record mentions snapshots: {message:?}");
+    }
+
+    let events = eventually("Released event", Duration::from_secs(30), || async {
+        let ev = t.events().await;
+        if ev.iter().any(|(_, r, _)| r == "Released") { Ok(ev) } else { Err(format!("{ev:?}")) }
+    })
+    .await;
+    assert!(!events.iter().any(|(ty, _, _)| ty == "Warning"), "no Warning: {events:?}");
+    for (_, reason, note) in &events {
+        assert!(!note.to_lowercase().contains("snapshot"), "event {reason} mentions snapshots: {note}");
+    }
+    let left = env.sim.volumes_of(&t.namespace, &t.name);
+    assert!(left.is_empty(), "storage holds nothing of the tenant: {left:?}");
+}
