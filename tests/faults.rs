@@ -136,3 +136,44 @@ async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_recor
     t.wait_parent_gone(Duration::from_secs(120)).await;
     assert_eq!(env.sim.volumes_of(&t.namespace, &t.name), residue, "exactly the residue stays, by decision");
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn concurrent_changes_to_the_parent_survive_the_record_writes_and_the_custody_removal() {
+    let _serial = common::serial();
+    let env = env();
+    let t = tenant_with_volumes("concurrent", &["a"]).await;
+    let patch = |v: serde_json::Value| {
+        let api = t.hr_api();
+        let name = t.name.clone();
+        async move { api.patch(&name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&v)).await.expect("patch parent") }
+    };
+    // Two finalizers of others: one before ours (removed mid-phase, which
+    // shifts our index), one that holds the parent after custody ends.
+    let mut finalizers = vec!["example.com/early".to_string()];
+    finalizers.extend(t.parent().await.unwrap().metadata.finalizers.unwrap_or_default());
+    finalizers.push("example.com/hold".to_string());
+    patch(serde_json::json!({"metadata": {"finalizers": finalizers}})).await;
+    t.set_driver(&env.sim, false).await;
+    t.delete_parent().await;
+    t.wait_inventory().await;
+    // Others write to the parent while the phase runs.
+    patch(serde_json::json!({"metadata": {"annotations": {"example.com/owner": "team-a"}}})).await;
+    let remaining: Vec<String> =
+        t.parent().await.unwrap().metadata.finalizers.unwrap_or_default().into_iter().filter(|f| f != "example.com/early").collect();
+    patch(serde_json::json!({"metadata": {"finalizers": remaining}})).await;
+
+    t.set_driver(&env.sim, true).await;
+    let after = common::wait::eventually("custody ended, the other finalizer kept", Duration::from_secs(90), || async {
+        let p = t.parent().await.ok_or("parent gone too early")?;
+        let f = p.metadata.finalizers.clone().unwrap_or_default();
+        if f.iter().any(|f| f == "volumes.cozystack.io/release") { Err(format!("{f:?}")) } else { Ok(p) }
+    })
+    .await;
+    let annotations = after.metadata.annotations.unwrap_or_default();
+    assert_eq!(annotations.get("example.com/owner").map(String::as_str), Some("team-a"), "not clobbered by the record writes");
+    assert_eq!(annotations.get("volumes.cozystack.io/phase").map(String::as_str), Some("Released"));
+    assert!(after.metadata.finalizers.unwrap_or_default().contains(&"example.com/hold".to_string()));
+    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
+    patch(serde_json::json!({"metadata": {"finalizers": null}})).await;
+    t.wait_parent_gone(Duration::from_secs(60)).await;
+}
