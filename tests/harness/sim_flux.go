@@ -7,6 +7,7 @@ import (
 	"maps"
 	"slices"
 	"strings"
+	"sync"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -28,6 +29,9 @@ type flux struct {
 	s  *sim
 	rl workqueue.TypedRateLimiter[string]
 	q  workqueue.TypedRateLimitingInterface[string]
+	// pending holds keys queued, running or waiting out a backoff, so an
+	// update to the object never schedules an early retry.
+	pending sync.Map
 }
 
 const fluxWorkers = 4
@@ -50,7 +54,8 @@ func (f *flux) onUpdate(hr *unstructured.Unstructured) {
 		return
 	}
 	key := hr.GetNamespace() + "/" + hr.GetName()
-	if f.rl.NumRequeues(key) > 0 {
+	// Queued, running or waiting out a backoff: its retry is already set.
+	if _, known := f.pending.LoadOrStore(key, struct{}{}); known {
 		return
 	}
 	f.q.Add(key)
@@ -91,6 +96,7 @@ func (f *flux) processNext(ctx context.Context) bool {
 		return true
 	}
 	f.q.Forget(key)
+	f.pending.Delete(key)
 	return true
 }
 
