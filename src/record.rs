@@ -280,7 +280,7 @@ impl Record {
         }
         match &self.inventory {
             Some(inv) => {
-                s.push_str(&format!("; {} of {} volumes left", inv.left(), inv.total));
+                s.push_str(&format!("; {} of {} left", inv.left(), count(inv.total, "volume")));
                 let first = inv.first_remaining(3);
                 if !first.is_empty() {
                     s.push_str(&format!(": {first}"));
@@ -319,6 +319,11 @@ impl Update {
         }
         m
     }
+}
+
+/// `1 volume`, `3 volumes`: a count with its noun.
+pub fn count(n: usize, noun: &str) -> String {
+    if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}s") }
 }
 
 /// Messages are one human line, bounded.

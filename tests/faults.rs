@@ -132,7 +132,7 @@ async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_recor
     })
     .await;
     let (_, _, note) = events.iter().find(|(_, r, _)| r == "Overridden").unwrap();
-    assert!(note.contains(&residue[0]) && note.contains("stay on storage"), "the Warning names the disk left: {note}");
+    assert!(note.contains(&residue[0]) && note.contains("left on storage"), "the Warning names the disk left: {note}");
     t.wait_parent_gone(Duration::from_secs(120)).await;
     assert_eq!(env.sim.volumes_of(&t.namespace, &t.name), residue, "exactly the residue stays, by decision");
 }

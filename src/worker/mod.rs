@@ -36,7 +36,7 @@ use tracing::{error, info, warn};
 use crate::admission::server::parse_duration;
 use crate::metrics::{ErrorLabels, Metrics, OutcomeLabels, PhaseLabels};
 use crate::profile::Profile;
-use crate::record::{Keys, Phase, Record, Update, one_line};
+use crate::record::{Keys, Phase, Record, Update, count, one_line};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct WorkerArgs {
@@ -306,7 +306,7 @@ async fn reconcile(parent: Arc<ParentMeta>, ctx: Arc<Context>) -> Result<Action,
                 .as_ref()
                 .map(|i| {
                     let named = i.first_remaining(50);
-                    format!("{} volumes stay on storage{}", i.left(), if named.is_empty() { String::new() } else { format!(": {named}") })
+                    format!("{} left on storage{}", count(i.left(), "volume"), if named.is_empty() { String::new() } else { format!(": {named}") })
                 })
                 .unwrap_or_else(|| "no inventory was taken: the volumes left on storage are unknown".into());
             let by = ov.by.as_deref().unwrap_or("?");
@@ -358,7 +358,7 @@ async fn run_phase(ctx: Arc<Context>, t: TenantRef, record: Record) {
     let outcome = release::run(&ctx, &t, &record).await;
     let result = match outcome {
         Ok(release::Outcome::Released { inventory }) => {
-            let message = format!("all {} volumes freed", inventory.total);
+            let message = format!("{} freed, none left on storage", count(inventory.total, "volume"));
             let update = Update {
                 phase: Some(Phase::Released),
                 message: Some(message.clone()),
@@ -586,8 +586,11 @@ async fn run_controller(
         .graceful_shutdown_on(async move { stop_signal.cancelled().await })
         .run(reconcile, error_policy, ctx)
         .for_each(|res| async move {
-            if let Err(e) = res {
-                warn!(error = %e, "controller event");
+            match res {
+                // A tenant whose custody just ended is gone before its last trigger.
+                Err(kube::runtime::controller::Error::ObjectNotFound(obj)) => tracing::debug!(object = %obj, "already gone"),
+                Err(e) => warn!(error = %e, "controller event"),
+                Ok(_) => {}
             }
         })
         .await;

@@ -19,7 +19,7 @@ use tracing::{info, warn};
 use super::claims::{self, ClaimKey};
 use super::tenant::{self, TenantAccessError};
 use super::{Context, TenantRef};
-use crate::record::{Inventory, Phase, Record, Update};
+use crate::record::{Inventory, Phase, Record, Update, count};
 
 /// Where the phase ended up on this pass.
 #[derive(Debug)]
@@ -79,13 +79,13 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
         let first_time = inventory.is_none();
         let inv = claims::reconcile_inventory(inventory.as_ref(), &pvs, &now_rfc3339());
         let grew = inventory.as_ref().is_some_and(|old| old.total != inv.total);
-        let message = format!("inventory taken: {} volumes ({} left); deleting claims", inv.total, inv.left());
+        let message = format!("inventory taken: {} ({} left); deleting claims", count(inv.total, "volume"), inv.left());
         ctx.write_record(t, &Update { phase: Some(Phase::Releasing), message: Some(message), inventory: Some(inv.clone()), ..Default::default() })
             .await?;
         if first_time {
-            ctx.event(t, false, "InventoryTaken", format!("{} volumes inventoried before any deletion", inv.total)).await;
+            ctx.event(t, false, "InventoryTaken", format!("{} inventoried before any deletion", count(inv.total, "volume"))).await;
         } else if grew {
-            ctx.event(t, false, "InventoryGrew", format!("now {} volumes: new ones appeared while releasing", inv.total)).await;
+            ctx.event(t, false, "InventoryGrew", format!("now {}: new ones appeared while releasing", count(inv.total, "volume"))).await;
         }
         inventory = Some(inv.clone());
 
@@ -145,18 +145,18 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
         let mut parts = Vec::new();
         if !remaining.is_empty() {
             parts.push(format!(
-                "{} of {} volumes not freed within {}s (is the CSI driver running?): {}",
+                "{} of {} not freed within {}s (is the CSI driver running?): {}",
                 remaining.len(),
-                inv.total,
+                count(inv.total, "volume"),
                 settings.wait_bound.as_secs(),
                 remaining.iter().map(|v| v.describe()).collect::<Vec<_>>().join(", ")
             ));
         }
         if !retained.is_empty() {
             parts.push(format!(
-                "{} volumes have reclaim policy Retain and stay on storage by design; set persistentVolumeReclaimPolicy \
+                "{} with reclaim policy Retain, kept on storage by design; set persistentVolumeReclaimPolicy \
                  to Delete in the tenant to free them, or record an override: {}",
-                retained.len(),
+                count(retained.len(), "volume"),
                 retained.iter().map(|v| v.describe()).collect::<Vec<_>>().join(", ")
             ));
         }

@@ -141,10 +141,25 @@ pub async fn probe_ready(api: &TenantApi, timeout: Duration) -> Result<(), Tenan
         Ok(Ok(body)) => Err(TenantAccessError::NotReady { server: api.server.clone(), message: crate::record::one_line(&body) }),
         Ok(Err(e)) => match e {
             kube::Error::Api(s) => Err(TenantAccessError::NotReady { server: api.server.clone(), message: s.message }),
-            // Connection refused, TLS failure, DNS: nothing answered.
-            other => Err(TenantAccessError::NotReady { server: api.server.clone(), message: other.to_string() }),
+            // Connection refused, TLS failure, DNS: nothing answered; the
+            // cause is deep in the error chain, and it is what an operator needs.
+            other => Err(TenantAccessError::NotReady { server: api.server.clone(), message: error_chain(&other) }),
         },
     }
+}
+
+/// An error and its causes, `a: b: c`, without repeats.
+pub fn error_chain(e: &dyn std::error::Error) -> String {
+    let mut parts = vec![e.to_string()];
+    let mut source = e.source();
+    while let Some(s) = source {
+        let text = s.to_string();
+        if !parts.iter().any(|p| p.contains(&text)) {
+            parts.push(text);
+        }
+        source = s.source();
+    }
+    parts.join(": ")
 }
 
 #[cfg(test)]

@@ -44,8 +44,18 @@ pub fn binary() -> PathBuf {
         .clone()
 }
 
+/// A free loopback port below the kernel's ephemeral range, so no outgoing
+/// connection can take it between this check and the server's bind.
 pub fn free_port() -> u16 {
-    TcpListener::bind("127.0.0.1:0").unwrap().local_addr().unwrap().port()
+    use std::sync::atomic::{AtomicU16, Ordering};
+    static NEXT: AtomicU16 = AtomicU16::new(0);
+    let spread = (std::process::id() % 1000) as u16 * 20;
+    loop {
+        let port = 10000 + spread + NEXT.fetch_add(1, Ordering::SeqCst) % 20000;
+        if TcpListener::bind(("127.0.0.1", port)).is_ok() {
+            return port;
+        }
+    }
 }
 
 pub fn helmrelease_resource() -> ApiResource {

@@ -10,6 +10,7 @@ import (
 	"fmt"
 	"io"
 	"log"
+	"math/rand/v2"
 	"net"
 	"net/http"
 	"os"
@@ -553,19 +554,37 @@ func (s *supervisor) port(prev int) (int, error) {
 			return prev, nil
 		}
 	}
-	for range 50 {
-		l, err := net.Listen("tcp", "127.0.0.1:0")
-		if err != nil {
-			return 0, err
+	// Below the ephemeral range: a port picked from it can be taken as the
+	// local end of some outgoing connection before the component binds it.
+	lo, hi := listenPortRange()
+	for range 200 {
+		port := lo + rand.IntN(hi-lo)
+		if s.usedPorts[port] {
+			continue
 		}
-		port := l.Addr().(*net.TCPAddr).Port
+		l, err := net.Listen("tcp", net.JoinHostPort("127.0.0.1", strconv.Itoa(port)))
+		if err != nil {
+			continue
+		}
 		l.Close()
-		if !s.usedPorts[port] {
-			s.usedPorts[port] = true
-			return port, nil
+		s.usedPorts[port] = true
+		return port, nil
+	}
+	return 0, fmt.Errorf("no free loopback port in %d-%d", lo, hi)
+}
+
+// listenPortRange is where listening ports are picked: from 10000 up to the
+// start of the kernel's ephemeral range (or 32768).
+func listenPortRange() (int, int) {
+	hi := 32768
+	if b, err := os.ReadFile("/proc/sys/net/ipv4/ip_local_port_range"); err == nil {
+		if f := strings.Fields(string(b)); len(f) == 2 {
+			if v, err := strconv.Atoi(f[0]); err == nil && v > 11000 {
+				hi = v
+			}
 		}
 	}
-	return 0, errors.New("no free loopback port")
+	return 10000, hi
 }
 
 func (s *supervisor) routes() http.Handler {
