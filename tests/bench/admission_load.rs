@@ -128,6 +128,10 @@ struct Args {
     /// Drive only one server (for profiling); no ratios then.
     #[arg(long, value_enum)]
     only: Option<Which>,
+    /// Seconds per measurement of the in-process cost table (decode
+    /// strategies, log line, metrics); 0 skips it.
+    #[arg(long, default_value_t = 0.5)]
+    cost_seconds: f64,
 }
 
 // ---------------------------------------------------------------------------
@@ -155,19 +159,22 @@ fn gettid() -> i32 {
 struct Threads(Arc<Mutex<Vec<i32>>>);
 
 impl Threads {
-    /// Nanoseconds on CPU per thread (first field of schedstat).
-    fn snapshot(&self) -> HashMap<i32, u64> {
+    /// Per thread: nanoseconds on CPU and nanoseconds runnable but waiting
+    /// for a CPU (first two fields of schedstat).
+    fn snapshot(&self) -> HashMap<i32, (u64, u64)> {
         let tids = self.0.lock().unwrap().clone();
         tids.into_iter()
             .filter_map(|tid| {
                 let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
-                Some((tid, text.split_whitespace().next()?.parse().ok()?))
+                let mut f = text.split_whitespace().map(|v| v.parse::<u64>().ok());
+                Some((tid, (f.next()??, f.next()??)))
             })
             .collect()
     }
 
-    fn delta(before: &HashMap<i32, u64>, after: &HashMap<i32, u64>) -> u64 {
-        after.iter().filter_map(|(tid, a)| before.get(tid).map(|b| a.saturating_sub(*b))).sum()
+    /// (on-CPU ns, run-queue wait ns) between two snapshots.
+    fn delta(before: &HashMap<i32, (u64, u64)>, after: &HashMap<i32, (u64, u64)>) -> (u64, u64) {
+        after.iter().filter_map(|(tid, (r, w))| before.get(tid).map(|(r0, w0)| (r.saturating_sub(*r0), w.saturating_sub(*w0)))).fold((0, 0), |(a, b), (r, w)| (a + r, b + w))
     }
 }
 
@@ -574,6 +581,9 @@ struct RoundResult {
     /// Server CPU microseconds per answered request in the window.
     server_us_per_req: f64,
     server_cpu: f64,
+    /// Share of the window the server's threads were runnable but waiting
+    /// for a CPU (taken by other processes).
+    server_wait: f64,
     client_cpu: f64,
     errors: u64,
     first_error: Option<String>,
@@ -644,8 +654,8 @@ async fn round(ctx: &Ctx, server: &Server, scenario: &Scenario) -> RoundResult {
     }
     drop(conns);
     latencies.sort_unstable();
-    let server_ns = Threads::delta(&s0, &s1);
-    let client_ns = Threads::delta(&c0, &c1);
+    let (server_ns, server_wait_ns) = Threads::delta(&s0, &s1);
+    let (client_ns, _) = Threads::delta(&c0, &c1);
     let n = latencies.len().max(1) as f64;
     let handler_us = match (handler_before, server.handler_stats()) {
         (Some((s0, n0)), Some((s1, n1))) if n1 > n0 => Some((s1 - s0) / (n1 - n0) as f64 * 1e6),
@@ -658,12 +668,17 @@ async fn round(ctx: &Ctx, server: &Server, scenario: &Scenario) -> RoundResult {
         p999: quantile_ms(&latencies, 0.999),
         server_us_per_req: server_ns as f64 / 1e3 / n,
         server_cpu: server_ns as f64 / 1e9 / window,
+        server_wait: server_wait_ns as f64 / 1e9 / window,
         client_cpu: client_ns as f64 / 1e9 / window,
         errors,
         first_error,
         answered,
         handler_us,
     }
+}
+
+fn loadavg() -> String {
+    std::fs::read_to_string("/proc/loadavg").map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -705,6 +720,158 @@ fn summarize(name: &str, rounds: &[RoundResult]) -> Summary {
         s.rps, s.p50, s.p99, s.p999, s.us_per_req
     );
     s
+}
+
+// ---------------------------------------------------------------------------
+// Where the gate's time goes: in-process costs, one thread
+// ---------------------------------------------------------------------------
+
+/// What a decision reads of a review: the request's fields and the metadata
+/// of object and oldObject. Every other field (spec, status, managedFields)
+/// is skimmed by serde without being built.
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct SlimReview {
+    api_version: String,
+    kind: String,
+    request: SlimRequest,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct SlimRequest {
+    uid: String,
+    kind: SlimGvk,
+    name: String,
+    namespace: Option<String>,
+    operation: String,
+    user_info: SlimUser,
+    #[serde(default)]
+    dry_run: bool,
+    object: Option<SlimObject>,
+    old_object: Option<SlimObject>,
+}
+
+#[derive(Deserialize)]
+#[allow(dead_code)]
+struct SlimGvk {
+    group: String,
+    version: String,
+    kind: String,
+}
+
+#[derive(Deserialize)]
+#[allow(dead_code)]
+struct SlimUser {
+    username: Option<String>,
+    uid: Option<String>,
+    #[serde(default)]
+    groups: Vec<String>,
+    #[serde(default)]
+    extra: std::collections::BTreeMap<String, Vec<String>>,
+}
+
+#[derive(Deserialize)]
+#[allow(dead_code)]
+struct SlimObject {
+    metadata: SlimMeta,
+}
+
+#[derive(Deserialize)]
+#[serde(rename_all = "camelCase")]
+#[allow(dead_code)]
+struct SlimMeta {
+    name: Option<String>,
+    namespace: Option<String>,
+    #[serde(default)]
+    labels: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    annotations: std::collections::BTreeMap<String, String>,
+    #[serde(default)]
+    finalizers: Vec<String>,
+    deletion_timestamp: Option<String>,
+}
+
+/// This thread's CPU time in seconds (not wall time: other processes
+/// taking the CPU do not count).
+fn thread_cpu() -> f64 {
+    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    // SAFETY: ts is a valid timespec to write to.
+    unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
+    ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
+}
+
+/// Mean CPU microseconds per call of `f` over the bodies, for about
+/// `seconds` of CPU (the result is dropped inside the timing, as the gate
+/// drops it).
+fn per_call_us(seconds: f64, bodies: &[(Bytes, String)], f: impl Fn(&[u8]) -> bool) -> f64 {
+    let started = thread_cpu();
+    let mut calls = 0u64;
+    while thread_cpu() - started < seconds {
+        for (body, _) in bodies {
+            assert!(f(body), "a strategy failed to decode a benchmark body");
+            calls += 1;
+        }
+    }
+    (thread_cpu() - started) * 1e6 / calls as f64
+}
+
+fn cost_table(seconds: f64, scenarios: &[Scenario], logs: Logs) {
+    use kube::core::DynamicObject;
+    use kube::core::admission::AdmissionReview;
+    println!("\nin-process cost per review on one thread (mean CPU µs per call, result dropped inside the timing):");
+    println!(
+        "  {:<12} {:>10} {:>15} {:>17} {:>15}   {}",
+        "scenario", "null skim", "review::decode", "typed from_slice", "metadata only", "(null skim = the null webhook's uid parse; review::decode = the gate's)"
+    );
+    for sc in scenarios {
+        let skim = per_call_us(seconds, &sc.bodies, |b| serde_json::from_slice::<UidOnly>(b).is_ok());
+        let product = per_call_us(seconds, &sc.bodies, |b| volume_gate::admission::review::decode(b).is_ok());
+        let typed = per_call_us(seconds, &sc.bodies, |b| serde_json::from_slice::<AdmissionReview<DynamicObject>>(b).is_ok());
+        let slim = per_call_us(seconds, &sc.bodies, |b| serde_json::from_slice::<SlimReview>(b).is_ok());
+        println!("  {:<12} {skim:>10.1} {product:>15.1} {typed:>17.1} {slim:>15.1}", sc.name);
+    }
+    // The log line of every decision, with the fields the gate writes.
+    let log_us = {
+        let n = 20_000u64;
+        let started = thread_cpu();
+        for i in 0..n {
+            tracing::info!(
+                endpoint = "validate",
+                uid = %format_args!("b3nc4000-0000-4a00-8000-{i:012x}"),
+                operation = "UPDATE",
+                kind = %"helm.toolkit.fluxcd.io/HelmRelease",
+                namespace = NAMESPACE,
+                name = %TENANT,
+                user = "system:serviceaccount:cozy-system:cozystack-api",
+                dry_run = false,
+                target = "parent",
+                verdict = "allowed",
+                reason = "guards-passed",
+                patched = false,
+                message = "",
+                micros = 12u64,
+                "admission decision"
+            );
+        }
+        (thread_cpu() - started) * 1e6 / n as f64
+    };
+    // The metrics of every decision: a labelled counter and a histogram.
+    let metrics_us = {
+        let m = Metrics::new();
+        let n = 200_000u64;
+        let started = thread_cpu();
+        for _ in 0..n {
+            m.decisions
+                .get_or_create(&DecisionLabels { target: "parent".into(), operation: "UPDATE".into(), verdict: "allowed".into(), reason: "guards-passed".into() })
+                .inc();
+            m.decision_seconds.get_or_create(&volume_gate::metrics::EndpointLabels { endpoint: "validate".into() }).observe(0.0001);
+        }
+        (thread_cpu() - started) * 1e6 / n as f64
+    };
+    println!("  one decision's log line ({logs:?} logs): {log_us:.1} µs; its metrics (counter + histogram): {metrics_us:.2} µs");
 }
 
 fn main() {
@@ -769,7 +936,12 @@ fn main() {
         args.warmup,
         args.seconds
     );
-    println!("  CPU time from /proc/self/task/*/schedstat; latency = request written to answer read, in the client");
+    println!("  CPU time from /proc/self/task/*/schedstat (srv CPU = on a CPU, srv wait = runnable but waiting for one); latency = request written to answer read, in the client; handler µs = the gate's own mean (its duration histogram, body read included)");
+    println!("  load average at the start: {} (other processes on these CPUs inflate latency, not CPU per request)", loadavg());
+
+    if args.cost_seconds > 0.0 {
+        cost_table(args.cost_seconds, &scenarios, args.logs);
+    }
 
     let ctx = Ctx { connector: connector(&bundle.ca.cert, args.protocol), args, server_threads, client_threads };
     let mut ratios: Vec<(String, f64, f64, f64)> = Vec::new();
@@ -777,7 +949,7 @@ fn main() {
     let mut total_errors = 0;
 
     client_rt.block_on(async {
-        for (si, sc) in scenarios.iter().enumerate() {
+        for (si, sc) in scenarios.iter().enumerate().filter(|_| ctx.args.rounds > 0) {
             println!(
                 "\nscenario {}: {} object {:.1} KiB, AdmissionReview {:.1} KiB on the wire; gate decides target={} {} {} ({})",
                 sc.name,
@@ -790,15 +962,15 @@ fn main() {
                 sc.expect.reason
             );
             println!(
-                "  {:>5} {:<6} {:>9} {:>8} {:>8} {:>9} {:>10} {:>9} {:>9} {:>10} {:>6}",
-                "round", "server", "rps", "p50 ms", "p99 ms", "p99.9 ms", "srv µs/req", "srv CPU", "cli CPU", "handler µs", "errors"
+                "  {:>5} {:<6} {:>9} {:>8} {:>8} {:>9} {:>10} {:>8} {:>9} {:>8} {:>10} {:>6}",
+                "round", "server", "rps", "p50 ms", "p99 ms", "p99.9 ms", "srv µs/req", "srv CPU", "srv wait", "cli CPU", "handler µs", "errors"
             );
             let mut results: Vec<Vec<RoundResult>> = servers.iter().map(|_| Vec::new()).collect();
             for r in 0..ctx.args.rounds {
                 for (k, server) in servers.iter().enumerate() {
                     let res = round(&ctx, server, sc).await;
                     println!(
-                        "  {:>5} {:<6} {:>9.0} {:>8.3} {:>8.3} {:>9.3} {:>10.1} {:>8.0}% {:>8.0}% {:>10} {:>6}",
+                        "  {:>5} {:<6} {:>9.0} {:>8.3} {:>8.3} {:>9.3} {:>10.1} {:>7.0}% {:>8.0}% {:>7.0}% {:>10} {:>6}",
                         r + 1,
                         server.name,
                         res.rps,
@@ -807,6 +979,7 @@ fn main() {
                         res.p999,
                         res.server_us_per_req,
                         res.server_cpu * 100.0,
+                        res.server_wait * 100.0,
                         res.client_cpu * 100.0,
                         res.handler_us.map(|h| format!("{h:.1}")).unwrap_or_else(|| "-".into()),
                         res.errors
@@ -874,6 +1047,7 @@ fn main() {
             if all_expected { "yes" } else { "NO" }
         );
     }
+    println!("  load average at the end: {}", loadavg());
     if total_errors > 0 {
         println!("\nWARNING: {total_errors} failed requests (see 'first error' lines); figures of those rounds are suspect");
     }
@@ -883,7 +1057,7 @@ fn main() {
     client_rt.shutdown_timeout(Duration::from_secs(2));
 
     if ratios.is_empty() {
-        println!("\nratio: n/a (--only runs one server)");
+        println!("\nratio: n/a (--only runs one server, or --rounds 0)");
         return;
     }
     let tmin = ratios.iter().map(|r| r.1).fold(f64::INFINITY, f64::min);

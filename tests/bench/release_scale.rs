@@ -1,0 +1,353 @@
+//! Benchmark 3 (issue 7): the release phase at scale, against the seed's
+//! procedure run as a shell hook would run it.
+//!
+//!     cargo run --release --example bench-release -- --sizes 100,1000,5000
+//!
+//! One control plane (management + one tenant cluster per tenant, real
+//! kube-apiserver / kube-controller-manager / kube-scheduler / etcd), the
+//! gate installed as the fixture installs it (manifests, RBAC, TokenRequest
+//! identities, shipped webhook configurations; worker with its default
+//! flags), and the simulator (CSI driver, kubelet, Flux + pre-delete hook).
+//!
+//! For each size and round, two identical tenants are built: N claims of the
+//! simulated driver over a few namespaces (created with bounded concurrency,
+//! waited for until Bound), one claim in ten mounted by running Pods (one Pod
+//! mounts five claims, the others two each). Then, in alternating order:
+//!
+//! - **gate**: the parent HelmRelease is deleted; the time is from that
+//!   DELETE to the record's phase `Released` (the parent's metadata polled
+//!   every `--poll-ms`). The worker's HTTP requests are counted from its own
+//!   log (kube-client's trace layer logs one `requesting` event per request,
+//!   retries included), split into the tenant API and the management API.
+//! - **baseline**: the seed's Step 1b as a hook runs it, each step a
+//!   `kubectl` process (the harness's kubectl): `get --raw /readyz`,
+//!   `get pv -o name` (what to wait for), `delete pvc --all -A --wait=false`,
+//!   `get pods -A -o json` matched in code, one `delete pod --wait=false`
+//!   per holding Pod, then one `wait --for=delete pv/NAME` per PV. The time
+//!   is from the first process's start to the last one's exit. Its requests
+//!   are counted from kubectl's own `-v=6` log.
+//!
+//! A tenant-side observer (a watch on claims and PVs, the same in both runs)
+//! notes when the claims were gone, every PV was Released and every PV was
+//! gone: what the time went to. Rounds after the first run only when both
+//! measurements of the first took less than `--repeat-under` seconds.
+//! No assertion is made on any figure; the last line is the ratio line.
+
+#[path = "../common/mod.rs"]
+mod common;
+#[path = "scale_common.rs"]
+mod scale;
+
+use std::collections::{BTreeMap, HashSet};
+use std::path::{Path, PathBuf};
+use std::process::Stdio;
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use common::cluster::ControlPlane;
+use common::tenant::Tenant;
+use k8s_openapi::api::core::v1::Pod;
+use scale::{BenchGate, Milestones, Observer, Requests, Workload, fmt_kinds, loadavg, stats};
+use volume_gate::record::Phase;
+
+#[derive(Parser, Debug)]
+#[command(about = "Benchmark 3: release at scale, gate vs the seed's kubectl hook")]
+struct Args {
+    /// Claims per tenant, comma-separated.
+    #[arg(long, value_delimiter = ',', default_value = "100,1000,5000")]
+    sizes: Vec<usize>,
+    /// Rounds per size (each round: one gated and one baseline tenant).
+    #[arg(long, default_value_t = 3)]
+    rounds: usize,
+    /// Repeat a size only if its first round took less than this (seconds) per measurement.
+    #[arg(long, default_value_t = 120.0)]
+    repeat_under: f64,
+    /// Claims and Pods created concurrently while building a tenant.
+    #[arg(long, default_value_t = 16)]
+    create_concurrency: usize,
+    /// How often the record is polled, in milliseconds.
+    #[arg(long, default_value_t = 100)]
+    poll_ms: u64,
+    /// Extra worker flags (repeatable), e.g. --worker-arg=--wait-bound=30m.
+    #[arg(long = "worker-arg", allow_hyphen_values = true)]
+    worker_args: Vec<String>,
+    /// Let each `kubectl delete pod` wait for the Pod to be gone (kubectl's default).
+    #[arg(long)]
+    baseline_pod_wait: bool,
+}
+
+#[derive(Clone, Debug)]
+struct GateRun {
+    seconds: f64,
+    requests: Requests,
+    milestones: Milestones,
+    worker_steps: BTreeMap<&'static str, f64>,
+    load: String,
+}
+
+#[derive(Clone, Debug)]
+struct BaselineRun {
+    seconds: f64,
+    processes: usize,
+    requests: usize,
+    steps: Vec<(String, f64)>,
+    milestones: Milestones,
+    load: String,
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let args = Args::parse();
+    println!("bench-release (issue 7, benchmark 3)");
+    println!("{}", scale::machine());
+    println!("sizes {:?}, rounds up to {} (repeated only under {}s), create concurrency {}", args.sizes, args.rounds, args.repeat_under, args.create_concurrency);
+
+    let started = Instant::now();
+    let cp = common::cluster::control_plane();
+    println!("control plane: {} (logs in {})", cp.management.server, cp.state.join("logs").display());
+    let gate = BenchGate::install(cp, "release", &args.worker_args, scale::WORKER_TRACE_LOG).await;
+    println!("gate installed: worker flags {:?} (defaults otherwise), worker log {}", args.worker_args, gate.worker_log.display());
+    let sim = common::sim::Simulator::start(cp);
+    println!("simulator: log {}", sim.process.log.display());
+    let cache_dir = cp.state.join("bench-kubectl-cache");
+
+    let mut results: BTreeMap<usize, (Vec<GateRun>, Vec<BaselineRun>)> = BTreeMap::new();
+    for &size in &args.sizes {
+        let w = Workload::for_size(size);
+        println!("\n== size {size}: {}", w.describe());
+        for round in 1..=args.rounds {
+            let g = Tenant::create(cp, &format!("g{size}r{round}")).await;
+            let b = Tenant::create(cp, &format!("b{size}r{round}")).await;
+            g.wait_custody().await;
+            b.wait_custody().await;
+            let setup_timeout = Duration::from_secs(600 + size as u64);
+            let sg = w.create(&g, args.create_concurrency, setup_timeout).await;
+            let sb = w.create(&b, args.create_concurrency, setup_timeout).await;
+            println!("  round {round}: tenants built in {:.0}s and {:.0}s", sg.as_secs_f64(), sb.as_secs_f64());
+
+            let (gr, br) = if round % 2 == 1 {
+                let br = baseline(cp, &b, &cache_dir, args.baseline_pod_wait).await;
+                let gr = gated(cp, &gate, &g, args.poll_ms).await;
+                (gr, br)
+            } else {
+                let gr = gated(cp, &gate, &g, args.poll_ms).await;
+                let br = baseline(cp, &b, &cache_dir, args.baseline_pod_wait).await;
+                (gr, br)
+            };
+            print_round(size, round, &gr, &br);
+            // The gated tenant's teardown runs on; the baseline tenant's
+            // volumes are gone, so its release records nothing left.
+            scale::teardown(&g, Duration::from_secs(900)).await;
+            scale::teardown(&b, Duration::from_secs(900)).await;
+            let slow = gr.seconds >= args.repeat_under || br.seconds >= args.repeat_under;
+            let e = results.entry(size).or_default();
+            e.0.push(gr);
+            e.1.push(br);
+            if slow {
+                if round < args.rounds {
+                    println!("  (one measurement took {:.0}s >= {}s: not repeated)", gr_or(&e.0), args.repeat_under);
+                }
+                break;
+            }
+        }
+    }
+
+    println!("\n== summary (median [min..max] over rounds)");
+    let mut ratio_parts = Vec::new();
+    let mut per_volume_gate: BTreeMap<usize, f64> = BTreeMap::new();
+    let mut req_parts = Vec::new();
+    for (size, (gs, bs)) in &results {
+        let n = *size as f64;
+        let gt = stats(&gs.iter().map(|r| r.seconds).collect::<Vec<_>>());
+        let bt = stats(&bs.iter().map(|r| r.seconds).collect::<Vec<_>>());
+        let gpv = stats(&gs.iter().map(|r| 1000.0 * r.seconds / n).collect::<Vec<_>>());
+        let bpv = stats(&bs.iter().map(|r| 1000.0 * r.seconds / n).collect::<Vec<_>>());
+        let ratio = stats(&gs.iter().zip(bs).map(|(g, b)| g.seconds / b.seconds).collect::<Vec<_>>());
+        let tenant_rpv = stats(&gs.iter().map(|r| r.requests.tenant as f64 / n).collect::<Vec<_>>());
+        let mgmt_rpv = stats(&gs.iter().map(|r| (r.requests.management - r.requests.management_lease) as f64 / n).collect::<Vec<_>>());
+        let all_rpv = stats(&gs.iter().map(|r| (r.requests.tenant + r.requests.management) as f64 / n).collect::<Vec<_>>());
+        let base_rpv = stats(&bs.iter().map(|r| r.requests as f64 / n).collect::<Vec<_>>());
+        println!("size {size}:");
+        println!("  gate      time s {gt}  | ms/volume {gpv}");
+        println!("  baseline  time s {bt}  | ms/volume {bpv}");
+        println!("  gate/baseline time ratio {ratio}");
+        println!("  worker requests/volume: tenant API {tenant_rpv}, management API (without Lease renewals) {mgmt_rpv}, all {all_rpv}");
+        println!("  baseline (kubectl) requests/volume {base_rpv}");
+        per_volume_gate.insert(*size, gpv.median);
+        ratio_parts.push(format!("{size}={:.2}", ratio.median));
+        req_parts.push(format!("{size}={:.3}", all_rpv.median));
+    }
+    let growth = match (per_volume_gate.first_key_value(), per_volume_gate.last_key_value()) {
+        (Some((s0, v0)), Some((s1, v1))) if s0 != s1 => format!("{:.2} ({s1}/{s0})", v1 / v0),
+        _ => "n/a (one size)".into(),
+    };
+    println!("total wall time {:.0}s", started.elapsed().as_secs_f64());
+    println!(
+        "RATIO gate/baseline time: {} | gate time/volume growth {growth} (target <= 1.5) | worker requests/volume {} (target <= 3)",
+        ratio_parts.join(" "),
+        req_parts.join(" ")
+    );
+    drop(sim);
+}
+
+fn gr_or(gs: &[GateRun]) -> f64 {
+    gs.last().map_or(0.0, |g| g.seconds)
+}
+
+fn print_round(size: usize, round: usize, g: &GateRun, b: &BaselineRun) {
+    let n = size as f64;
+    println!(
+        "  round {round} gate: {:.2}s ({:.2} ms/volume) load {} | worker requests: tenant {} ({:.3}/vol), management {} ({} Lease) ({:.3}/vol)",
+        g.seconds,
+        1000.0 * g.seconds / n,
+        g.load,
+        g.requests.tenant,
+        g.requests.tenant as f64 / n,
+        g.requests.management,
+        g.requests.management_lease,
+        (g.requests.management - g.requests.management_lease) as f64 / n
+    );
+    println!("      tenant requests: {}", fmt_kinds(&g.requests.tenant_by_kind));
+    println!("      management requests: {}", fmt_kinds(&g.requests.management_by_kind));
+    println!(
+        "      worker log: {}",
+        g.worker_steps.iter().map(|(k, v)| format!("{k} {v:.2}s")).collect::<Vec<_>>().join(", ")
+    );
+    println!("      observed: {}", g.milestones);
+    println!(
+        "  round {round} baseline: {:.2}s ({:.2} ms/volume) load {} | {} kubectl processes, {} requests ({:.3}/vol)",
+        b.seconds,
+        1000.0 * b.seconds / n,
+        b.load,
+        b.processes,
+        b.requests,
+        b.requests as f64 / n
+    );
+    println!("      steps: {}", b.steps.iter().map(|(k, v)| format!("{k} {v:.2}s")).collect::<Vec<_>>().join(", "));
+    println!("      observed: {}", b.milestones);
+    println!("  round {round} ratio gate/baseline {:.3}", g.seconds / b.seconds);
+}
+
+/// Deletes the parent and waits for `Released`; counts the worker's requests.
+async fn gated(cp: &ControlPlane, gate: &BenchGate, t: &Tenant, poll_ms: u64) -> GateRun {
+    let observer = Observer::start(&t.api).await;
+    let servers: HashSet<String> = [t.cluster.server.clone()].into();
+    let offset = gate.worker_log_len();
+    let load = loadavg();
+    let wall0 = jiff::Timestamp::now();
+    let t0 = Instant::now();
+    observer.arm(t0);
+    t.delete_parent().await;
+    let seen = scale::poll_phase(t, Phase::Released, Duration::from_millis(poll_ms), Duration::from_secs(3600)).await;
+    let seconds = seen.duration_since(t0).as_secs_f64();
+    observer.wait_pvs_gone(Duration::from_secs(5)).await;
+    // Custody ends right after Released: let those requests land too.
+    tokio::time::sleep(Duration::from_secs(2)).await;
+    let requests = scale::count_requests(&gate.worker_log, offset, &cp.management.server, &servers);
+    let worker_steps = worker_steps(&gate.worker_log, offset, wall0, &t.name);
+    GateRun { seconds, requests, milestones: observer.milestones(), worker_steps, load }
+}
+
+/// When the worker logged its steps for tenant `name`, seconds after `wall0`.
+fn worker_steps(log: &Path, from: u64, wall0: jiff::Timestamp, name: &str) -> BTreeMap<&'static str, f64> {
+    let bytes = std::fs::read(log).unwrap_or_default();
+    let text = String::from_utf8_lossy(&bytes[(from as usize).min(bytes.len())..]).to_string();
+    let mut out = BTreeMap::new();
+    for line in text.lines() {
+        if line.contains("\"requesting\"") || !line.contains(name) {
+            continue;
+        }
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        let msg = v.get("message").and_then(|m| m.as_str()).unwrap_or("");
+        let reason = v.get("reason").and_then(|m| m.as_str()).unwrap_or("");
+        let step = match (msg, reason) {
+            (_, "ReleaseStarted") => "1 started",
+            (_, "InventoryTaken") => "2 inventory written",
+            ("claims and holding pods deleted", _) => "3 claims+pods deleted",
+            (_, "Released") => "4 Released written",
+            ("custody ended: finalizer removed", _) => "5 custody ended",
+            _ => continue,
+        };
+        let Some(ts) = v.get("timestamp").and_then(|t| t.as_str()).and_then(|t| t.parse::<jiff::Timestamp>().ok()) else { continue };
+        let secs = ts.duration_since(wall0).as_secs_f64();
+        out.entry(step).or_insert(secs);
+    }
+    out
+}
+
+/// The seed's Step 1b, each step a kubectl process, sequentially.
+async fn baseline(cp: &ControlPlane, t: &Tenant, cache_dir: &Path, pod_wait: bool) -> BaselineRun {
+    let observer = Observer::start(&t.api).await;
+    let kubeconfig = t.cluster.kubeconfig.clone();
+    let mut k = Kubectl { cp, kubeconfig, cache_dir: cache_dir.to_path_buf(), processes: 0, requests: 0 };
+    let load = loadavg();
+    let t0 = Instant::now();
+    observer.arm(t0);
+    let mut steps = Vec::new();
+    let mut mark = Instant::now();
+    let mut step = |name: &str, mark: &mut Instant| {
+        steps.push((name.to_string(), mark.elapsed().as_secs_f64()));
+        *mark = Instant::now();
+    };
+
+    let (ok, _) = k.run(&["get", "--raw", "/readyz"]).await;
+    assert!(ok, "baseline: tenant API not ready");
+    step("readyz", &mut mark);
+    let (ok, out) = k.run(&["get", "pv", "-o", "name"]).await;
+    assert!(ok, "baseline: get pv");
+    let pvs: Vec<String> = out.lines().filter(|l| !l.trim().is_empty()).map(|l| l.trim().to_string()).collect();
+    step("get pv", &mut mark);
+    let (ok, _) = k.run(&["delete", "pvc", "--all", "--all-namespaces", "--wait=false"]).await;
+    assert!(ok, "baseline: delete pvc");
+    step("delete pvc --all", &mut mark);
+    let (ok, out) = k.run(&["get", "pods", "--all-namespaces", "-o", "json"]).await;
+    assert!(ok, "baseline: get pods");
+    let list: serde_json::Value = serde_json::from_str(&out).expect("pods JSON");
+    let pods: Vec<Pod> = serde_json::from_value(list["items"].clone()).expect("pods");
+    let holding: Vec<(String, String)> = pods
+        .iter()
+        .filter(|p| !volume_gate::worker::claims::claims_of(p).is_empty())
+        .map(|p| (p.metadata.namespace.clone().unwrap_or_default(), p.metadata.name.clone().unwrap_or_default()))
+        .collect();
+    step("get pods", &mut mark);
+    let wait_flag = if pod_wait { "--wait=true" } else { "--wait=false" };
+    for (ns, name) in &holding {
+        let (ok, _) = k.run(&["delete", "pod", "-n", ns, name, wait_flag]).await;
+        assert!(ok, "baseline: delete pod {ns}/{name}");
+    }
+    step(&format!("delete pod x{}", holding.len()), &mut mark);
+    for pv in &pvs {
+        let (ok, _) = k.run(&["wait", "--for=delete", pv, "--timeout=1200s"]).await;
+        assert!(ok, "baseline: wait {pv}");
+    }
+    step(&format!("wait pv x{}", pvs.len()), &mut mark);
+    let seconds = t0.elapsed().as_secs_f64();
+    observer.wait_pvs_gone(Duration::from_secs(5)).await;
+    BaselineRun { seconds, processes: k.processes, requests: k.requests, steps, milestones: observer.milestones(), load }
+}
+
+struct Kubectl<'a> {
+    cp: &'a ControlPlane,
+    kubeconfig: PathBuf,
+    cache_dir: PathBuf,
+    processes: usize,
+    requests: usize,
+}
+
+impl Kubectl<'_> {
+    /// Runs one kubectl process with `-v=6` (one log line per request);
+    /// returns (success, stdout).
+    async fn run(&mut self, args: &[&str]) -> (bool, String) {
+        let mut cmd = self.cp.kubectl(&self.kubeconfig);
+        cmd.arg("--cache-dir").arg(&self.cache_dir).arg("-v=6").args(args);
+        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
+        let out = tokio::process::Command::from(cmd).output().await.expect("spawn kubectl");
+        self.processes += 1;
+        let stderr = String::from_utf8_lossy(&out.stderr);
+        self.requests += stderr.lines().filter(|l| l.contains("\"Response\"")).count();
+        if !out.status.success() {
+            eprintln!("kubectl {args:?} failed: {}", stderr.lines().filter(|l| !l.contains("\"Response\"")).collect::<Vec<_>>().join(" | "));
+        }
+        (out.status.success(), String::from_utf8_lossy(&out.stdout).to_string())
+    }
+}
