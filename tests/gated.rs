@@ -178,6 +178,7 @@ async fn grant_release_editing(t: &Tenant, group: &str) {
         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": group}]});
     common::manifests::apply(&t.management, &role).await;
     common::manifests::apply(&t.management, &binding).await;
+    common::tenant::wait_authorized(&t.management, group, &t.namespace, "helm.toolkit.fluxcd.io", "helmreleases", "patch").await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

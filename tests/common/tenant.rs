@@ -345,7 +345,39 @@ impl Tenant {
             }
             manifests::apply(&self.management, &d).await;
         }
+        wait_authorized(&self.management, group, &self.namespace, "helm.toolkit.fluxcd.io", "helmreleases", "patch").await;
+        wait_authorized(&self.management, group, &self.namespace, "volumes.cozystack.io", "tenants", "override").await;
     }
+}
+
+/// RBAC reaches the API server's authorizer through an informer: waits until
+/// a SubjectAccessReview for a member of `group` is allowed.
+pub async fn wait_authorized(client: &kube::Client, group: &str, namespace: &str, api_group: &str, resource: &str, verb: &str) {
+    use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
+    let api: Api<SubjectAccessReview> = Api::all(client.clone());
+    let sar = SubjectAccessReview {
+        spec: SubjectAccessReviewSpec {
+            user: Some("rbac-probe".into()),
+            groups: Some(vec![group.to_string(), "system:authenticated".into()]),
+            resource_attributes: Some(ResourceAttributes {
+                namespace: Some(namespace.into()),
+                group: Some(api_group.into()),
+                resource: Some(resource.into()),
+                verb: Some(verb.into()),
+                ..Default::default()
+            }),
+            ..Default::default()
+        },
+        ..Default::default()
+    };
+    eventually(&format!("group {group} may {verb} {resource}.{api_group} in {namespace}"), Duration::from_secs(30), || {
+        let (api, sar) = (api.clone(), sar.clone());
+        async move {
+            let r = api.create(&PostParams::default(), &sar).await.map_err(|e| e.to_string())?;
+            if r.status.is_some_and(|s| s.allowed) { Ok(()) } else { Err("not yet".into()) }
+        }
+    })
+    .await
 }
 
 impl Tenant {
