@@ -137,6 +137,14 @@ def admission_seeds():
         new=hr("kubernetes-a", labels={}, finalizers=[FIN], annotations={P + "override": "abandoned"}),
         user="system:serviceaccount:volume-gate:volume-gate-worker")
     write("admission_review", "known-f1-worker-unlabel-override", b"\x01\x01" + json.dumps(f1).encode())
+    # Known finding F7: invalid UTF-8 in a field the typed model ignores.
+    f7 = json.dumps({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {"uid": "u-f7",
+        "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
+        "resource": {"group": "", "version": "v1", "resource": "configmaps"},
+        "name": "cm", "namespace": "tenant-x", "operation": "DELETE", "userInfo": {"username": "alice"},
+        "oldObject": {"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cm"}}, "x": "XX"}})
+    for target in ("admission_review", "admission_http"):
+        write(target, "known-f7-minimal", b"\x00" + f7.encode().replace(b"XX", b"\xff\xfe"))
     write("admission_review", "child-delete-facts", b"\x04\x01\x02\x01\x00" + bodies["child-delete"].encode())
     write("admission_http", "child-delete-facts", b"\x04\x03\x00\x02\x00" + bodies["child-delete"].encode())
 

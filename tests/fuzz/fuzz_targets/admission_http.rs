@@ -10,7 +10,8 @@
 //!
 //! Invariants, on every input, for /validate and /mutate:
 //! - the answer is a JSON AdmissionReview v1 with the request's uid;
-//! - an undecodable, oversized or truncated body is never allowed (HTTP 200
+//! - an undecodable, oversized, truncated or non-JSON body is never allowed
+//!   (the last is known finding F7, checked with VG_FUZZ_KNOWN=F7) (HTTP 200
 //!   when a uid was found, else the error status);
 //! - /validate's verdict equals DESIGN.md §4's table computed here from the
 //!   stand-in's state; an allow of a dependent rests on a parent read made
@@ -240,6 +241,9 @@ fn run(facts: &Facts, body: &[u8], endpoint: &str) {
         (code, bytes)
     });
     let reads = std::mem::take(&mut API.lock().unwrap().reads);
+    if std::env::var_os("VG_FUZZ_DEBUG").is_some() {
+        eprintln!("{endpoint} with {facts:?}: HTTP {code}, reads {reads:?}: {}", String::from_utf8_lossy(&answer));
+    }
     let out: Value = match serde_json::from_slice(&answer) {
         Ok(v) => v,
         Err(e) => panic!("{endpoint} answered non-JSON ({e}): {}", String::from_utf8_lossy(&answer)),
@@ -269,6 +273,12 @@ fn run(facts: &Facts, body: &[u8], endpoint: &str) {
         }
         return;
     };
+    // F7 (known): a body that is not JSON but that decode's typed fast path
+    // accepts is judged like the review it resembles; it must be refused.
+    if serde_json::from_slice::<Value>(body).is_err() {
+        assert!(!common::check_known("F7") || !allowed, "F7: {endpoint} allowed a body that is not JSON: {out}");
+        return;
+    }
     assert_eq!(code, 200);
     assert_eq!(out["response"]["uid"].as_str(), Some(req.uid.as_str()), "{out}");
     let message = out["response"]["status"]["message"].as_str().unwrap_or("");

@@ -16,6 +16,11 @@
 //! - `client_for`'s error message for an accepted kubeconfig contains no
 //!   16-byte window of a credential value either.
 //!
+//! A credential window found in a message is confirmed differentially
+//! (the input re-run with the credential's letters and digits rotated must
+//! show the rotated window instead): libFuzzer splices the messages' own
+//! text into inputs, and such a window is not an echo.
+//!
 //! `VG_FUZZ_STRICT_ECHO=1` also forbids any 16-byte window of the input in an
 //! Err message, names included (they are echoed by design: finding F4).
 
