@@ -168,31 +168,31 @@ impl Inventory {
         if full.len() <= MAX_INVENTORY_BYTES {
             return full;
         }
-        let mut kept: Vec<Volume> = self.volumes.iter().filter(|v| !v.gone).cloned().collect();
-        kept.extend(self.volumes.iter().filter(|v| v.gone).cloned());
-        let mut shown = Inventory { truncated: true, volumes: kept, ..self.clone() };
-        // Halve, then grow back: few serializations even for 5,000 volumes.
-        let mut n = shown.volumes.len();
-        let all = std::mem::take(&mut shown.volumes);
-        loop {
-            shown.volumes = all[..n].to_vec();
-            let text = serde_json::to_string(&shown).expect("inventory serializes");
-            if text.len() <= MAX_INVENTORY_BYTES || n == 0 {
-                let mut best = text;
-                let mut m = n;
-                while m < all.len() {
-                    shown.volumes.push(all[m].clone());
-                    let next = serde_json::to_string(&shown).expect("inventory serializes");
-                    if next.len() > MAX_INVENTORY_BYTES {
-                        break;
-                    }
-                    best = next;
-                    m += 1;
-                }
-                return best;
+        // The volumes still on storage are listed first.
+        let mut all: Vec<Volume> = self.volumes.iter().filter(|v| !v.gone).cloned().collect();
+        all.extend(self.volumes.iter().filter(|v| v.gone).cloned());
+        let encode_first = |n: usize| {
+            let shown = Inventory {
+                taken_at: self.taken_at.clone(),
+                total: self.total,
+                freed: self.freed,
+                truncated: true,
+                volumes: all[..n].to_vec(),
+            };
+            serde_json::to_string(&shown).expect("inventory serializes")
+        };
+        // The largest prefix that fits, by bisection: a few serializations
+        // even for tens of thousands of volumes.
+        let (mut fits, mut too_big) = (0usize, all.len());
+        while too_big - fits > 1 {
+            let mid = fits + (too_big - fits) / 2;
+            if encode_first(mid).len() <= MAX_INVENTORY_BYTES {
+                fits = mid;
+            } else {
+                too_big = mid;
             }
-            n /= 2;
         }
+        encode_first(fits)
     }
 
     pub fn decode(text: &str) -> Result<Self, String> {
