@@ -252,6 +252,9 @@ pub fn retargeted(profile: &Profile, kind: &GroupKind, name: &str, old: &BTreeMa
         return None;
     }
     match before {
+        // Made to look like a parent, its DELETE would pass as a parent's in
+        // custody: judged as the CSI release itself, held until done.
+        Target::CsiRelease { .. } if matches!(classify(profile, kind, name, new), Target::Parent { .. }) => Some(before),
         Target::CsiRelease { tenant } => Some(Target::Child { tenant }),
         Target::Child { .. } | Target::Guarded { .. } => Some(before),
         Target::Parent { .. } | Target::Unrelated => None,

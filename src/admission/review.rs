@@ -26,7 +26,11 @@ pub struct Invalid {
 pub fn decode(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, Invalid> {
     // One typed pass for a good review; building a generic tree first costs
     // as much again (BENCHMARKS.md), so it is kept for explaining a bad one.
-    if let Ok(review) = serde_json::from_slice::<AdmissionReview<DynamicObject>>(body) {
+    // serde skips fields it does not model without checking their UTF-8.
+    let Ok(text) = std::str::from_utf8(body) else {
+        return Err(Invalid { uid: None, message: "body is not JSON: not valid UTF-8".into() });
+    };
+    if let Ok(review) = serde_json::from_str::<AdmissionReview<DynamicObject>>(text) {
         let well_formed = review.types.api_version == API_VERSION
             && review.types.kind == KIND
             && review.request.as_ref().is_some_and(|r| !r.uid.is_empty());
@@ -201,6 +205,18 @@ mod tests {
         assert_eq!(req.uid, "u-1");
         assert!(req.dry_run);
         assert_eq!(group_kind(&req), GroupKind::new("helm.toolkit.fluxcd.io", "HelmRelease"));
+    }
+
+    #[test]
+    fn invalid_utf8_in_an_ignored_field_is_not_json() {
+        let mut body = review(minimal_request());
+        let at = body.len() - 2; // inside the request object
+        let mut field = b",\"x\":\"".to_vec();
+        field.push(0xff);
+        field.push(b'"');
+        body.splice(at..at, field);
+        let e = decode(&body).unwrap_err();
+        assert!(e.message.contains("not JSON"), "{}", e.message);
     }
 
     #[test]

@@ -176,7 +176,11 @@ fn relabelling_a_dependent_away_from_its_tenant_is_judged_as_its_delete() {
     let machine = GroupKind::new("cluster.x-k8s.io", "Machine");
     let capi = labels(&[("cluster.x-k8s.io/cluster-name", R)]);
     assert!(matches!(retargeted(&p, &machine, "m", &capi, &BTreeMap::new()), Some(Target::Guarded { .. })));
-    // A relabelled CSI release is held like a child: only during teardown.
+    // A CSI release relabelled as a parent is judged as the CSI release.
+    let mut as_parent = parent_labels();
+    as_parent.extend(child_labels());
+    assert_eq!(retargeted(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &as_parent), Some(csi()));
+    // A relabelled CSI release is otherwise held like a child: only during teardown.
     assert_eq!(retargeted(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &BTreeMap::new()), Some(child()));
     // A Secret known by its name loses the labels a webhook selects it by.
     let secret = GroupKind::new("", "Secret");
