@@ -208,8 +208,8 @@ impl Profile {
         if self.child_label.is_empty() {
             return Err("childLabel is empty".into());
         }
-        if !self.csi_release.contains(TENANT_PLACEHOLDER) {
-            return Err(format!("csiRelease {:?} must contain {TENANT_PLACEHOLDER}", self.csi_release));
+        if self.csi_release.matches(TENANT_PLACEHOLDER).count() != 1 {
+            return Err(format!("csiRelease {:?} must contain {TENANT_PLACEHOLDER} exactly once", self.csi_release));
         }
         if !self.kubeconfig.secret_name.contains(TENANT_PLACEHOLDER) || self.kubeconfig.keys.is_empty() {
             return Err("kubeconfig needs a secretName containing {tenant} and at least one key".into());
@@ -307,6 +307,12 @@ mod tests {
         let y = "parent: {group: g, version: v1, kind: K, plural: ks, matchLabels: {}}\n";
         let err = Profile::from_yaml(y).unwrap_err().to_string();
         assert!(err.contains("matchLabels"), "{err}");
+    }
+
+    #[test]
+    fn a_csi_release_pattern_with_two_placeholders_is_refused() {
+        let err = Profile::from_yaml("csiRelease: \"{tenant}-{tenant}-csi\"\n").unwrap_err().to_string();
+        assert!(err.contains("exactly once"), "{err}");
     }
 
     #[test]

@@ -129,6 +129,10 @@ def admission_seeds():
     for name, body in bodies.items():
         for target in ("admission_review", "admission_http"):
             write(target, name, b"\x00" + body.encode())
+    # F5 step 1 through the HTTP target: facts = parent present, not
+    # deleting, namespace live.
+    write("admission_http", "known-f5-step1-relabel-live-tenant",
+          b"\x0b\xff\xff\xff\xff\x00\x00\x00\x00\x00\x00\x90" + bodies["csi-relabel-to-parent"].encode())
     # A few with facts bytes in front (length, then bytes for `arbitrary`).
     # Known finding F1: the worker drops the parent labels and sets an
     # override in one write (facts byte 1: the requester is the worker).

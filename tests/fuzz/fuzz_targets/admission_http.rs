@@ -10,8 +10,8 @@
 //!
 //! Invariants, on every input, for /validate and /mutate:
 //! - the answer is a JSON AdmissionReview v1 with the request's uid;
-//! - an undecodable, oversized, truncated or non-JSON body is never allowed
-//!   (the last is known finding F7, checked with VG_FUZZ_KNOWN=F7) (HTTP 200
+//! - an undecodable, oversized, truncated or non-JSON body (F7) is never
+//!   allowed (HTTP 200
 //!   when a uid was found, else the error status);
 //! - /validate's verdict equals DESIGN.md §4's table computed here from the
 //!   stand-in's state; an allow of a dependent rests on a parent read made
@@ -273,10 +273,10 @@ fn run(facts: &Facts, body: &[u8], endpoint: &str) {
         }
         return;
     };
-    // F7 (known): a body that is not JSON but that decode's typed fast path
-    // accepts is judged like the review it resembles; it must be refused.
+    // F7 (fixed in 0d2820b): a body that is not JSON must be refused even
+    // when decode's typed fast path could read it.
     if serde_json::from_slice::<Value>(body).is_err() {
-        assert!(!common::check_known("F7") || !allowed, "F7: {endpoint} allowed a body that is not JSON: {out}");
+        assert!(!allowed, "F7: {endpoint} allowed a body that is not JSON: {out}");
         return;
     }
     assert_eq!(code, 200);

@@ -86,15 +86,10 @@ fn run(facts: &Facts, body: &[u8]) {
         }
     };
     assert!(!req.uid.is_empty(), "decoded a review without uid");
+    // F7 (fixed in 0d2820b): decode's typed fast path once accepted a body
+    // that is not JSON (invalid UTF-8 in a value the typed model ignores).
     let raw: Value = match serde_json::from_slice(body) {
         Ok(v) => v,
-        // F7: decode's typed fast path (src/admission/review.rs) accepts a
-        // body that is not JSON when the bad bytes (invalid UTF-8, say) sit
-        // in a value the typed model ignores. Malformed must never be judged.
-        Err(e) if !common::check_known("F7") => {
-            let _ = e;
-            return;
-        }
         Err(e) => panic!("F7: decode accepted a body that is not JSON ({e}): uid {:?}, {:?}", req.uid, req.operation),
     };
     assert_eq!(raw["apiVersion"], "admission.k8s.io/v1");
@@ -136,8 +131,8 @@ fn run(facts: &Facts, body: &[u8]) {
             let new = review::labels_of(req.object.as_ref());
             if let Some(target) = decide::retargeted(&PROFILE, &kind, &req.name, &old, &new) {
                 assert!(target.tenant().is_some(), "a retargeted object has a tenant: {target:?}");
-                // A relabelled CSI release is judged as a child, or (once the
-                // F5 fix in decide::retargeted lands) as the CSI release itself.
+                // A relabelled CSI release is judged as a child, or, when the
+                // relabel makes it look like a parent (F5), as itself.
                 assert!(!matches!(target, Target::Parent { .. } | Target::Unrelated));
                 let subject = Subject { kind: &kind, namespace, name: &req.name, action: "relabel" };
                 judge_dependent(facts, &target, subject, username);
@@ -148,10 +143,8 @@ fn run(facts: &Facts, body: &[u8]) {
                 // UPDATE). Such an UPDATE must not be allowed before done.
                 let before = decide::classify(&PROFILE, &kind, &req.name, &old);
                 let after = decide::classify(&PROFILE, &kind, &req.name, &new);
-                if matches!(before, Target::CsiRelease { .. })
-                    && matches!(after, Target::Parent { .. })
-                    && common::check_known("F5")
-                {
+                // F5, fixed in 0d2820b: always checked.
+                if matches!(before, Target::CsiRelease { .. }) && matches!(after, Target::Parent { .. }) {
                     let pf = ParentFacts {
                         namespace: namespace.to_string(),
                         name: target.tenant().unwrap().to_string(),
