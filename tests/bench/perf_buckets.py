@@ -13,7 +13,7 @@ leaf (malloc, free, memcpy: glibc has no frame pointers) are counted as
 import sys, re, collections
 comm = sys.argv[1]
 rules = [
-    ("decode: review::decode (JSON -> Value -> AdmissionReview<DynamicObject>)", r"admission::review::decode"),
+    ("decode: review::decode", r"admission::review::decode"),
     ("drop of the decoded request", r"drop_in_place<kube_core::admission::AdmissionRequest"),
     ("decision: Gate::validate / mutate", r"Gate::validate|Gate::mutate|admission::decide::"),
     ("log line per decision (tracing json)", r"tracing_subscriber|tracing_core::event|tracing::"),
