@@ -16,6 +16,30 @@ use serde_json::{Map, Value};
 /// API server's 256 KiB limit on all annotations together.
 pub const MAX_INVENTORY_BYTES: usize = 96 * 1024;
 
+/// The longest string kept in one inventory field (a volumeHandle, a PV or
+/// claim name). Real handles are a few hundred bytes at most; a tenant, who
+/// is cluster-admin of its own cluster, could make them megabytes and drive
+/// the worker's cost on every record write (fuzz finding F6).
+pub const MAX_FIELD_BYTES: usize = 1024;
+
+/// The longest `taken_at` kept (an RFC 3339 time is 20–35 bytes). It keeps
+/// the envelope alone from exceeding the bound (fuzz finding F3).
+const MAX_TAKEN_AT_BYTES: usize = 64;
+
+/// `s`, cut at a character boundary to at most `max` bytes with the cut
+/// stated, so a shortened value is never mistaken for the whole one.
+pub fn bounded(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let marker = format!("…[{} bytes]", s.len());
+    let mut cut = max.saturating_sub(marker.len());
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}{marker}", &s[..cut])
+}
+
 /// Annotation keys under the profile's prefix.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct Keys {
@@ -164,6 +188,10 @@ impl Inventory {
     /// JSON for the annotation, truncated to [`MAX_INVENTORY_BYTES`]: the
     /// volumes still on storage are kept first, and truncation is stated.
     pub fn encode(&self) -> String {
+        let taken_at = bounded(&self.taken_at, MAX_TAKEN_AT_BYTES);
+        if taken_at.len() < self.taken_at.len() {
+            return Inventory { taken_at, ..self.clone() }.encode();
+        }
         let full = serde_json::to_string(self).expect("inventory serializes");
         if full.len() <= MAX_INVENTORY_BYTES {
             return full;
@@ -361,6 +389,21 @@ mod tests {
 
     fn ann(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
         pairs.iter().map(|(k, v)| (format!("volumes.cozystack.io/{k}"), v.to_string())).collect()
+    }
+
+    #[test]
+    fn a_huge_taken_at_is_cut_so_the_bound_holds() {
+        let inv = Inventory::new("9".repeat(200_000), vec![]);
+        let text = inv.encode();
+        assert!(text.len() <= MAX_INVENTORY_BYTES, "{} bytes", text.len());
+        assert!(Inventory::decode(&text).unwrap().taken_at.ends_with("…[200000 bytes]"), "{text}");
+    }
+
+    #[test]
+    fn bounded_cuts_at_a_char_boundary_and_states_the_length() {
+        assert_eq!(bounded("short", 10), "short");
+        let cut = bounded(&"é".repeat(600), 64);
+        assert!(cut.len() <= 64 && cut.ends_with("…[1200 bytes]"), "{cut}");
     }
 
     #[test]

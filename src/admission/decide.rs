@@ -433,14 +433,19 @@ pub enum Mutation {
 /// Mutations for CREATE/UPDATE of a release (DESIGN.md §2, §3).
 pub fn mutate(profile: &Profile, keys: &Keys, change: Change<'_>, who: Requester<'_>, now: jiff::Timestamp) -> Vec<Mutation> {
     let Change { old, new } = change;
-    if !profile.is_parent(&new.labels) {
+    // The same test as `guard_update`: a write that removes the parent
+    // labels is still judged (and stamped) as a write to a parent, or the
+    // guard would refuse the webhook's own missing stamps (fuzz finding F1).
+    let parent_now = profile.is_parent(&new.labels);
+    if !parent_now && !old.is_some_and(|o| profile.is_parent(&o.labels)) {
         return Vec::new();
     }
     let mut out = Vec::new();
-    // Custody starts before deletion, never during it. A removal is not
-    // quietly undone here: the validating guard refuses it, loudly.
+    // Custody starts before deletion, never during it, and only on what is
+    // a parent after the write. A removal is not quietly undone here: the
+    // validating guard refuses it, loudly.
     let removal = old.is_some_and(|o| o.finalizers.contains(&profile.custody_finalizer));
-    if !new.deleting && !removal && !new.finalizers.contains(&profile.custody_finalizer) {
+    if parent_now && !new.deleting && !removal && !new.finalizers.contains(&profile.custody_finalizer) {
         out.push(Mutation::AddFinalizer { create_list: new.finalizers.is_empty() });
     }
     if annotation(old, &keys.override_reason) != annotation(Some(new), &keys.override_reason) {

@@ -5,7 +5,7 @@ use std::collections::{BTreeSet, HashSet};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
 
-use crate::record::{Inventory, Volume};
+use crate::record::{Inventory, MAX_FIELD_BYTES, Volume, bounded};
 
 /// A claim, `namespace/name`.
 pub type ClaimKey = (String, String);
@@ -14,15 +14,17 @@ pub type ClaimKey = (String, String);
 pub fn volume_of(pv: &PersistentVolume) -> Volume {
     let spec = pv.spec.as_ref();
     let csi = spec.and_then(|s| s.csi.as_ref());
+    // Every field is bounded: the tenant writes these objects (fuzz F6).
+    let b = |s: &str| bounded(s, MAX_FIELD_BYTES);
     Volume {
-        pv: pv.metadata.name.clone().unwrap_or_default(),
-        driver: csi.map(|c| c.driver.clone()),
-        handle: csi.map(|c| c.volume_handle.clone()),
-        capacity: spec.and_then(|s| s.capacity.as_ref()).and_then(|c| c.get("storage")).map(|q| q.0.clone()),
-        reclaim: spec.and_then(|s| s.persistent_volume_reclaim_policy.clone()).unwrap_or_else(|| "Delete".into()),
+        pv: b(pv.metadata.name.as_deref().unwrap_or_default()),
+        driver: csi.map(|c| b(&c.driver)),
+        handle: csi.map(|c| b(&c.volume_handle)),
+        capacity: spec.and_then(|s| s.capacity.as_ref()).and_then(|c| c.get("storage")).map(|q| b(&q.0)),
+        reclaim: b(spec.and_then(|s| s.persistent_volume_reclaim_policy.as_deref()).unwrap_or("Delete")),
         claim: spec
             .and_then(|s| s.claim_ref.as_ref())
-            .map(|c| format!("{}/{}", c.namespace.as_deref().unwrap_or(""), c.name.as_deref().unwrap_or(""))),
+            .map(|c| b(&format!("{}/{}", c.namespace.as_deref().unwrap_or(""), c.name.as_deref().unwrap_or("")))),
         gone: false,
     }
 }
@@ -149,6 +151,16 @@ mod tests {
             }),
             ..Default::default()
         }
+    }
+
+    #[test]
+    fn a_huge_volume_handle_is_kept_bounded_and_marked() {
+        let mut p = pv("pv-a", "Delete");
+        p.spec.as_mut().unwrap().csi.as_mut().unwrap().volume_handle = "x".repeat(80_000);
+        let v = volume_of(&p);
+        let handle = v.handle.unwrap();
+        assert!(handle.len() <= crate::record::MAX_FIELD_BYTES && handle.ends_with("…[80000 bytes]"), "{}", handle.len());
+        assert_eq!(v.pv, "pv-a");
     }
 
     #[test]

@@ -91,29 +91,31 @@ pub fn parse_kubeconfig(bytes: &[u8]) -> Result<Kubeconfig, String> {
     if kc.clusters.is_empty() || kc.contexts.is_empty() {
         return Err("it names no cluster or no context".into());
     }
-    for c in &kc.clusters {
-        let cluster = c.cluster.as_ref().ok_or_else(|| format!("cluster {:?} has no details", c.name))?;
+    // Entries are named by their index, never by their name: a name is
+    // tenant-written text and could hold pasted secret material (fuzz F4).
+    for (c, named) in kc.clusters.iter().enumerate() {
+        let cluster = named.cluster.as_ref().ok_or_else(|| format!("clusters[{c}] has no details"))?;
         let server = cluster.server.as_deref().unwrap_or("");
         if !server.starts_with("https://") {
-            return Err(format!("cluster {:?} server must be an https:// URL", c.name));
+            return Err(format!("clusters[{c}] server must be an https:// URL"));
         }
         if cluster.certificate_authority.is_some() {
-            return Err(format!("cluster {:?} refers to a CA file; only certificate-authority-data is accepted", c.name));
+            return Err(format!("clusters[{c}] refers to a CA file; only certificate-authority-data is accepted"));
         }
         if cluster.insecure_skip_tls_verify == Some(true) {
-            return Err(format!("cluster {:?} skips TLS verification, which would hand admin credentials to anyone", c.name));
+            return Err(format!("clusters[{c}] skips TLS verification, which would hand admin credentials to anyone"));
         }
         if cluster.proxy_url.is_some() {
-            return Err(format!("cluster {:?} sets a proxy-url, which is not accepted", c.name));
+            return Err(format!("clusters[{c}] sets a proxy-url, which is not accepted"));
         }
     }
-    for a in &kc.auth_infos {
-        let Some(auth) = a.auth_info.as_ref() else { continue };
+    for (a, u) in kc.auth_infos.iter().enumerate() {
+        let Some(auth) = u.auth_info.as_ref() else { continue };
         if auth.exec.is_some() || auth.auth_provider.is_some() {
-            return Err(format!("user {:?} uses an exec plugin or auth provider, which is not accepted", a.name));
+            return Err(format!("users[{a}] uses an exec plugin or auth provider, which is not accepted"));
         }
         if auth.client_certificate.is_some() || auth.client_key.is_some() || auth.token_file.is_some() {
-            return Err(format!("user {:?} refers to files; only inline -data fields and token are accepted", a.name));
+            return Err(format!("users[{a}] refers to files; only inline -data fields and token are accepted"));
         }
     }
     Ok(kc)
@@ -227,6 +229,13 @@ current-context: t
     fn plain_http_servers_are_refused() {
         let y = GOOD.replace("https://127.0.0.1:6443", "http://127.0.0.1:8080");
         assert!(parse_kubeconfig(y.as_bytes()).unwrap_err().contains("https://"));
+    }
+
+    #[test]
+    fn errors_name_entries_by_index_not_by_their_tenant_written_name() {
+        let y = GOOD.replace("https://127.0.0.1:6443", "http://127.0.0.1:8080").replace("- name: t\n  cluster:", "- name: pasted-TOKEN-eyJhbGciOiJSUzI1NiJ9\n  cluster:");
+        let err = parse_kubeconfig(y.as_bytes()).unwrap_err();
+        assert_eq!(err, "clusters[0] server must be an https:// URL");
     }
 
     #[test]

@@ -583,6 +583,32 @@ fn an_override_is_stamped_with_the_requester_and_time() {
 }
 
 #[test]
+fn an_override_set_while_the_parent_labels_go_is_stamped_and_accepted_from_the_worker() {
+    // Fuzz finding F1: mutate must judge "parent" as guard_update does
+    // (old or new labels), or the guard refuses the webhook's own write.
+    let old = meta(parent_labels());
+    let new = with_ann(meta(BTreeMap::new()), "override", "abandoned");
+    let worker = WORKER;
+    let ms = mutations(Some(&old), &new, worker);
+    assert_eq!(ms, vec![Mutation::Stamp { by: worker.into(), at: "2026-12-02T10:00:00Z".into() }]);
+    let mut doc = serde_json::json!({"metadata": {"annotations": new.annotations}});
+    json_patch::patch(&mut doc, &to_json_patch(&profile(), &keys(), &ms)).unwrap();
+    let patched: BTreeMap<String, String> = serde_json::from_value(doc["metadata"]["annotations"].clone()).unwrap();
+    let after = ObjectMetaView { annotations: patched, ..new };
+    let v = guard_update(&profile(), &keys(), Change { old: Some(&old), new: &after }, user(worker), now());
+    assert_eq!(v, UpdateVerdict::NeedsOverridePermission { namespace: NS.into(), tenant: R.into() });
+}
+
+#[test]
+fn a_release_that_stops_being_a_parent_gets_no_custody_finalizer() {
+    let mut old = meta(parent_labels());
+    old.finalizers.clear();
+    let mut new = meta(BTreeMap::new());
+    new.finalizers.clear();
+    assert!(mutations(Some(&old), &new, "flux").is_empty());
+}
+
+#[test]
 fn a_withdrawn_override_loses_its_stamps() {
     let old = with_ann(with_ann(meta(parent_labels()), "override", "x"), "override-by", "alice");
     let new = with_ann(meta(parent_labels()), "override-by", "alice");

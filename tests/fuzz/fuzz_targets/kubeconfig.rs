@@ -41,15 +41,16 @@ const WINDOW: usize = 16;
 static RT: LazyLock<tokio::runtime::Runtime> =
     LazyLock::new(|| tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime"));
 
-/// parse_kubeconfig's messages: (prefix, suffix) around a Debug-quoted name.
+/// parse_kubeconfig's messages: (prefix, suffix) around an entry's index
+/// (names are never echoed: finding F4).
 const NAMED: [(&str, &str); 7] = [
-    ("cluster ", " has no details"),
-    ("cluster ", " server must be an https:// URL"),
-    ("cluster ", " refers to a CA file; only certificate-authority-data is accepted"),
-    ("cluster ", " skips TLS verification, which would hand admin credentials to anyone"),
-    ("cluster ", " sets a proxy-url, which is not accepted"),
-    ("user ", " uses an exec plugin or auth provider, which is not accepted"),
-    ("user ", " refers to files; only inline -data fields and token are accepted"),
+    ("clusters[", "] has no details"),
+    ("clusters[", "] server must be an https:// URL"),
+    ("clusters[", "] refers to a CA file; only certificate-authority-data is accepted"),
+    ("clusters[", "] skips TLS verification, which would hand admin credentials to anyone"),
+    ("clusters[", "] sets a proxy-url, which is not accepted"),
+    ("users[", "] uses an exec plugin or auth provider, which is not accepted"),
+    ("users[", "] refers to files; only inline -data fields and token are accepted"),
 ];
 
 const FIXED: [&str; 3] = ["not UTF-8 text", "not a kubeconfig (YAML parse failed)", "it names no cluster or no context"];
@@ -194,8 +195,9 @@ fn check_template(msg: &str, parsed: Option<&Kubeconfig>, data: &[u8]) {
     let names: Vec<String> = kc
         .clusters
         .iter()
-        .map(|c| format!("cluster {:?}", c.name))
-        .chain(kc.auth_infos.iter().map(|a| format!("user {:?}", a.name)))
+        .enumerate()
+        .map(|(i, _)| format!("clusters[{i}"))
+        .chain(kc.auth_infos.iter().enumerate().map(|(i, _)| format!("users[{i}")))
         .collect();
     let ok = NAMED.iter().any(|(prefix, suffix)| {
         msg.strip_suffix(suffix).is_some_and(|head| head.starts_with(prefix) && names.iter().any(|n| n == head))
