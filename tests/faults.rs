@@ -177,3 +177,35 @@ async fn concurrent_changes_to_the_parent_survive_the_record_writes_and_the_cust
     patch(serde_json::json!({"metadata": {"finalizers": null}})).await;
     t.wait_parent_gone(Duration::from_secs(60)).await;
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_terminated_worker_exits_by_itself_and_the_next_one_leads() {
+    // The kubelet stops a Pod with SIGTERM. A worker that waits forever for
+    // its scheduled requeues (every tenant in custody has one) holds the
+    // Lease until it is SIGKILLed.
+    let _serial = common::serial();
+    let env = env();
+    let t = tenant_with_volumes("sigterm", &["a"]).await;
+    let gate = env.gate.as_ref().unwrap();
+    let next = {
+        let mut g = gate.lock().unwrap();
+        let status = g.terminate_worker(Duration::from_secs(60));
+        let log = g.worker_log();
+        let status = status.unwrap_or_else(|e| panic!("{e}; its log:\n{log}"));
+        assert!(status.success(), "the worker exited with {status} after SIGTERM; its log:\n{log}");
+        g.start_worker();
+        g.worker_identity()
+    };
+    let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
+        kube::Api::namespaced(env.cp.management_client().await, "volume-gate");
+    common::wait::eventually("the new worker holds the Lease", Duration::from_secs(60), || async {
+        let l = leases.get("volume-gate-worker").await.map_err(|e| e.to_string())?;
+        let holder = l.spec.and_then(|s| s.holder_identity).unwrap_or_default();
+        if holder == next { Ok(()) } else { Err(format!("held by {holder:?}")) }
+    })
+    .await;
+    // And it acts: the tenant is released.
+    t.delete_parent().await;
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty(), "the new leader freed the volume");
+}

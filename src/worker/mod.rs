@@ -420,6 +420,9 @@ fn error_policy(parent: Arc<ParentMeta>, error: &ReconcileError, ctx: Arc<Contex
     Action::requeue(Duration::from_secs(5))
 }
 
+/// How long a stopping worker lets running reconciles finish.
+const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
+
 /// `volume-gate worker`: leader election, then the controller until
 /// shutdown or lost leadership.
 pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
@@ -466,14 +469,16 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     info!(identity = %identity, "leading: starting the controller");
 
     let lost = CancellationToken::new();
-    {
+    // This task holds a clone of the leadership receiver; it is aborted
+    // before the Lease is released, or the lease task would wait for it.
+    let watch_lost = {
         let lost = lost.clone();
         let mut leader = leader.clone();
         tokio::spawn(async move {
             let _ = leader.wait_for(|is_leader| !*is_leader).await;
             lost.cancel();
-        });
-    }
+        })
+    };
     let stop = CancellationToken::new();
     {
         let (stop, shutdown, lost) = (stop.clone(), shutdown.clone(), lost.clone());
@@ -492,8 +497,14 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     };
     run_controller(client, profile, metrics, settings, args.max_concurrent_releases, args.namespace.clone(), &identity, stop).await;
 
+    // Every receiver gone: the lease manager releases the Lease, so the next
+    // worker leads at once instead of after the lease duration.
+    watch_lost.abort();
+    let _ = watch_lost.await;
     drop(leader);
-    let _ = lease_task.await;
+    if tokio::time::timeout(SHUTDOWN_GRACE, lease_task).await.is_err() {
+        warn!(grace = ?SHUTDOWN_GRACE, "the Lease was not released in time; the next worker leads once it expires");
+    }
     shutdown.cancel();
     let _ = admin.await;
     if lost.is_cancelled() && !shutdown.is_cancelled() {
@@ -580,7 +591,7 @@ async fn run_controller(
     });
     let stop_signal = stop.clone();
     let ctx_for_tasks = ctx.clone();
-    Controller::for_stream_with(parent_stream, parents, parent_resource)
+    let controller = Controller::for_stream_with(parent_stream, parents, parent_resource)
         .watches_stream_with(ns_stream, ns_mapper, ())
         .reconcile_on(tokio_stream_from(triggered))
         .graceful_shutdown_on(async move { stop_signal.cancelled().await })
@@ -592,8 +603,19 @@ async fn run_controller(
                 Err(e) => warn!(error = %e, "controller event"),
                 Ok(_) => {}
             }
-        })
-        .await;
+        });
+    // A graceful shutdown lets running reconciles finish; one stuck on an
+    // unresponsive API server could hold a terminating worker (and its
+    // Lease) until the kubelet kills it. Everything the worker does is safe
+    // to abandon at any point (the next leader finishes it), so the wait is
+    // bounded.
+    tokio::select! {
+        () = controller => {}
+        () = async {
+            stop.cancelled().await;
+            tokio::time::sleep(SHUTDOWN_GRACE).await;
+        } => info!(grace = ?SHUTDOWN_GRACE, "stopping with reconciles still running; the next leader resumes them"),
+    }
     for (_, running) in ctx_for_tasks.running.lock().expect("lock").drain() {
         running.task.abort();
     }

@@ -2,8 +2,10 @@
 //!
 //!     cargo run --release --example bench-concurrency -- --tenants 50
 //!
-//! Each tenant is a real tenant cluster of the harness (kube-apiserver,
-//! kube-controller-manager, kube-scheduler; one etcd for all) with a few
+//! Each tenant is a real, light tenant cluster of the harness (kube-apiserver
+//! with the API groups the phase uses, kube-controller-manager with the
+//! volume and quota controllers, no scheduler: Pods name the simulated node;
+//! one etcd for all) with a few
 //! claims of the simulated driver held by running Pods (one Pod mounts two
 //! claims, another one). The gate is installed as the fixture installs it;
 //! the worker runs with its defaults except `--max-concurrent-releases`.
@@ -116,7 +118,7 @@ async fn main() {
     // N tenants deleted at once plus the one timed alone (and the probe, still up).
     let n = args.tenants.min(fit.saturating_sub(2)).max(1);
     println!(
-        "one tenant cluster: RssAnon {:.0} MiB (apiserver+controller-manager+scheduler), {:.0} MiB with {:.0}% headroom; \
+        "one light tenant cluster: RssAnon {:.0} MiB (apiserver+controller-manager), {:.0} MiB with {:.0}% headroom; \
          MemAvailable {:.1} GiB, reserve {:.1} GiB -> {} fit; N = {}{}",
         mib(cluster_kib),
         mib(per_cluster),
@@ -254,7 +256,7 @@ async fn build_tenants(
                 }
                 let t = tokio::task::spawn_blocking(move || {
                     handle.block_on(async move {
-                        let t = Tenant::create(cp, &app).await;
+                        let t = Tenant::create_light(cp, &format!("tenant-{app}"), &app).await;
                         t.wait_custody().await;
                         w.create(&t, 4, Duration::from_secs(600)).await;
                         t

@@ -25,6 +25,9 @@ pub struct ClusterInfo {
     pub server: String,
     pub kubeconfig: PathBuf,
     pub ca_file: PathBuf,
+    /// A light tenant cluster: no scheduler (see the harness's lightAPIs).
+    #[serde(default)]
+    pub light: bool,
 }
 
 pub struct ControlPlane {
@@ -93,9 +96,17 @@ impl ControlPlane {
 
     /// Starts (or finds running) the harness cluster `name`.
     pub fn cluster_up(&self, name: &str) -> ClusterInfo {
+        self.cluster_up_with(name, false)
+    }
+
+    /// Starts (or finds running) the harness cluster `name`; `light` (fixed
+    /// when it is first created) leaves out the scheduler and the APIs and
+    /// controllers the volume-release phase does not use.
+    pub fn cluster_up_with(&self, name: &str, light: bool) -> ClusterInfo {
         let out = Command::new(&self.harness)
             .args(["cluster", "up", name, "--state"])
             .arg(&self.state)
+            .args(light.then_some("--light"))
             .stderr(Stdio::inherit())
             .output()
             .expect("run harness cluster up");

@@ -169,6 +169,26 @@ impl Gate {
         }
     }
 
+    /// SIGTERMs the worker, as the kubelet does, and waits up to `bound`
+    /// for it to exit by itself; a worker still running then is SIGKILLed
+    /// and the failure returned.
+    pub fn terminate_worker(&mut self, bound: Duration) -> Result<std::process::ExitStatus, String> {
+        let w = self.worker.take().ok_or("no worker running")?;
+        w.signal(libc::SIGTERM);
+        match w.wait_exit(bound) {
+            Some(status) => Ok(status),
+            None => {
+                w.kill(libc::SIGKILL);
+                Err(format!("the worker was still running {bound:?} after SIGTERM"))
+            }
+        }
+    }
+
+    /// The identity the running worker was started with.
+    pub fn worker_identity(&self) -> String {
+        format!("test-worker-{}", self.restarts.saturating_sub(1))
+    }
+
     pub fn worker_log(&self) -> String {
         let mut all = String::new();
         for i in 0..self.restarts {

@@ -67,6 +67,34 @@ impl Process {
         }
     }
 
+    /// Sends `signal` without waiting for the process.
+    pub fn signal(&self, signal: i32) {
+        if let Some(child) = self.child.lock().unwrap().as_ref() {
+            // SAFETY: a plain kill(2) of our own, not yet reaped, child's PID.
+            unsafe { libc::kill(child.id() as i32, signal) };
+        }
+    }
+
+    /// Waits up to `bound` for the process to exit by itself and reaps it:
+    /// its exit status, or None if it is still running.
+    pub fn wait_exit(&self, bound: std::time::Duration) -> Option<std::process::ExitStatus> {
+        let deadline = std::time::Instant::now() + bound;
+        loop {
+            {
+                let mut guard = self.child.lock().unwrap();
+                let child = guard.as_mut()?;
+                if let Ok(Some(status)) = child.try_wait() {
+                    guard.take();
+                    return Some(status);
+                }
+            }
+            if std::time::Instant::now() >= deadline {
+                return None;
+            }
+            std::thread::sleep(std::time::Duration::from_millis(50));
+        }
+    }
+
     /// Whether it is still running.
     pub fn alive(&self) -> bool {
         match self.child.lock().unwrap().as_mut() {

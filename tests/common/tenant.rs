@@ -21,6 +21,8 @@ use volume_gate::record::{Keys, Record};
 pub const STORAGE_CLASS: &str = "sim";
 pub const RETAIN_STORAGE_CLASS: &str = "sim-retain";
 pub const CLUSTER_ANNOTATION: &str = "harness.volume-gate.test/cluster";
+/// The simulated kubelet's node (simNodeName in the harness).
+pub const SIM_NODE: &str = "sim-node";
 
 pub fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
     ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)
@@ -61,10 +63,20 @@ impl Tenant {
         } else {
             cp.unique("t")
         };
-        let cluster = cp.cluster_up(&cluster_name);
+        Self::create_on(cp, cp.cluster_up(&cluster_name), &format!("tenant-{app}"), app).await
+    }
+
+    /// Creates a tenant `app` (parent `kubernetes-<app>`) in `namespace`,
+    /// which may hold other tenants, on a light tenant cluster of its own:
+    /// Pods are placed on the simulated node by `spec.nodeName`.
+    pub async fn create_light(cp: &ControlPlane, namespace: &str, app: &str) -> Tenant {
+        Self::create_on(cp, cp.cluster_up_with(&cp.unique("l"), true), namespace, app).await
+    }
+
+    async fn create_on(cp: &ControlPlane, cluster: ClusterInfo, namespace: &str, app: &str) -> Tenant {
         let management = cp.management_client().await;
         let api = client_from(&cluster.kubeconfig).await;
-        let namespace = format!("tenant-{app}");
+        let namespace = namespace.to_string();
         let name = format!("kubernetes-{app}");
         cp.namespace(&namespace).await;
         let t = Tenant { namespace, name, cluster, management, api };
@@ -212,17 +224,25 @@ impl Tenant {
             .enumerate()
             .map(|(i, c)| json!({"name": format!("v{i}"), "persistentVolumeClaim": {"claimName": c}}))
             .collect();
-        let pod: Pod = serde_json::from_value(json!({
+        let mut pod: Pod = serde_json::from_value(json!({
             "metadata": {"name": name, "namespace": ns},
             "spec": {"terminationGracePeriodSeconds": 1, "containers": [{"name": "app", "image": "busybox"}], "volumes": volumes},
         }))
         .unwrap();
+        self.place(&mut pod);
         Api::<Pod>::namespaced(self.api.clone(), ns).create(&PostParams::default(), &pod).await.expect("create pod");
+    }
+
+    /// A light cluster has no scheduler: its Pods go to the simulated node.
+    fn place(&self, pod: &mut Pod) {
+        if self.cluster.light {
+            pod.spec.as_mut().expect("pod spec").node_name = Some(SIM_NODE.into());
+        }
     }
 
     /// A Pod with a generic ephemeral volume (claim `<pod>-scratch`).
     pub async fn ephemeral_pod(&self, ns: &str, name: &str) {
-        let pod: Pod = serde_json::from_value(json!({
+        let mut pod: Pod = serde_json::from_value(json!({
             "metadata": {"name": name, "namespace": ns},
             "spec": {"terminationGracePeriodSeconds": 1, "containers": [{"name": "app", "image": "busybox"}],
                      "volumes": [{"name": "scratch", "ephemeral": {"volumeClaimTemplate": {"spec": {
@@ -230,6 +250,7 @@ impl Tenant {
                          "resources": {"requests": {"storage": "1Gi"}}}}}}]},
         }))
         .unwrap();
+        self.place(&mut pod);
         Api::<Pod>::namespaced(self.api.clone(), ns).create(&PostParams::default(), &pod).await.expect("create ephemeral pod");
     }
 

@@ -223,6 +223,7 @@ func printEnv(w io.Writer, dir string) error {
 func cmdCluster(args []string) error {
 	fs := flag.NewFlagSet("cluster", flag.ContinueOnError)
 	state := fs.String("state", "", "state directory (required)")
+	light := fs.Bool("light", false, "up: a light tenant cluster (fewer APIs and controllers, no scheduler)")
 	pos, err := parseArgs(fs, args, 2)
 	if err != nil {
 		return err
@@ -237,7 +238,11 @@ func cmdCluster(args []string) error {
 	}
 	switch verb {
 	case "up":
-		body, err := control(dir, http.MethodPost, name)
+		target := name
+		if *light {
+			target += "?profile=light"
+		}
+		body, err := control(dir, http.MethodPost, target)
 		if err != nil {
 			return err
 		}

@@ -50,6 +50,7 @@ type clusterInfo struct {
 	ClientCertFile string            `json:"client_cert_file"`
 	ClientKeyFile  string            `json:"client_key_file"`
 	Logs           map[string]string `json:"logs"`
+	Light          bool              `json:"light,omitempty"`
 	Running        bool              `json:"running"`
 
 	procs []*proc
@@ -64,12 +65,31 @@ type proc struct {
 	stopping atomic.Bool
 }
 
+// A light tenant cluster serves only the API groups the volume-release phase,
+// the simulated driver and kubelet use, runs only the volume controllers and
+// the quota controller, and has no scheduler: Pods are created with
+// spec.nodeName set to the simulated node. It is about a third of a full
+// tenant cluster's memory, so tens of tenants fit on one machine.
+const (
+	lightAPIs = "api/all=false,api/v1=true,apps/v1=true,storage.k8s.io/v1=true," +
+		"coordination.k8s.io/v1=true,rbac.authorization.k8s.io/v1=true," +
+		"authentication.k8s.io/v1=true,authorization.k8s.io/v1=true," +
+		"apiextensions.k8s.io/v1=true,admissionregistration.k8s.io/v1=true," +
+		"events.k8s.io/v1=true,discovery.k8s.io/v1=true,policy/v1=true,scheduling.k8s.io/v1=true," +
+		"apiregistration.k8s.io/v1=true,networking.k8s.io/v1=true,node.k8s.io/v1=true"
+	lightControllers = "persistentvolume-binder-controller,persistentvolume-protection-controller," +
+		"persistentvolumeclaim-protection-controller,resourcequota-controller," +
+		"serviceaccount-controller,serviceaccount-token-controller"
+)
+
 type cluster struct {
 	mu   sync.Mutex // serialises starting and stopping
 	name string
 	// ports are the apiserver, controller manager and scheduler ports; they
 	// are reused when the cluster is restarted, so its kubeconfig stays valid.
 	ports [3]int
+	// light is fixed when the cluster is first started: see lightAPIs.
+	light bool
 	procs []*proc // apiserver first
 	info  atomic.Pointer[clusterInfo]
 }
@@ -163,7 +183,7 @@ func (s *supervisor) run(owner int, clusters []string) error {
 	errs := make([]error, len(clusters))
 	var wg sync.WaitGroup
 	for i, name := range clusters {
-		wg.Go(func() { _, errs[i] = s.startCluster(name) })
+		wg.Go(func() { _, errs[i] = s.startCluster(name, false) })
 	}
 	wg.Wait()
 	if err := errors.Join(errs...); err != nil {
@@ -246,7 +266,8 @@ func (s *supervisor) startEtcd() error {
 }
 
 // startCluster starts cluster name, or returns its info if it is running.
-func (s *supervisor) startCluster(name string) (*clusterInfo, error) {
+// light applies only when the cluster is first created.
+func (s *supervisor) startCluster(name string, light bool) (*clusterInfo, error) {
 	if !validName(name) {
 		return nil, errInvalidName(name)
 	}
@@ -257,7 +278,7 @@ func (s *supervisor) startCluster(name string) (*clusterInfo, error) {
 	}
 	c := s.clusters[name]
 	if c == nil {
-		c = &cluster{name: name}
+		c = &cluster{name: name, light: light}
 		s.clusters[name] = c
 	}
 	s.mu.Unlock()
@@ -350,6 +371,9 @@ func (s *supervisor) bootCluster(c *cluster) (*clusterInfo, error) {
 		"--profiling=false",
 		"--enable-priority-and-fairness=false",
 	}, serving...)
+	if c.light {
+		apiserverArgs = append(apiserverArgs, "--runtime-config="+lightAPIs)
+	}
 	api, err := s.spawnFor(c, info, "kube-apiserver", logFile, apiserverArgs)
 	if err != nil {
 		return nil, err
@@ -370,6 +394,10 @@ func (s *supervisor) bootCluster(c *cluster) (*clusterInfo, error) {
 	}
 	// The controller manager runs every default controller (garbage
 	// collector, namespace, PV binder, PVC/PV protection, StatefulSet, ...).
+	var controllers []string
+	if c.light {
+		controllers = []string{"--controllers=" + lightControllers}
+	}
 	kcmArgs := slices.Concat([]string{"kube-controller-manager",
 		"--secure-port=" + strconv.Itoa(c.ports[1]),
 		"--service-account-private-key-file=" + pki(saKeyFile),
@@ -377,13 +405,13 @@ func (s *supervisor) bootCluster(c *cluster) (*clusterInfo, error) {
 		"--use-service-account-credentials=false",
 		"--cluster-signing-cert-file=" + pki(caCertFile),
 		"--cluster-signing-key-file=" + pki(caKeyFile),
-	}, kubeconfig, serving)
+	}, kubeconfig, serving, controllers)
 	kcmProc, err := s.spawnFor(c, info, "kube-controller-manager", logFile, kcmArgs)
 	if err != nil {
 		return nil, err
 	}
 	waits := map[*proc]string{kcmProc: fmt.Sprintf("https://127.0.0.1:%d/healthz", c.ports[1])}
-	if c.name != managementCluster {
+	if c.name != managementCluster && !c.light {
 		schedArgs := slices.Concat([]string{"kube-scheduler",
 			"--secure-port=" + strconv.Itoa(c.ports[2]),
 		}, kubeconfig, serving)
@@ -405,6 +433,7 @@ func (s *supervisor) bootCluster(c *cluster) (*clusterInfo, error) {
 	if len(c.procs) > 2 {
 		info.SchedulerPID = c.procs[2].pid()
 	}
+	info.Light = c.light
 	info.Running = true
 	data, err := json.MarshalIndent(info, "", "  ")
 	if err != nil {
@@ -607,7 +636,14 @@ func (s *supervisor) routes() http.Handler {
 			http.Error(w, errInvalidName(name).Error(), http.StatusBadRequest)
 			return
 		}
-		info, err := s.startCluster(name)
+		// ?profile=light: a tenant cluster with only what the volume-release
+		// phase and the simulator use (see lightAPIs).
+		profile := r.URL.Query().Get("profile")
+		if profile != "" && profile != "light" {
+			http.Error(w, fmt.Sprintf("unknown profile %q: want light or none", profile), http.StatusBadRequest)
+			return
+		}
+		info, err := s.startCluster(name, profile == "light")
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return
