@@ -180,9 +180,9 @@ async fn concurrent_changes_to_the_parent_survive_the_record_writes_and_the_cust
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_terminated_worker_exits_by_itself_and_the_next_one_leads() {
-    // The kubelet stops a Pod with SIGTERM. A worker that waits forever for
-    // its scheduled requeues (every tenant in custody has one) holds the
-    // Lease until it is SIGKILLed.
+    // The kubelet stops a Pod with SIGTERM, and kills it only after the
+    // grace period: a worker must exit by itself and release its Lease.
+    // (It once kept waiting on a clone of its leadership receiver.)
     let _serial = common::serial();
     let env = env();
     let t = tenant_with_volumes("sigterm", &["a"]).await;

@@ -229,3 +229,36 @@ async fn the_installed_webhook_configurations_are_the_shipped_ones_but_for_where
         }
     }
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_delete_collection_is_judged_object_by_object() {
+    // The namespace controller and `kubectl delete --all` send DELETECOLLECTION;
+    // the API server reviews each object with an empty request name. The
+    // gate once judged those by that empty name: the CSI release and every
+    // guarded object named after the tenant went through.
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("collection")).await;
+    t.wait_custody().await;
+    let csi = format!("{}-csi", t.name);
+    let dry = DeleteParams { dry_run: true, ..Default::default() };
+    let by_name = |n: &str| kube::api::ListParams::default().fields(&format!("metadata.name={n}"));
+    let err = t.hr_api().delete_collection(&dry, &by_name(&csi)).await.expect_err("the CSI release is held");
+    assert!(err.to_string().contains(&format!("refusing to delete HelmRelease {}/{csi}", t.namespace)), "{err}");
+
+    // In teardown, the guarded objects are held too.
+    t.with_held_claims(&["data"]).await;
+    t.set_driver(&env.sim, false).await;
+    t.delete_parent().await;
+    t.wait_inventory().await;
+    let tcps: Api<kube::api::DynamicObject> = Api::namespaced_with(t.management.clone(), &t.namespace, &common::tenant::tcp_resource());
+    let err = tcps.delete_collection(&dry, &by_name(&t.name)).await.expect_err("the tenant control plane is held");
+    assert!(err.to_string().contains("refusing to delete TenantControlPlane"), "{err}");
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(t.management.clone(), &t.namespace);
+    let kubeconfig = format!("{}-admin-kubeconfig", t.name);
+    let err = secrets.delete_collection(&dry, &by_name(&kubeconfig)).await.expect_err("the admin kubeconfig is held");
+    assert!(err.to_string().contains(&format!("refusing to delete Secret {}/{kubeconfig}", t.namespace)), "{err}");
+
+    t.set_driver(&env.sim, true).await;
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
+}

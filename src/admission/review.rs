@@ -85,6 +85,20 @@ pub fn group_kind(req: &AdmissionRequest<DynamicObject>) -> GroupKind {
     GroupKind::new(&req.kind.group, &req.kind.kind)
 }
 
+/// The name of the object a request is about. A DELETECOLLECTION (what the
+/// namespace controller and `kubectl delete --all` send) is reviewed once per
+/// object with an empty `name`: the object's own name is then the only one.
+pub fn request_name(req: &AdmissionRequest<DynamicObject>) -> &str {
+    if !req.name.is_empty() {
+        return &req.name;
+    }
+    [req.old_object.as_ref(), req.object.as_ref()]
+        .into_iter()
+        .flatten()
+        .find_map(|o| o.metadata.name.as_deref().filter(|n| !n.is_empty()))
+        .unwrap_or("")
+}
+
 /// The metadata the decisions use, from a request object.
 pub fn meta_view(obj: &DynamicObject, fallback_namespace: &str, fallback_name: &str) -> ObjectMetaView {
     let m = &obj.metadata;
@@ -205,6 +219,19 @@ mod tests {
         assert_eq!(req.uid, "u-1");
         assert!(req.dry_run);
         assert_eq!(group_kind(&req), GroupKind::new("helm.toolkit.fluxcd.io", "HelmRelease"));
+    }
+
+    #[test]
+    fn a_delete_collection_item_is_named_by_its_object() {
+        // What the API server sends for each object of a DELETECOLLECTION.
+        let mut r = minimal_request();
+        r["name"] = json!("");
+        let req = decode(&review(r)).unwrap();
+        assert_eq!(request_name(&req), "kubernetes-a-csi");
+        let mut r = minimal_request();
+        r["name"] = json!("");
+        r["oldObject"]["metadata"]["name"] = json!("");
+        assert_eq!(request_name(&decode(&review(r)).unwrap()), "");
     }
 
     #[test]

@@ -151,20 +151,24 @@ impl Gate {
     pub async fn validate(&self, req: &AdmissionRequest<DynamicObject>) -> (Target, Verdict) {
         let kind = review::group_kind(req);
         let namespace = req.namespace.as_deref().unwrap_or("");
+        let name = review::request_name(req);
         match req.operation {
             Operation::Delete => {
+                if name.is_empty() {
+                    return (Target::Unrelated, cannot_judge(format!("DELETE of {kind} in namespace {namespace:?} names no object")));
+                }
                 let Some(old) = req.old_object.as_ref() else {
                     // Without the object its labels are unknown: never guess.
-                    let target = classify(&self.profile, &kind, &req.name, &Default::default());
-                    return (target, cannot_judge(format!("DELETE of {kind} {namespace}/{} carries no oldObject", req.name)));
+                    let target = classify(&self.profile, &kind, name, &Default::default());
+                    return (target, cannot_judge(format!("DELETE of {kind} {namespace}/{name} carries no oldObject")));
                 };
                 let labels = review::labels_of(Some(old));
-                let target = classify(&self.profile, &kind, &req.name, &labels);
-                let subject = Subject { kind: &kind, namespace, name: &req.name, action: "delete" };
+                let target = classify(&self.profile, &kind, name, &labels);
+                let subject = Subject { kind: &kind, namespace, name, action: "delete" };
                 let verdict = match &target {
                     Target::Unrelated => Verdict::allow("unrelated"),
                     Target::Parent { tenant } => {
-                        let view = review::meta_view(old, namespace, &req.name);
+                        let view = review::meta_view(old, namespace, name);
                         let facts = ParentFacts {
                             namespace: namespace.to_string(),
                             name: tenant.clone(),
@@ -181,19 +185,19 @@ impl Gate {
                 };
                 (target, verdict)
             }
-            Operation::Update if self.retarget(req, &kind).is_some() => {
-                let target = self.retarget(req, &kind).expect("checked");
-                let subject = Subject { kind: &kind, namespace, name: &req.name, action: "relabel" };
+            Operation::Update if self.retarget(req, &kind, name).is_some() => {
+                let target = self.retarget(req, &kind, name).expect("checked");
+                let subject = Subject { kind: &kind, namespace, name, action: "relabel" };
                 let tenant = target.tenant().expect("a dependent has a tenant").to_string();
                 let verdict = self.decide_dependent(&target, subject, namespace, &tenant).await;
                 (target, verdict)
             }
             Operation::Create | Operation::Update if kind == self.profile.parent_kind() => {
                 let Some(new) = req.object.as_ref() else {
-                    return (Target::Unrelated, cannot_judge(format!("{kind} {namespace}/{} carries no object", req.name)));
+                    return (Target::Unrelated, cannot_judge(format!("{kind} {namespace}/{name} carries no object")));
                 };
-                let new_view = review::meta_view(new, namespace, &req.name);
-                let old_view = req.old_object.as_ref().map(|o| review::meta_view(o, namespace, &req.name));
+                let new_view = review::meta_view(new, namespace, name);
+                let old_view = req.old_object.as_ref().map(|o| review::meta_view(o, namespace, name));
                 let target = classify(&self.profile, &kind, &new_view.name, &new_view.labels);
                 let who = self.requester(req);
                 let change = Change { old: old_view.as_ref(), new: &new_view };
@@ -210,10 +214,10 @@ impl Gate {
     }
 
     /// The old target of an UPDATE that moves an object away from its tenant.
-    fn retarget(&self, req: &AdmissionRequest<DynamicObject>, kind: &crate::profile::GroupKind) -> Option<Target> {
+    fn retarget(&self, req: &AdmissionRequest<DynamicObject>, kind: &crate::profile::GroupKind, name: &str) -> Option<Target> {
         let old = review::labels_of(req.old_object.as_ref());
         let new = review::labels_of(req.object.as_ref());
-        decide::retargeted(&self.profile, kind, &req.name, &old, &new)
+        decide::retargeted(&self.profile, kind, name, &old, &new)
     }
 
     async fn decide_dependent(&self, target: &Target, subject: Subject<'_>, namespace: &str, tenant: &str) -> Verdict {
@@ -281,10 +285,11 @@ impl Gate {
             return (Target::Unrelated, Verdict::allow("unrelated"), None);
         }
         let Some(new) = req.object.as_ref() else {
-            return (Target::Unrelated, cannot_judge(format!("{kind} {namespace}/{} carries no object", req.name)), None);
+            return (Target::Unrelated, cannot_judge(format!("{kind} {namespace}/{} carries no object", review::request_name(req))), None);
         };
-        let new_view = review::meta_view(new, namespace, &req.name);
-        let old_view = req.old_object.as_ref().map(|o| review::meta_view(o, namespace, &req.name));
+        let name = review::request_name(req);
+        let new_view = review::meta_view(new, namespace, name);
+        let old_view = req.old_object.as_ref().map(|o| review::meta_view(o, namespace, name));
         let target = classify(&self.profile, &kind, &new_view.name, &new_view.labels);
         let change = Change { old: old_view.as_ref(), new: &new_view };
         let mutations = decide::mutate(&self.profile, &self.keys, change, self.requester(req), jiff::Timestamp::now());
@@ -391,7 +396,7 @@ async fn answer(gate: &Gate, body: &[u8], endpoint: Endpoint) -> Response {
         operation = op,
         kind = %kind,
         namespace = req.namespace.as_deref().unwrap_or(""),
-        name = %req.name,
+        name = review::request_name(&req),
         user = req.user_info.username.as_deref().unwrap_or(""),
         dry_run = req.dry_run,
         target = target.label(),

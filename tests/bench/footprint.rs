@@ -105,6 +105,8 @@ struct Round {
     webhook_after_b: Option<Mem>,
     worker_end: Mem,
     custody_seconds: f64,
+    worker_sockets_at_custody: usize,
+    worker_sockets: usize,
     burst_a_rps: f64,
     burst_b_rps: Option<f64>,
     burst_b_refused: usize,
@@ -200,12 +202,20 @@ fn print_round(what: &str, round: usize, r: &Round) {
     let m = |x: Mem| format!("RSS {:.1} HWM {:.1} anon {:.1}", mib(x.rss), mib(x.hwm), mib(x.anon));
     println!("  {what} round {round}:");
     println!("    worker after sync{}: {}", if r.custody_seconds > 0.0 { format!(" + custody ({:.1}s)", r.custody_seconds) } else { String::new() }, m(r.worker_synced));
+    println!("    worker sockets: {} once custody was taken, {} after settling", r.worker_sockets_at_custody, r.worker_sockets);
     println!("    worker at end: {}", m(r.worker_end));
     println!("    webhook idle: {}", m(r.webhook_idle));
     println!("    webhook after burst A ({:.0} req/s): {}", r.burst_a_rps, m(r.webhook_after_a));
     if let (Some(b), Some(rps)) = (r.webhook_after_b, r.burst_b_rps) {
         println!("    webhook after burst B ({rps:.0} req/s, {} refused as expected): {}", r.burst_b_refused, m(b));
     }
+}
+
+/// Open sockets of a process (its connections, listeners included).
+fn sockets(pid: u32) -> usize {
+    std::fs::read_dir(format!("/proc/{pid}/fd"))
+        .map(|d| d.filter_map(|e| e.ok()).filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with("socket:"))).count())
+        .unwrap_or(0)
 }
 
 fn apiserver_rss(cp: &ControlPlane) -> Option<u64> {
@@ -221,11 +231,13 @@ async fn measure(cp: &ControlPlane, client: &kube::Client, args: &Args, tenants:
     if tenants > 0 {
         wait_custody(client, tenants).await;
         r.custody_seconds = t0.elapsed().as_secs_f64();
+        r.worker_sockets_at_custody = sockets(gate.worker_pid());
     }
     // The worker lists parents and namespaces when it starts leading; with
     // custody taken (or nothing to take) let its queues drain.
     tokio::time::sleep(Duration::from_secs(args.settle)).await;
     r.worker_synced = proc_mem(gate.worker_pid()).unwrap_or_default();
+    r.worker_sockets = sockets(gate.worker_pid());
     r.webhook_idle = proc_mem(gate.webhook_pid()).unwrap_or_default();
 
     let (rps, _) = burst_a(client, args).await;
