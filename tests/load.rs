@@ -104,7 +104,7 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
     // or gone; the parent's record is the only place "done" is written.
     let done_at: Arc<Mutex<BTreeMap<usize, Instant>>> = Arc::default();
     let observer = {
-        let (hrs, names, stop, done_at) = (hrs.clone(), names.clone(), stop.clone(), done_at.clone());
+        let (hrs, names, stop, done_at, violations) = (hrs.clone(), names.clone(), stop.clone(), done_at.clone(), violations.clone());
         tokio::spawn(async move {
             let keys = Keys::new("volumes.cozystack.io/");
             let lp = ListParams::default().labels("apps.cozystack.io/application.kind=Kubernetes");
@@ -120,7 +120,13 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
                         None => true,
                         Some(p) => {
                             let r = Record::from_annotations(&keys, &p.metadata.annotations.clone().unwrap_or_default());
-                            matches!(r.phase, Some(Phase::Released | Phase::Overridden))
+                            let is_done = matches!(r.phase, Some(Phase::Released | Phase::Overridden));
+                            // Done is final: a record that goes back from it
+                            // makes the gate refuse what it had allowed.
+                            if !is_done && done.contains_key(&i) {
+                                violations.lock().unwrap().push(format!("the record of {name} went back from done to {:?} ({:?})", r.phase, r.message));
+                            }
+                            is_done
                         }
                     };
                     if is_done {

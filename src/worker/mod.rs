@@ -170,6 +170,17 @@ impl Context {
         Ok(())
     }
 
+    /// The parent's record, read now, if a release pass should run on it:
+    /// `None` when the parent is gone, `Released`, overridden or out of
+    /// custody.
+    async fn fresh_record(&self, t: &TenantRef) -> Result<Option<Record>, kube::Error> {
+        let Some(parent) = self.parent_api(&t.namespace).get_metadata_opt(&t.name).await? else { return Ok(None) };
+        let record = Record::from_annotations(&self.keys, parent.annotations());
+        let in_custody = parent.finalizers().contains(&self.profile.custody_finalizer);
+        let done = record.phase == Some(Phase::Released) || record.stamped_override().is_some();
+        Ok((in_custody && !done).then_some(record))
+    }
+
     /// An Event on the parent; a failure to publish is logged, never fatal.
     pub async fn event(&self, t: &TenantRef, warning: bool, reason: &str, note: String) {
         let reference = self.parent_reference(t);
@@ -338,14 +349,31 @@ async fn reconcile(parent: Arc<ParentMeta>, ctx: Arc<Context>) -> Result<Action,
             }
         }
         ctx.phase_started.lock().expect("lock").entry(t.clone()).or_insert_with(Instant::now);
-        let task = tokio::spawn(run_phase(ctx.clone(), t.clone(), record));
+        let task = tokio::spawn(run_phase(ctx.clone(), t.clone()));
         running.insert(t, Running { task });
     }
     Ok(Action::await_change())
 }
 
 /// The phase task: waits for a slot, runs steps 1–7, records the outcome.
-async fn run_phase(ctx: Arc<Context>, t: TenantRef, record: Record) {
+async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
+    // The controller's store can be behind the worker's own writes: the
+    // reconcile that the end of a pass triggers may still see the parent as
+    // it was when the pass began (in custody, `Releasing`). A pass started
+    // from that view wrote `Releasing` over `Released`, and the gate then
+    // refused what it had allowed. So a pass starts from a fresh read, and
+    // not at all for a tenant that is gone, done or out of custody (the
+    // watch brings the reconcile that settles those).
+    let record = match ctx.fresh_record(&t).await {
+        Ok(Some(record)) => record,
+        Ok(None) => return,
+        Err(e) => {
+            warn!(tenant = %t, error = %e, "cannot read the parent before a release pass; retrying");
+            ctx.retries.lock().expect("lock").insert(t.clone(), Retry { at: Instant::now() + Duration::from_secs(5), attempts: 0 });
+            let _ = ctx.trigger.send(ObjectRef::new_with(&t.name, ctx.parent_resource.clone()).within(&t.namespace));
+            return;
+        }
+    };
     if record.phase.is_none() {
         let waiting = ctx.slots.available_permits() == 0;
         let message = if waiting { "waiting for a release slot" } else { "release started" };
