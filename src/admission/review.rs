@@ -3,10 +3,12 @@
 
 use std::collections::BTreeMap;
 
+use std::borrow::Cow;
+
 use base64::Engine;
-use kube::core::DynamicObject;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
 use kube::core::admission::{AdmissionRequest, AdmissionReview, Operation};
-use serde::Serialize;
+use serde::{Deserialize, Serialize};
 use serde_json::Value;
 
 use super::decide::{ObjectMetaView, Verdict};
@@ -14,6 +16,44 @@ use crate::profile::GroupKind;
 
 pub const API_VERSION: &str = "admission.k8s.io/v1";
 pub const KIND: &str = "AdmissionReview";
+
+/// An object of a review as the decisions see it: its metadata, nothing
+/// else. The API server sends whole objects (spec, status, values: up to
+/// megabytes); building only the metadata costs a fifth to a seventh of
+/// building the whole object (BENCHMARKS.md, benchmark 1), and serde still
+/// checks that what it skips is well-formed JSON.
+#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+pub struct Object {
+    #[serde(default)]
+    pub metadata: ObjectMeta,
+}
+
+impl kube::Resource for Object {
+    type DynamicType = ();
+    type Scope = kube::core::DynamicResourceScope;
+
+    fn kind(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("")
+    }
+    fn group(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("")
+    }
+    fn version(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("")
+    }
+    fn plural(_: &()) -> Cow<'_, str> {
+        Cow::Borrowed("")
+    }
+    fn meta(&self) -> &ObjectMeta {
+        &self.metadata
+    }
+    fn meta_mut(&mut self) -> &mut ObjectMeta {
+        &mut self.metadata
+    }
+}
+
+/// An admission request, its objects reduced to their metadata.
+pub type Request = AdmissionRequest<Object>;
 
 /// A review that could not be judged, with the uid when one was found.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -23,14 +63,14 @@ pub struct Invalid {
 }
 
 /// Decodes an AdmissionReview v1 body into its request.
-pub fn decode(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, Invalid> {
+pub fn decode(body: &[u8]) -> Result<Request, Invalid> {
     // One typed pass for a good review; building a generic tree first costs
     // as much again (BENCHMARKS.md), so it is kept for explaining a bad one.
     // serde skips fields it does not model without checking their UTF-8.
     let Ok(text) = std::str::from_utf8(body) else {
         return Err(Invalid { uid: None, message: "body is not JSON: not valid UTF-8".into() });
     };
-    if let Ok(review) = serde_json::from_str::<AdmissionReview<DynamicObject>>(text) {
+    if let Ok(review) = serde_json::from_str::<AdmissionReview<Object>>(text) {
         let well_formed = review.types.api_version == API_VERSION
             && review.types.kind == KIND
             && review.request.as_ref().is_some_and(|r| !r.uid.is_empty());
@@ -44,7 +84,7 @@ pub fn decode(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, Invalid> {
 }
 
 /// Why a body is not a usable AdmissionReview v1, with its uid if it has one.
-fn explain_invalid(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, Invalid> {
+fn explain_invalid(body: &[u8]) -> Result<Request, Invalid> {
     let value: Value = serde_json::from_slice(body)
         .map_err(|e| Invalid { uid: None, message: format!("body is not JSON: {e}") })?;
     let uid = value
@@ -67,7 +107,7 @@ fn explain_invalid(body: &[u8]) -> Result<AdmissionRequest<DynamicObject>, Inval
     if uid.is_none() {
         return Err(invalid("the AdmissionReview request has no uid".into()));
     }
-    let review: AdmissionReview<DynamicObject> =
+    let review: AdmissionReview<Object> =
         serde_json::from_value(value).map_err(|e| invalid(format!("malformed AdmissionReview request: {e}")))?;
     review.try_into().map_err(|_| invalid("the AdmissionReview has no request".into()))
 }
@@ -81,14 +121,14 @@ pub fn operation_name(op: &Operation) -> &'static str {
     }
 }
 
-pub fn group_kind(req: &AdmissionRequest<DynamicObject>) -> GroupKind {
+pub fn group_kind(req: &Request) -> GroupKind {
     GroupKind::new(&req.kind.group, &req.kind.kind)
 }
 
 /// The name of the object a request is about. A DELETECOLLECTION (what the
 /// namespace controller and `kubectl delete --all` send) is reviewed once per
 /// object with an empty `name`: the object's own name is then the only one.
-pub fn request_name(req: &AdmissionRequest<DynamicObject>) -> &str {
+pub fn request_name(req: &Request) -> &str {
     if !req.name.is_empty() {
         return &req.name;
     }
@@ -100,7 +140,7 @@ pub fn request_name(req: &AdmissionRequest<DynamicObject>) -> &str {
 }
 
 /// The metadata the decisions use, from a request object.
-pub fn meta_view(obj: &DynamicObject, fallback_namespace: &str, fallback_name: &str) -> ObjectMetaView {
+pub fn meta_view(obj: &Object, fallback_namespace: &str, fallback_name: &str) -> ObjectMetaView {
     let m = &obj.metadata;
     ObjectMetaView {
         namespace: m.namespace.clone().unwrap_or_else(|| fallback_namespace.to_string()),
@@ -112,7 +152,7 @@ pub fn meta_view(obj: &DynamicObject, fallback_namespace: &str, fallback_name: &
     }
 }
 
-pub fn labels_of(obj: Option<&DynamicObject>) -> BTreeMap<String, String> {
+pub fn labels_of(obj: Option<&Object>) -> BTreeMap<String, String> {
     obj.and_then(|o| o.metadata.labels.clone()).unwrap_or_default()
 }
 

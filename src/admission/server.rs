@@ -16,7 +16,7 @@ use http_body_util::{BodyExt, Limited};
 use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, ApiResource, PostParams};
-use kube::core::admission::{AdmissionRequest, Operation};
+use kube::core::admission::Operation;
 use kube::core::{DynamicObject, GroupVersionKind, PartialObjectMeta};
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
@@ -109,7 +109,7 @@ impl Gate {
         Self { keys: Keys::new(&profile.annotation_prefix), profile, worker_identity, client, metrics, parent_resource }
     }
 
-    fn requester<'a>(&self, req: &'a AdmissionRequest<DynamicObject>) -> Requester<'a> {
+    fn requester<'a>(&self, req: &'a review::Request) -> Requester<'a> {
         let username = req.user_info.username.as_deref().unwrap_or("");
         Requester { username, is_worker: !username.is_empty() && username == self.worker_identity }
     }
@@ -148,7 +148,7 @@ impl Gate {
     }
 
     /// The validating decision for one request.
-    pub async fn validate(&self, req: &AdmissionRequest<DynamicObject>) -> (Target, Verdict) {
+    pub async fn validate(&self, req: &review::Request) -> (Target, Verdict) {
         let kind = review::group_kind(req);
         let namespace = req.namespace.as_deref().unwrap_or("");
         let name = review::request_name(req);
@@ -214,7 +214,7 @@ impl Gate {
     }
 
     /// The old target of an UPDATE that moves an object away from its tenant.
-    fn retarget(&self, req: &AdmissionRequest<DynamicObject>, kind: &crate::profile::GroupKind, name: &str) -> Option<Target> {
+    fn retarget(&self, req: &review::Request, kind: &crate::profile::GroupKind, name: &str) -> Option<Target> {
         let old = review::labels_of(req.old_object.as_ref());
         let new = review::labels_of(req.object.as_ref());
         decide::retargeted(&self.profile, kind, name, &old, &new)
@@ -238,7 +238,7 @@ impl Gate {
         decide::decide_dependent_delete(&self.profile, target, subject, parent.as_ref())
     }
 
-    async fn check_override_permission(&self, req: &AdmissionRequest<DynamicObject>, namespace: &str, tenant: &str) -> Verdict {
+    async fn check_override_permission(&self, req: &review::Request, namespace: &str, tenant: &str) -> Verdict {
         let u = &req.user_info;
         let username = u.username.clone().unwrap_or_default();
         let p = &self.profile.override_permission;
@@ -278,7 +278,7 @@ impl Gate {
     }
 
     /// The mutating answer for one request: a verdict and its patch.
-    pub fn mutate(&self, req: &AdmissionRequest<DynamicObject>) -> (Target, Verdict, Option<json_patch::Patch>) {
+    pub fn mutate(&self, req: &review::Request) -> (Target, Verdict, Option<json_patch::Patch>) {
         let kind = review::group_kind(req);
         let namespace = req.namespace.as_deref().unwrap_or("");
         if !matches!(req.operation, Operation::Create | Operation::Update) || kind != self.profile.parent_kind() {

@@ -34,7 +34,7 @@ use bytes::Bytes;
 use common::{AnnKey, AnnVal, WORKER};
 use http_body_util::{BodyExt, Full};
 use kube::core::admission::{AdmissionRequest, Operation};
-use kube::core::DynamicObject;
+use volume_gate::admission::review::Object as DynamicObject;
 use libfuzzer_sys::fuzz_target;
 use serde_json::{Value, json};
 use tower::ServiceExt;

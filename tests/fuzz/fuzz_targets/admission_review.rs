@@ -38,7 +38,7 @@ use std::sync::LazyLock;
 use arbitrary::{Arbitrary, Unstructured};
 use common::{AnnKey, AnnVal};
 use kube::core::admission::Operation;
-use kube::core::DynamicObject;
+use volume_gate::admission::review::Object as DynamicObject;
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 use volume_gate::admission::decide::{
