@@ -488,7 +488,7 @@ func tenantRESTConfig(kubeconfig []byte) (*rest.Config, error) {
 	if err != nil {
 		return nil, err
 	}
-	cfg.QPS, cfg.Burst = 50, 100
+	cfg.QPS, cfg.Burst = 200, 400
 	cfg.Timeout = 15 * time.Second
 	cfg.UserAgent = "volume-gate-sim"
 	cfg.WarningHandler = rest.NoWarnings{}
