@@ -216,9 +216,25 @@ impl Context {
     /// Ends custody: removes the finalizer, guarded by a `test` of its index.
     async fn end_custody(&self, t: &TenantRef, finalizers: &[String]) -> Result<(), kube::Error> {
         let Some(patch) = custody::remove_finalizer_patch(finalizers, &self.profile.custody_finalizer) else { return Ok(()) };
-        self.parent_api(&t.namespace).patch_metadata(&t.name, &PatchParams::default(), &Patch::<()>::Json(patch)).await?;
-        info!(tenant = %t, "custody ended: finalizer removed");
-        Ok(())
+        let api = self.parent_api(&t.namespace);
+        match api.patch_metadata(&t.name, &PatchParams::default(), &Patch::<()>::Json(patch)).await {
+            Ok(_) => {
+                info!(tenant = %t, "custody ended: finalizer removed");
+                Ok(())
+            }
+            // The `test` failed: the finalizers changed since the store saw
+            // them, typically because this worker already removed its own
+            // (the store lags the write). Done if it is gone now; otherwise
+            // the reconcile runs again on the fresh list.
+            Err(kube::Error::Api(s)) if s.code == 422 || s.code == 404 => {
+                let now = api.get_metadata_opt(&t.name).await?;
+                match now {
+                    Some(p) if p.finalizers().contains(&self.profile.custody_finalizer) => Err(kube::Error::Api(s)),
+                    _ => Ok(()),
+                }
+            }
+            Err(e) => Err(e),
+        }
     }
 
     /// Takes custody of a parent that is not being deleted.
