@@ -24,7 +24,7 @@ pub const MAX_FIELD_BYTES: usize = 1024;
 
 /// The longest `taken_at` kept (an RFC 3339 time is 20–35 bytes). It keeps
 /// the envelope alone from exceeding the bound (fuzz finding F3).
-const MAX_TAKEN_AT_BYTES: usize = 64;
+pub const MAX_TAKEN_AT_BYTES: usize = 64;
 
 /// `s`, cut at a character boundary to at most `max` bytes with the cut
 /// stated, so a shortened value is never mistaken for the whole one.

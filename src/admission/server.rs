@@ -221,6 +221,15 @@ impl Gate {
     }
 
     async fn decide_dependent(&self, target: &Target, subject: Subject<'_>, namespace: &str, tenant: &str) -> Verdict {
+        // Both go into URL paths: a '/' would read some other object (and a
+        // 404 there reads as "no parent"). The API server never sends such
+        // names; a forged review gets a refusal (found by fuzzing).
+        if !is_object_name(namespace) || !is_object_name(tenant) {
+            return cannot_judge(format!(
+                "refusing to {} {subject}: {namespace:?}/{tenant:?} is not a namespace and name the API server would send",
+                subject.action
+            ));
+        }
         let mut parent = match self.read_parent(namespace, tenant).await {
             Ok(p) => p,
             Err(e) => {
@@ -481,4 +490,10 @@ mod tests {
         assert!(parse_duration("ten").unwrap_err().contains("ten"));
         assert!(parse_duration("5d").unwrap_err().contains("unknown unit"));
     }
+}
+
+/// A DNS-1123 subdomain, what Kubernetes allows as a namespace or object
+/// name (and so safe in a URL path).
+fn is_object_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
 }

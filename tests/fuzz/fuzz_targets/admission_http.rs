@@ -330,17 +330,23 @@ fn check_validate(
             assert!(reads.contains(&"namespace"), "allowed 'not in teardown' without reading the namespace: {reads:?}");
         }
     };
+    // A DELETECOLLECTION item has an empty request name: the object's own counts.
+    let name = review::request_name(req);
     match req.operation {
         Operation::Delete => {
+            if name.is_empty() {
+                assert!(!allowed, "a DELETE that names no object was allowed: {out}");
+                return;
+            }
             let Some(old) = req.old_object.as_ref() else {
                 assert!(!allowed, "a DELETE without oldObject was allowed: {out}");
                 return;
             };
-            let target = decide::classify(&PROFILE, &kind, &req.name, &review::labels_of(Some(old)));
+            let target = decide::classify(&PROFILE, &kind, name, &review::labels_of(Some(old)));
             match &target {
                 Target::Unrelated => assert!(allowed, "an unrelated DELETE was denied: {out}"),
                 Target::Parent { .. } => {
-                    let view = review::meta_view(old, namespace, &req.name);
+                    let view = review::meta_view(old, namespace, name);
                     let done = Record::from_annotations(&KEYS, &view.annotations).is_done();
                     let custody = view.finalizers.contains(&PROFILE.custody_finalizer);
                     assert_eq!(allowed, done || custody, "parent DELETE: {out}");
@@ -353,7 +359,7 @@ fn check_validate(
             if decide::retargeted(
                 &PROFILE,
                 &kind,
-                &req.name,
+                name,
                 &review::labels_of(req.old_object.as_ref()),
                 &review::labels_of(req.object.as_ref()),
             )
@@ -362,7 +368,7 @@ fn check_validate(
             let target = decide::retargeted(
                 &PROFILE,
                 &kind,
-                &req.name,
+                name,
                 &review::labels_of(req.old_object.as_ref()),
                 &review::labels_of(req.object.as_ref()),
             )
