@@ -141,7 +141,7 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
     let traffic: Vec<_> = (0..TRAFFIC_TASKS)
         .map(|task| {
             let (hrs, names, stop, teardown_begun) = (hrs.clone(), names.clone(), stop.clone(), teardown_begun.clone());
-            let (samples, violations, storage) = (samples.clone(), violations.clone(), env.sim.storage.clone());
+            let (samples, violations) = (samples.clone(), violations.clone());
             tokio::spawn(async move {
                 let dry_delete = DeleteParams { dry_run: true, ..Default::default() };
                 let dry_patch = PatchParams { dry_run: true, ..Default::default() };
@@ -172,11 +172,7 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
                     // An allow while the tenant's volumes are still on storage
                     // (volumes are only ever freed, so they were there at the
                     // decision) is the loss the gate exists to prevent.
-                    let left = || {
-                        std::fs::read_dir(&storage)
-                            .map(|d| d.filter_map(|e| e.ok()).filter(|e| e.file_name().to_string_lossy().starts_with(&format!("{NAMESPACE}.{r}."))).count())
-                            .unwrap_or(0)
-                    };
+                    let left = || env.sim.volumes_of(NAMESPACE, r).len();
                     let wrong_allow = matches!(outcome, Outcome::Allowed)
                         && match op {
                             Op::DeleteCsi => left() > 0,
