@@ -39,8 +39,7 @@ async fn a_stopped_driver_blocks_naming_each_remaining_volume_and_recovery_frees
         assert!(message.contains(h), "Blocked names volumeHandle {h}: {message}");
     }
     assert!(message.contains("csi.volume-gate.test"), "and the driver: {message}");
-    let events = t.events().await;
-    assert!(events.iter().any(|(ty, r, note)| ty == "Warning" && r == "Blocked" && note.contains(&handles[0])), "{events:?}");
+    t.wait_event("Warning", "Blocked", |note| note.contains(&handles[0])).await;
     assert_eq!(env.sim.volumes_of(&t.namespace, &t.name), handles, "nothing freed, nothing lost while the driver is stopped");
 
     // The driver comes back: the retry frees everything and the teardown ends.
@@ -63,15 +62,15 @@ async fn a_worker_killed_after_the_inventory_and_again_mid_wait_is_replaced_and_
     env.gate.as_ref().unwrap().lock().unwrap().start_worker();
 
     // Killed again while it waits for the PVs (the driver is stopped).
-    let inventory = common::wait::eventually("a new pass waiting on the PVs", Duration::from_secs(60), || async {
-        let r = t.record().await;
-        match (&r.phase, &r.message, &r.inventory) {
-            (Some(Phase::Releasing), Some(m), Some(inv)) if m.contains("deleting claims") || m.contains("freed") => Ok(inv.clone()),
-            (Some(Phase::Blocked), _, Some(inv)) => Ok(inv.clone()),
-            _ => Err(format!("{:?} {:?}", r.phase, r.message)),
-        }
-    })
-    .await;
+    let record = t
+        .history
+        .next_record("a new pass waiting on the PVs", Duration::from_secs(60), |r| match (&r.phase, &r.message, &r.inventory) {
+            (Some(Phase::Releasing), Some(m), Some(_)) => m.contains("deleting claims") || m.contains("freed"),
+            (Some(Phase::Blocked), _, Some(_)) => true,
+            _ => false,
+        })
+        .await;
+    let inventory = record.inventory.expect("inventory");
     assert_eq!(inventory.total, 3, "the inventory survived the first kill");
     env.gate.as_ref().unwrap().lock().unwrap().kill_worker();
     env.gate.as_ref().unwrap().lock().unwrap().start_worker();
@@ -126,12 +125,7 @@ async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_recor
     t.grant_override("platform-admins").await;
     let alice = env.cp.client_as("alice", &["platform-admins"]).await;
     t.annotate_override(&alice, "retained by design; archived").await.expect("override accepted");
-    let events = common::wait::eventually("Overridden event", Duration::from_secs(30), || async {
-        let ev = t.events().await;
-        if ev.iter().any(|(_, r, _)| r == "Overridden") { Ok(ev) } else { Err(format!("{ev:?}")) }
-    })
-    .await;
-    let (_, _, note) = events.iter().find(|(_, r, _)| r == "Overridden").unwrap();
+    let note = t.wait_event("Warning", "Overridden", |_| true).await;
     assert!(note.contains(&residue[0]) && note.contains("left on storage"), "the Warning names the disk left: {note}");
     t.wait_parent_gone(Duration::from_secs(120)).await;
     assert_eq!(env.sim.volumes_of(&t.namespace, &t.name), residue, "exactly the residue stays, by decision");

@@ -113,8 +113,7 @@ async fn a_silent_tenant_api_blocks_loudly_and_an_authorized_override_finishes_t
     let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
     let message = record.message.unwrap_or_default();
     assert!(message.contains("did not answer /readyz within 3s"), "{message}");
-    let events = t.events().await;
-    assert!(events.iter().any(|(ty, reason, note)| ty == "Warning" && reason == "Blocked" && note.contains("/readyz")), "{events:?}");
+    t.wait_event("Warning", "Blocked", |note| note.contains("/readyz")).await;
     // Nothing wedged silently: the CSI release is still held, and says why.
     let err = t.hr_api().delete(&format!("{}-csi", t.name), &DeleteParams::default()).await.expect_err("held");
     assert!(err.to_string().contains("phase Blocked"), "{err}");
@@ -132,11 +131,7 @@ async fn a_silent_tenant_api_blocks_loudly_and_an_authorized_override_finishes_t
     let record = t.wait_phase(Phase::Overridden, Duration::from_secs(30)).await;
     let ov = record.override_.expect("override recorded");
     assert_eq!(ov.by.as_deref(), Some("alice"), "stamped from userInfo");
-    let events = t.events().await;
-    assert!(
-        events.iter().any(|(ty, reason, note)| ty == "Warning" && reason == "Overridden" && note.contains("alice")),
-        "{events:?}"
-    );
+    t.wait_event("Warning", "Overridden", |note| note.contains("alice")).await;
     t.wait_parent_gone(Duration::from_secs(120)).await;
     // The override abandoned the disk, by decision: it is still on storage.
     assert_eq!(env.sim.volumes_of(&t.namespace, &t.name).len(), 1);
@@ -219,7 +214,7 @@ async fn the_installed_webhook_configurations_are_the_shipped_ones_but_for_where
         let shipped_hooks = shipped["webhooks"].as_array().unwrap();
         assert_eq!(live_hooks.len(), shipped_hooks.len(), "{kind}");
         for (l, s) in live_hooks.iter().zip(shipped_hooks) {
-            for field in ["name", "rules", "failurePolicy", "sideEffects", "timeoutSeconds", "matchPolicy", "admissionReviewVersions"] {
+            for field in ["name", "rules", "failurePolicy", "sideEffects", "timeoutSeconds", "matchPolicy", "admissionReviewVersions", "matchConditions"] {
                 assert_eq!(l[field], s[field], "{kind} {} {field}", s["name"]);
             }
             if !s["objectSelector"].is_null() {

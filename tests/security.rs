@@ -508,25 +508,16 @@ fn tenant_kubeconfig(t: &Tenant) -> Value {
     serde_saphyr::from_str(&std::fs::read_to_string(&t.cluster.kubeconfig).unwrap()).unwrap()
 }
 
-/// Waits until the record is Blocked with a message containing `needle`.
+/// Waits for the next record (see `Tenant::wait_phase`) that is Blocked with
+/// a message containing `needle`, and returns the message.
 async fn wait_blocked_with(t: &Tenant, needle: &str, timeout: Duration) -> String {
-    let api = t.hr_api();
-    eventually(&format!("Blocked naming {needle:?} on {}", t.name), timeout, || {
-        let api = api.clone();
-        let name = t.name.clone();
-        async move {
-            let p = api.get_opt(&name).await.map_err(|e| e.to_string())?.ok_or("parent gone")?;
-            let r = volume_gate::record::Record::from_annotations(
-                &volume_gate::record::Keys::new("volumes.cozystack.io/"),
-                &p.metadata.annotations.unwrap_or_default(),
-            );
-            match (r.phase, r.message) {
-                (Some(Phase::Blocked), Some(m)) if m.contains(needle) => Ok(m),
-                (phase, m) => Err(format!("phase {phase:?}, message {m:?}")),
-            }
-        }
-    })
-    .await
+    let record = t
+        .history
+        .next_record(&format!("Blocked naming {needle:?}"), timeout, |r| {
+            r.phase == Some(Phase::Blocked) && r.message.as_deref().is_some_and(|m| m.contains(needle))
+        })
+        .await;
+    record.message.unwrap_or_default()
 }
 
 /// The worker is still the same running process and answers /readyz.
@@ -1038,10 +1029,7 @@ async fn override_stamps_come_from_the_requester_and_an_empty_reason_is_refused(
     assert_eq!(record.override_.and_then(|o| o.by).as_deref(), Some(user.as_str()));
     let message = record.message.unwrap_or_default();
     assert!(message.contains(&user) && !message.contains("somebody-else"), "{message}");
-    let events = t.events().await;
-    assert!(
-        events.iter().any(|(ty, r, note)| ty == "Warning" && r == "Overridden" && note.contains(&user) && !note.contains("somebody-else")),
-        "{events:?}"
-    );
+    let note = t.wait_event("Warning", "Overridden", |note| note.contains(&user)).await;
+    assert!(!note.contains("somebody-else"), "{note}");
     t.wait_parent_gone(Duration::from_secs(120)).await;
 }

@@ -4,6 +4,7 @@
 
 pub mod cluster;
 pub mod gate;
+pub mod history;
 pub mod manifests;
 pub mod process;
 pub mod sim;

@@ -14,6 +14,7 @@ use serde_json::{Value, json};
 
 use super::cluster::{ClusterInfo, ControlPlane, client_from, repo_root};
 use super::gate::helmrelease_resource;
+use super::history::{ParentHistory, Seen};
 use super::manifests;
 use super::wait::eventually;
 use volume_gate::record::{Keys, Record};
@@ -44,6 +45,8 @@ pub struct Tenant {
     pub cluster: ClusterInfo,
     pub management: kube::Client,
     pub api: kube::Client,
+    /// Every version of the parent release since before it was created.
+    pub history: ParentHistory,
 }
 
 fn obj(ar: &ApiResource, ns: &str, name: &str, labels: Value, body: Value) -> DynamicObject {
@@ -67,6 +70,12 @@ impl Tenant {
     }
 
     /// Creates a tenant `app` (parent `kubernetes-<app>`) in `namespace`,
+    /// which may hold other tenants, with a tenant API server of its own.
+    pub async fn create_in(cp: &ControlPlane, namespace: &str, app: &str) -> Tenant {
+        Self::create_on(cp, cp.cluster_up(&cp.unique("t")), namespace, app).await
+    }
+
+    /// Creates a tenant `app` (parent `kubernetes-<app>`) in `namespace`,
     /// which may hold other tenants, on a light tenant cluster of its own:
     /// Pods are placed on the simulated node by `spec.nodeName`.
     pub async fn create_light(cp: &ControlPlane, namespace: &str, app: &str) -> Tenant {
@@ -79,7 +88,9 @@ impl Tenant {
         let namespace = namespace.to_string();
         let name = format!("kubernetes-{app}");
         cp.namespace(&namespace).await;
-        let t = Tenant { namespace, name, cluster, management, api };
+        let hrs = Api::namespaced_with(management.clone(), &namespace, &helmrelease_resource());
+        let history = ParentHistory::open(hrs, &name).await;
+        let t = Tenant { namespace, name, cluster, management, api, history };
         t.create_management_objects().await;
         manifests::apply_file(&t.api, &repo_root().join("tests/fixtures/tenant-storageclass.yaml")).await;
         t
@@ -162,22 +173,15 @@ impl Tenant {
 
     /// Waits until the parent release is gone from the management cluster.
     pub async fn wait_parent_gone(&self, timeout: Duration) {
-        let api = self.hr_api();
-        let name = self.name.clone();
-        eventually(&format!("parent {}/{} gone", self.namespace, self.name), timeout, || {
-            let (api, name) = (api.clone(), name.clone());
-            async move {
-                match api.get_opt(&name).await.map_err(|e| e.to_string())? {
-                    None => Ok(()),
-                    Some(p) => Err(format!(
-                        "still there: finalizers {:?}, annotations {:?}",
-                        p.metadata.finalizers,
-                        p.metadata.annotations.unwrap_or_default().into_iter().filter(|(k, _)| k.starts_with("volumes.")).collect::<Vec<_>>()
-                    )),
-                }
-            }
-        })
-        .await
+        let what = format!("parent {}/{} gone", self.namespace, self.name);
+        self.history.next_matching(&what, timeout, |s| matches!(s, Seen::Gone).then_some(())).await
+    }
+
+    /// Waits until the worker has bound the tenant to its cluster (the
+    /// record's `cluster` key), and returns the bound kube-system UID.
+    pub async fn wait_cluster_bound(&self) -> String {
+        let record = self.history.next_record("the tenant cluster bound", Duration::from_secs(60), |r| r.cluster.is_some()).await;
+        record.cluster.expect("bound").kube_system_uid
     }
 
     /// Waits until the worker has taken the tenant into custody.
@@ -317,6 +321,25 @@ impl Tenant {
         out
     }
 
+    /// Waits for an Event on the parent of type `ty` and `reason` whose note
+    /// satisfies `note`, and returns its note. Events outlive the state they
+    /// report, and the worker writes one just after the record: a test that
+    /// saw the record first waits here for its Event.
+    pub async fn wait_event(&self, ty: &str, reason: &str, note: impl Fn(&str) -> bool) -> String {
+        eventually(&format!("a {ty} Event {reason} on {}", self.name), Duration::from_secs(30), || {
+            let note = &note;
+            async move {
+                let events = self.events().await;
+                events
+                    .iter()
+                    .find(|(t, r, n)| t == ty && r == reason && note(n))
+                    .map(|(_, _, n)| n.clone())
+                    .ok_or_else(|| format!("{events:?}"))
+            }
+        })
+        .await
+    }
+
     /// Points the admin kubeconfig Secret at `server` (e.g. an address where
     /// nothing answers), keeping its credentials.
     pub async fn point_kubeconfig_at(&self, server: &str) {
@@ -331,19 +354,11 @@ impl Tenant {
             .expect("patch kubeconfig Secret");
     }
 
-    /// Waits until the record reaches `phase`, returning it.
+    /// Waits for the next record (after the last one a wait returned) in
+    /// `phase`, and returns it. Read from the watch history: a phase the
+    /// teardown has already moved past is still found.
     pub async fn wait_phase(&self, phase: volume_gate::record::Phase, timeout: Duration) -> Record {
-        let api = self.hr_api();
-        let name = self.name.clone();
-        eventually(&format!("phase {phase} on {}", self.name), timeout, || {
-            let (api, name) = (api.clone(), name.clone());
-            async move {
-                let p = api.get_opt(&name).await.map_err(|e| e.to_string())?.ok_or("parent gone")?;
-                let r = Record::from_annotations(&Keys::new("volumes.cozystack.io/"), &p.metadata.annotations.unwrap_or_default());
-                if r.phase == Some(phase) { Ok(r) } else { Err(format!("phase {:?}, message {:?}", r.phase, r.message)) }
-            }
-        })
-        .await
+        self.history.next_record(&format!("phase {phase}"), timeout, |r| r.phase == Some(phase)).await
     }
 
     /// Records an override as `client`'s user: `kubectl annotate`.
@@ -452,11 +467,14 @@ impl Tenant {
         self.wait_settled(4, 3).await;
     }
 
-    /// Waits until the worker has written the inventory into the record.
+    /// Waits until the worker has written the inventory into the record
+    /// (the next version, after the last one a wait returned, that has it).
     pub async fn wait_inventory(&self) -> String {
-        eventually("inventory in the record", Duration::from_secs(30), || async {
-            self.volumes_annotation().await.ok_or_else(|| "no inventory yet".to_string())
-        })
-        .await
+        self.history
+            .next_matching("inventory in the record", Duration::from_secs(30), |s| match s {
+                Seen::Parent(p) => p.metadata.annotations.as_ref().and_then(|a| a.get("volumes.cozystack.io/volumes").cloned()),
+                Seen::Gone => None,
+            })
+            .await
     }
 }

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
 # Prints the absolute path of the control-plane harness binary, building it
 # first if the cache holds none for the current sources. The cache key is the
-# sha256 of build.sh, go.mod, go.sum and every *.go file (names and contents),
-# so a warm machine pays nothing and any change builds a new binary.
+# sha256 of build.sh, go.mod, go.sum and every *.go file below this folder
+# (names and contents), so a warm machine pays nothing and any change builds
+# a new binary.
 #
 #   VOLUME_GATE_HARNESS_CACHE  cache root (default: $HOME/.cache/volume-gate)
 set -euo pipefail
@@ -10,7 +11,7 @@ set -euo pipefail
 src="$(cd "$(dirname "${BASH_SOURCE[0]}")" && pwd)"
 cd "$src"
 
-hash="$(LC_ALL=C sha256sum build.sh go.mod go.sum *.go | sha256sum | cut -c1-16)"
+hash="$(find . -name '*.go' -print0 | LC_ALL=C sort -z | xargs -0 sha256sum build.sh go.mod go.sum | LC_ALL=C sha256sum | cut -c1-16)"
 root="${VOLUME_GATE_HARNESS_CACHE:-${HOME:?set HOME or VOLUME_GATE_HARNESS_CACHE}/.cache/volume-gate}"
 mkdir -p "$root"
 out="$(cd "$root" && pwd)/harness-$hash"

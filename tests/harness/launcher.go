@@ -5,6 +5,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"github.com/cozystack/volume-gate/tests/harness/liveness"
 	"io"
 	"net/http"
 	"os"
@@ -61,7 +62,7 @@ func cmdUp(args []string) error {
 	defer lock.Close()
 
 	pid, running := supervisorPID(dir)
-	var exited <-chan struct{}
+	var started *liveness.Child
 	if !running {
 		if err := ensurePKI(filepath.Join(dir, "pki")); err != nil {
 			return fmt.Errorf("generate PKI in %s: %w", filepath.Join(dir, "pki"), err)
@@ -69,11 +70,12 @@ func cmdUp(args []string) error {
 		for _, f := range []string{"ready", "failed", "control.addr"} {
 			os.Remove(filepath.Join(dir, f))
 		}
-		if pid, exited, err = startSupervisor(dir, *owner, *timeout, clusters); err != nil {
+		if started, err = startSupervisor(dir, *owner, *timeout, clusters); err != nil {
 			return err
 		}
+		pid = started.Pid()
 	}
-	if err := waitSupervisor(dir, pid, exited, *timeout+30*time.Second); err != nil {
+	if err := waitSupervisor(dir, pid, started, *timeout+30*time.Second); err != nil {
 		return err
 	}
 	// A supervisor that was already running may lack a requested cluster.
@@ -85,40 +87,52 @@ func cmdUp(args []string) error {
 	return printEnv(os.Stdout, dir)
 }
 
-func startSupervisor(dir string, owner int, timeout time.Duration, clusters []string) (int, <-chan struct{}, error) {
+func startSupervisor(dir string, owner int, timeout time.Duration, clusters []string) (*liveness.Child, error) {
 	self, err := os.Executable()
 	if err != nil {
-		return 0, nil, err
+		return nil, err
 	}
 	logPath := filepath.Join(dir, "logs", "supervisor.log")
 	logFile, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
-		return 0, nil, err
+		return nil, err
 	}
 	defer logFile.Close()
 	args := []string{"supervise", "--state", dir, "--timeout", timeout.String()}
+	cmd := exec.Command(self)
 	if owner != 0 {
-		args = append(args, "--owner-pid", strconv.Itoa(owner))
+		// The owner is our caller, alive while it waits for us: take a pidfd
+		// on it now and hand it down, so the supervisor follows that very
+		// process (no /proc polling, no PID reuse) from its first instant.
+		h, err := liveness.Open(owner)
+		if err != nil {
+			return nil, fmt.Errorf("--owner-pid %d: %w", owner, err)
+		}
+		pidfd := h.File()
+		defer pidfd.Close()
+		cmd.ExtraFiles = []*os.File{pidfd}
+		args = append(args, "--owner-pid", strconv.Itoa(owner), "--owner-pidfd", "3")
 	}
 	for _, name := range clusters {
 		args = append(args, "--cluster", name)
 	}
-	cmd := exec.Command(self, args...)
+	cmd.Args = append(cmd.Args, args...)
 	cmd.Stdout, cmd.Stderr = logFile, logFile
 	// A session of its own: the supervisor outlives this command and gets no
 	// signal meant for the caller's terminal or process group.
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setsid: true}
-	if err := cmd.Start(); err != nil {
-		return 0, nil, fmt.Errorf("start supervisor: %w", err)
+	child, err := liveness.Start(cmd)
+	if err != nil {
+		return nil, fmt.Errorf("start supervisor: %w", err)
 	}
-	exited := make(chan struct{})
-	go func() { cmd.Wait(); close(exited) }()
-	return cmd.Process.Pid, exited, nil
+	return child, nil
 }
 
 // waitSupervisor waits until the supervisor reports ready. On failure or
-// timeout it stops the supervisor, so nothing is left running.
-func waitSupervisor(dir string, pid int, exited <-chan struct{}, timeout time.Duration) error {
+// timeout it stops the supervisor, so nothing is left running. Whether a
+// supervisor this command started is alive is known from its exit alone:
+// its /proc command line can read empty for a moment after it starts.
+func waitSupervisor(dir string, pid int, started *liveness.Child, timeout time.Duration) error {
 	logPath := filepath.Join(dir, "logs", "supervisor.log")
 	deadline := time.Now().Add(timeout)
 	for {
@@ -129,11 +143,11 @@ func waitSupervisor(dir string, pid int, exited <-chan struct{}, timeout time.Du
 			stopSupervisor(dir, pid)
 			return fmt.Errorf("control plane failed to start: %s(supervisor log: %s)", msg, logPath)
 		}
-		gone := !isOurSupervisor(pid, dir)
-		select {
-		case <-exited:
-			gone = true
-		default:
+		var gone bool
+		if started != nil {
+			gone = !started.Alive()
+		} else {
+			gone = !isOurSupervisor(pid, dir)
 		}
 		if gone {
 			return fmt.Errorf("supervisor (pid %d) exited before it was ready\n--- last lines of %s ---\n%s", pid, logPath, tail(logPath, 25))
@@ -314,12 +328,14 @@ func supervisorPID(dir string) (int, bool) {
 
 // isOurSupervisor reports whether pid runs `harness supervise --state dir`;
 // it guards against signalling a process that reused a stale PID.
+//
+// It is for a supervisor found by its pid file, which has run long enough to
+// write it; an empty command line (a zombie) counts as not ours.
 func isOurSupervisor(pid int, dir string) bool {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/cmdline", pid))
+	args, err := liveness.Cmdline(pid)
 	if err != nil {
 		return false
 	}
-	args := strings.Split(strings.TrimRight(string(b), "\x00"), "\x00")
 	if len(args) < 2 || args[1] != "supervise" {
 		return false
 	}

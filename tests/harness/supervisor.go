@@ -8,6 +8,7 @@ import (
 	"errors"
 	"flag"
 	"fmt"
+	"github.com/cozystack/volume-gate/tests/harness/liveness"
 	"io"
 	"log"
 	"math/rand/v2"
@@ -113,6 +114,7 @@ func cmdSupervise(args []string) error {
 	fs := flag.NewFlagSet("supervise", flag.ContinueOnError)
 	state := fs.String("state", "", "state directory (required)")
 	owner := fs.Int("owner-pid", 0, "stop everything once this process is gone")
+	ownerFD := fs.Int("owner-pidfd", 0, "inherited pidfd of --owner-pid, opened by up while the owner was alive")
 	timeout := fs.Duration("timeout", defaultTimeout, "deadline for starting one cluster")
 	var clusters names
 	fs.Var(&clusters, "cluster", "cluster to start (repeatable)")
@@ -135,10 +137,18 @@ func cmdSupervise(args []string) error {
 		state: dir, self: self, timeout: *timeout, admin: admin,
 		clusters: map[string]*cluster{}, usedPorts: map[int]bool{},
 	}
-	return s.run(*owner, clusters)
+	var ownerHandle *liveness.Handle
+	if *owner != 0 {
+		if *ownerFD != 0 {
+			ownerHandle = liveness.Adopt(*ownerFD, *owner)
+		} else if ownerHandle, err = liveness.Open(*owner); err != nil {
+			return fmt.Errorf("--owner-pid %d: %w", *owner, err)
+		}
+	}
+	return s.run(ownerHandle, *owner, clusters)
 }
 
-func (s *supervisor) run(owner int, clusters []string) error {
+func (s *supervisor) run(owner *liveness.Handle, ownerPID int, clusters []string) error {
 	lock, err := lockFile(filepath.Join(s.state, "supervisor.lock"), false)
 	if err != nil {
 		return fmt.Errorf("another supervisor is running for %s: %w", s.state, err)
@@ -147,8 +157,8 @@ func (s *supervisor) run(owner int, clusters []string) error {
 
 	ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
 	defer stop()
-	if owner != 0 {
-		ctx = watchOwner(ctx, owner)
+	if owner != nil {
+		ctx = watchOwner(ctx, owner, ownerPID)
 	}
 	s.ctx = ctx
 
@@ -688,48 +698,18 @@ func writeJSON(w http.ResponseWriter, status int, v any) {
 	enc.Encode(v)
 }
 
-// watchOwner returns a context cancelled once process pid is gone. The
-// process start time guards against the PID being reused.
-func watchOwner(parent context.Context, pid int) context.Context {
+// watchOwner returns a context cancelled once the owner process has
+// terminated, as its pidfd says.
+func watchOwner(parent context.Context, owner *liveness.Handle, pid int) context.Context {
 	ctx, cancel := context.WithCancelCause(parent)
-	start, err := procStartTime(pid)
-	if err != nil {
-		cancel(fmt.Errorf("owner pid %d: %w", pid, err))
-		return ctx
-	}
 	go func() {
-		tick := time.NewTicker(time.Second)
-		defer tick.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-tick.C:
-			}
-			if now, err := procStartTime(pid); err != nil || now != start {
-				cancel(fmt.Errorf("owner pid %d is gone", pid))
-				return
-			}
+		defer owner.Close()
+		if owner.Wait(ctx) == nil {
+			log.Printf("owner pid %d is gone", pid)
+			cancel(fmt.Errorf("owner pid %d is gone", pid))
 		}
 	}()
 	return ctx
-}
-
-// procStartTime reads field 22 of /proc/PID/stat; a zombie counts as gone.
-func procStartTime(pid int) (string, error) {
-	b, err := os.ReadFile(fmt.Sprintf("/proc/%d/stat", pid))
-	if err != nil {
-		return "", err
-	}
-	// The command name (field 2) may contain spaces; fields restart after ')'.
-	fields := strings.Fields(string(b[strings.LastIndexByte(string(b), ')')+1:]))
-	if len(fields) < 20 {
-		return "", fmt.Errorf("unexpected /proc/%d/stat", pid)
-	}
-	if fields[0] == "Z" {
-		return "", errors.New("zombie")
-	}
-	return fields[19], nil
 }
 
 func adminClient(pkiDir string) (*http.Client, error) {
