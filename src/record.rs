@@ -1,7 +1,8 @@
 //! The release record: annotations on the parent release, and the one place
 //! that knows their keys (DESIGN.md §3).
 //!
-//! The worker writes `phase`, `released-at`, `message` and `volumes`; a
+//! The worker writes `phase`, `released-at`, `message`, `volumes` and
+//! `cluster` (who the tenant cluster is, bound when custody began); a
 //! person writes `override`; the mutating webhook stamps `override-by` and
 //! `override-at` from the request's userInfo.
 
@@ -50,6 +51,7 @@ pub struct Keys {
     pub override_reason: String,
     pub override_by: String,
     pub override_at: String,
+    pub cluster: String,
 }
 
 impl Keys {
@@ -63,12 +65,13 @@ impl Keys {
             override_reason: k("override"),
             override_by: k("override-by"),
             override_at: k("override-at"),
+            cluster: k("cluster"),
         }
     }
 
     /// Keys only the worker's identity may change.
-    pub fn worker_owned(&self) -> [&str; 4] {
-        [&self.phase, &self.released_at, &self.message, &self.volumes]
+    pub fn worker_owned(&self) -> [&str; 5] {
+        [&self.phase, &self.released_at, &self.message, &self.volumes, &self.cluster]
     }
 
     /// Keys only the mutating webhook may set.
@@ -240,6 +243,43 @@ impl Inventory {
     }
 }
 
+/// Who the tenant cluster is: bound by the worker when custody began (or,
+/// for a tenant never reachable before, at the first release pass), and
+/// checked on every pass. The admin kubeconfig Secret is writable by
+/// whoever may edit the tenant namespace; this is not: a Secret rewritten to
+/// reach another cluster is caught before anything is deleted through it.
+#[derive(Clone, Debug, PartialEq, Eq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase")]
+pub struct ClusterIdentity {
+    /// The server the kubeconfig named.
+    pub server: String,
+    /// The UID of the cluster's `kube-system` namespace: made once, with the
+    /// cluster, and the same through every address and credential.
+    pub kube_system_uid: String,
+    /// RFC 3339 time it was bound.
+    pub bound_at: String,
+}
+
+impl ClusterIdentity {
+    pub fn encode(&self) -> String {
+        let bounded = ClusterIdentity {
+            server: bounded(&self.server, MAX_FIELD_BYTES),
+            kube_system_uid: bounded(&self.kube_system_uid, MAX_FIELD_BYTES),
+            bound_at: bounded(&self.bound_at, MAX_TAKEN_AT_BYTES),
+        };
+        serde_json::to_string(&bounded).expect("identity serializes")
+    }
+
+    pub fn decode(text: &str) -> Result<Self, String> {
+        serde_json::from_str(text).map_err(|e| format!("cluster annotation is not a valid cluster identity: {e}"))
+    }
+
+    /// `server S (kube-system UID U)`, for messages.
+    pub fn describe(&self) -> String {
+        format!("server {} (kube-system UID {})", self.server, self.kube_system_uid)
+    }
+}
+
 /// A recorded override. It counts only once the webhook has stamped it.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
 pub struct Override {
@@ -262,6 +302,8 @@ pub struct Record {
     pub message: Option<String>,
     pub inventory: Option<Inventory>,
     pub override_: Option<Override>,
+    /// The tenant cluster bound to this tenant.
+    pub cluster: Option<ClusterIdentity>,
     /// What could not be parsed, for messages; never makes a tenant done.
     pub problems: Vec<String>,
 }
@@ -275,6 +317,9 @@ impl Record {
         let inventory = annotations.get(&keys.volumes).and_then(|v| {
             Inventory::decode(v).map_err(|e| problems.push(e)).ok()
         });
+        let cluster = annotations.get(&keys.cluster).and_then(|v| {
+            ClusterIdentity::decode(v).map_err(|e| problems.push(e)).ok()
+        });
         let override_ = annotations.get(&keys.override_reason).map(|reason| Override {
             reason: reason.clone(),
             by: annotations.get(&keys.override_by).cloned(),
@@ -286,6 +331,7 @@ impl Record {
             message: annotations.get(&keys.message).cloned(),
             inventory,
             override_,
+            cluster,
             problems,
         }
     }
@@ -328,6 +374,7 @@ pub struct Update {
     pub message: Option<String>,
     pub released_at: Option<String>,
     pub inventory: Option<Inventory>,
+    pub cluster: Option<ClusterIdentity>,
 }
 
 impl Update {
@@ -344,6 +391,9 @@ impl Update {
         }
         if let Some(inv) = &self.inventory {
             m.insert(keys.volumes.clone(), Value::String(inv.encode()));
+        }
+        if let Some(c) = &self.cluster {
+            m.insert(keys.cluster.clone(), Value::String(c.encode()));
         }
         m
     }

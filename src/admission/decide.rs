@@ -45,21 +45,38 @@ impl Target {
     }
 }
 
-/// Recognises an object by kind, name and labels.
-pub fn classify(profile: &Profile, kind: &GroupKind, name: &str, labels: &BTreeMap<String, String>) -> Target {
+/// Every identity an object has for the gate, most specific first.
+///
+/// One object can be several things at once: a HelmRelease a parent by its
+/// labels, the CSI release by its name and a child by its label; a Cluster
+/// `R-extra` labelled `cluster.x-k8s.io/cluster-name: R` is guarded for `R`
+/// by its label whatever its name says. Each identity is judged and the
+/// strictest answer wins, so no identity can hide another (a Cluster once
+/// went through as "parent absent" for tenant `R-extra`, because only the
+/// first guarded entry that yielded a tenant was looked at).
+pub fn identities(profile: &Profile, kind: &GroupKind, name: &str, labels: &BTreeMap<String, String>) -> Vec<Target> {
+    let mut out: Vec<Target> = Vec::new();
+    let mut push = |t: Target| {
+        // One identity per tenant: the first (the strictest) stands for it,
+        // except that a parent is its own tenant and is always kept.
+        let dup = out.iter().any(|o| !matches!(o, Target::Parent { .. }) && o.tenant() == t.tenant());
+        if !dup {
+            out.push(t);
+        }
+    };
     if *kind == profile.parent_kind() {
         if profile.is_parent(labels) {
-            return Target::Parent { tenant: name.to_string() };
+            push(Target::Parent { tenant: name.to_string() });
         }
         // The name decides what a CSI release is: a label can be rewritten
         // to point at another (or no) tenant, a name cannot.
         if let Some(tenant) = tenant_from_name(&profile.csi_release, name) {
-            return Target::CsiRelease { tenant };
+            push(Target::CsiRelease { tenant });
         }
         if let Some(tenant) = labels.get(&profile.child_label).filter(|t| !t.is_empty()) {
-            return Target::Child { tenant: tenant.clone() };
+            push(Target::Child { tenant: tenant.clone() });
         }
-        return Target::Unrelated;
+        return out;
     }
     for g in profile.guarded.iter().filter(|g| g.group == kind.group && g.kind == kind.kind) {
         let tenant = match (&g.name, &g.label) {
@@ -68,10 +85,30 @@ pub fn classify(profile: &Profile, kind: &GroupKind, name: &str, labels: &BTreeM
             (None, None) => None,
         };
         if let Some(tenant) = tenant {
-            return Target::Guarded { tenant, role: g.role.clone() };
+            push(Target::Guarded { tenant, role: g.role.clone() });
         }
     }
-    Target::Unrelated
+    out
+}
+
+/// What an object primarily is (its first identity), for logs and metrics.
+pub fn classify(profile: &Profile, kind: &GroupKind, name: &str, labels: &BTreeMap<String, String>) -> Target {
+    identities(profile, kind, name, labels).into_iter().next().unwrap_or(Target::Unrelated)
+}
+
+/// The label keys that decide what an object of `kind` is for the gate:
+/// the parent labels and the child label on releases, the labels guarded
+/// entries of that kind are known by.
+pub fn identity_labels<'a>(profile: &'a Profile, kind: &GroupKind) -> Vec<&'a str> {
+    let mut keys: Vec<&str> = Vec::new();
+    if *kind == profile.parent_kind() {
+        keys.extend(profile.parent.match_labels.keys().map(String::as_str));
+        keys.push(&profile.child_label);
+    }
+    keys.extend(profile.guarded.iter().filter(|g| g.group == kind.group && g.kind == kind.kind).filter_map(|g| g.label.as_deref()));
+    keys.sort_unstable();
+    keys.dedup();
+    keys
 }
 
 /// The parent's state as read for a decision.
@@ -240,25 +277,45 @@ pub fn decide_dependent_delete(
     }
 }
 
-/// An UPDATE that rewrites or removes a label of a tenant's dependent can
-/// take it away from the tenant (or out of a webhook's objectSelector) as
-/// surely as a DELETE. Returns the target to judge it as; a relabel is held
-/// only while the tenant is torn down, so the CSI release is judged as an
-/// ordinary child here (its DELETE stays gated by its name).
-pub fn retargeted(profile: &Profile, kind: &GroupKind, name: &str, old: &BTreeMap<String, String>, new: &BTreeMap<String, String>) -> Option<Target> {
-    let before = classify(profile, kind, name, old);
-    let relabelled = old.iter().any(|(k, v)| new.get(k) != Some(v)) || classify(profile, kind, name, new) != before;
+/// An UPDATE that adds, rewrites or removes a label that decides what an
+/// object is can take it away from its tenant, or out of what a webhook is
+/// sent, as surely as a DELETE: a CSI release given a parent's kind label
+/// once matched no webhook, and its DELETE then went through unreviewed.
+/// Returns every dependent identity the object has before or after the
+/// change, each to be judged like its delete (the CSI release is held until
+/// done, the rest during teardown); none when no such label changes.
+/// Parents are judged by [`guard_update`].
+pub fn relabel_targets(profile: &Profile, kind: &GroupKind, name: &str, old: &BTreeMap<String, String>, new: &BTreeMap<String, String>) -> Vec<Target> {
+    let before = identities(profile, kind, name, old);
+    let after = identities(profile, kind, name, new);
+    let relabelled = identity_labels(profile, kind).iter().any(|k| old.get(*k) != new.get(*k)) || before != after;
     if !relabelled {
-        return None;
+        return Vec::new();
     }
-    match before {
-        // Made to look like a parent, its DELETE would pass as a parent's in
-        // custody: judged as the CSI release itself, held until done.
-        Target::CsiRelease { .. } if matches!(classify(profile, kind, name, new), Target::Parent { .. }) => Some(before),
-        Target::CsiRelease { tenant } => Some(Target::Child { tenant }),
-        Target::Child { .. } | Target::Guarded { .. } => Some(before),
-        Target::Parent { .. } | Target::Unrelated => None,
+    let mut out: Vec<Target> = Vec::new();
+    for t in before.into_iter().chain(after) {
+        if !matches!(t, Target::Parent { .. } | Target::Unrelated) && !out.contains(&t) {
+            out.push(t);
+        }
     }
+    out
+}
+
+/// The strictest of several verdicts on one request: the first refusal, or
+/// an allow carrying every warning.
+pub fn strictest(verdicts: Vec<Verdict>) -> Verdict {
+    let mut reason = None;
+    let mut all_warnings = Vec::new();
+    for v in verdicts {
+        match v {
+            Verdict::Deny { .. } => return v,
+            Verdict::Allow { reason: r, warnings } => {
+                reason.get_or_insert(r);
+                all_warnings.extend(warnings);
+            }
+        }
+    }
+    Verdict::Allow { reason: reason.unwrap_or("unrelated"), warnings: all_warnings }
 }
 
 /// Who is asking, from the request's userInfo.

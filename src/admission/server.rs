@@ -163,61 +163,69 @@ impl Gate {
                     return (target, cannot_judge(format!("DELETE of {kind} {namespace}/{name} carries no oldObject")));
                 };
                 let labels = review::labels_of(Some(old));
-                let target = classify(&self.profile, &kind, name, &labels);
                 let subject = Subject { kind: &kind, namespace, name, action: "delete" };
-                let verdict = match &target {
-                    Target::Unrelated => Verdict::allow("unrelated"),
-                    Target::Parent { tenant } => {
-                        let view = review::meta_view(old, namespace, name);
-                        let facts = ParentFacts {
-                            namespace: namespace.to_string(),
-                            name: tenant.clone(),
-                            deleting: view.deleting,
-                            namespace_deleting: None,
-                            in_custody: view.finalizers.contains(&self.profile.custody_finalizer),
-                            record: Record::from_annotations(&self.keys, &view.annotations),
-                        };
-                        decide::decide_parent_delete(&self.profile, subject, &facts)
-                    }
-                    Target::CsiRelease { tenant } | Target::Child { tenant } | Target::Guarded { tenant, .. } => {
-                        self.decide_dependent(&target, subject, namespace, tenant).await
-                    }
-                };
-                (target, verdict)
+                let mut judged = Vec::new();
+                for target in decide::identities(&self.profile, &kind, name, &labels) {
+                    let verdict = match &target {
+                        Target::Parent { tenant } => {
+                            let view = review::meta_view(old, namespace, name);
+                            let facts = ParentFacts {
+                                namespace: namespace.to_string(),
+                                name: tenant.clone(),
+                                deleting: view.deleting,
+                                namespace_deleting: None,
+                                in_custody: view.finalizers.contains(&self.profile.custody_finalizer),
+                                record: Record::from_annotations(&self.keys, &view.annotations),
+                            };
+                            decide::decide_parent_delete(&self.profile, subject, &facts)
+                        }
+                        Target::CsiRelease { tenant } | Target::Child { tenant } | Target::Guarded { tenant, .. } => {
+                            let tenant = tenant.clone();
+                            self.decide_dependent(&target, subject, namespace, &tenant).await
+                        }
+                        Target::Unrelated => Verdict::allow("unrelated"),
+                    };
+                    judged.push((target, verdict));
+                }
+                strictest_of(judged)
             }
-            Operation::Update if self.retarget(req, &kind, name).is_some() => {
-                let target = self.retarget(req, &kind, name).expect("checked");
-                let subject = Subject { kind: &kind, namespace, name, action: "relabel" };
-                let tenant = target.tenant().expect("a dependent has a tenant").to_string();
-                let verdict = self.decide_dependent(&target, subject, namespace, &tenant).await;
-                (target, verdict)
-            }
-            Operation::Create | Operation::Update if kind == self.profile.parent_kind() => {
-                let Some(new) = req.object.as_ref() else {
-                    return (Target::Unrelated, cannot_judge(format!("{kind} {namespace}/{name} carries no object")));
-                };
-                let new_view = review::meta_view(new, namespace, name);
-                let old_view = req.old_object.as_ref().map(|o| review::meta_view(o, namespace, name));
-                let target = classify(&self.profile, &kind, &new_view.name, &new_view.labels);
-                let who = self.requester(req);
-                let change = Change { old: old_view.as_ref(), new: &new_view };
-                let verdict = match decide::guard_update(&self.profile, &self.keys, change, who, jiff::Timestamp::now()) {
-                    UpdateVerdict::Final(v) => v,
-                    UpdateVerdict::NeedsOverridePermission { namespace, tenant } => {
-                        self.check_override_permission(req, &namespace, &tenant).await
+            Operation::Create | Operation::Update => {
+                let mut judged = Vec::new();
+                // A change of what the object is: judged like the delete it enables.
+                if req.operation == Operation::Update {
+                    let old = review::labels_of(req.old_object.as_ref());
+                    let new = review::labels_of(req.object.as_ref());
+                    let subject = Subject { kind: &kind, namespace, name, action: "relabel" };
+                    for target in decide::relabel_targets(&self.profile, &kind, name, &old, &new) {
+                        let tenant = target.tenant().expect("a dependent has a tenant").to_string();
+                        let verdict = self.decide_dependent(&target, subject, namespace, &tenant).await;
+                        judged.push((target, verdict));
                     }
-                };
-                (target, verdict)
+                }
+                if kind == self.profile.parent_kind() {
+                    judged.push(self.guard_release(req, &kind, namespace, name).await);
+                }
+                strictest_of(judged)
             }
             _ => (Target::Unrelated, Verdict::allow("unrelated")),
         }
     }
 
-    /// The old target of an UPDATE that moves an object away from its tenant.
-    fn retarget(&self, req: &review::Request, kind: &crate::profile::GroupKind, name: &str) -> Option<Target> {
-        let old = review::labels_of(req.old_object.as_ref());
-        let new = review::labels_of(req.object.as_ref());
-        decide::retargeted(&self.profile, kind, name, &old, &new)
+    /// The guards on CREATE/UPDATE of a release: record, override, custody.
+    async fn guard_release(&self, req: &review::Request, kind: &crate::profile::GroupKind, namespace: &str, name: &str) -> (Target, Verdict) {
+        let Some(new) = req.object.as_ref() else {
+            return (Target::Unrelated, cannot_judge(format!("{kind} {namespace}/{name} carries no object")));
+        };
+        let new_view = review::meta_view(new, namespace, name);
+        let old_view = req.old_object.as_ref().map(|o| review::meta_view(o, namespace, name));
+        let target = classify(&self.profile, kind, &new_view.name, &new_view.labels);
+        let who = self.requester(req);
+        let change = Change { old: old_view.as_ref(), new: &new_view };
+        let verdict = match decide::guard_update(&self.profile, &self.keys, change, who, jiff::Timestamp::now()) {
+            UpdateVerdict::Final(v) => v,
+            UpdateVerdict::NeedsOverridePermission { namespace, tenant } => self.check_override_permission(req, &namespace, &tenant).await,
+        };
+        (target, verdict)
     }
 
     async fn decide_dependent(&self, target: &Target, subject: Subject<'_>, namespace: &str, tenant: &str) -> Verdict {
@@ -306,6 +314,17 @@ impl Gate {
         let patch = decide::to_json_patch(&self.profile, &self.keys, &mutations);
         (target, Verdict::allow(reason), Some(patch))
     }
+}
+
+/// The strictest verdict of those an object's identities got, with the
+/// identity that earned it (the first one when all allow).
+fn strictest_of(judged: Vec<(Target, Verdict)>) -> (Target, Verdict) {
+    let target = judged
+        .iter()
+        .find(|(_, v)| !v.allowed())
+        .or(judged.first())
+        .map_or(Target::Unrelated, |(t, _)| t.clone());
+    (target, decide::strictest(judged.into_iter().map(|(_, v)| v).collect()))
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -8,6 +8,7 @@
 
 pub mod claims;
 pub mod custody;
+pub mod identity;
 pub mod release;
 pub mod status;
 pub mod tenant;
@@ -31,7 +32,7 @@ use kube::{Resource, ResourceExt};
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tokio_util::sync::CancellationToken;
-use tracing::{error, info, warn};
+use tracing::{debug, error, info, warn};
 
 use crate::admission::server::parse_duration;
 use crate::metrics::{ErrorLabels, Metrics, OutcomeLabels, PhaseLabels};
@@ -152,6 +153,8 @@ pub struct Context {
     slots: Arc<Semaphore>,
     running: Mutex<HashMap<TenantRef, Running>>,
     retries: Mutex<HashMap<TenantRef, Retry>>,
+    /// Attempts to bind a tenant's cluster (see `bind_cluster`).
+    binds: Mutex<HashMap<TenantRef, u32>>,
     phase_started: Mutex<HashMap<TenantRef, Instant>>,
     /// Reconciles a tenant when its phase task ends.
     trigger: tokio::sync::mpsc::UnboundedSender<ObjectRef<ParentMeta>>,
@@ -245,6 +248,38 @@ impl Context {
         Ok(())
     }
 
+    /// Binds the tenant to the cluster its admin kubeconfig reaches now,
+    /// while nothing is at stake, so a release pass can tell when the Secret
+    /// was later made to point elsewhere. A tenant whose kubeconfig or API
+    /// is not there yet (Kamaji is still building it) is tried again with
+    /// backoff.
+    async fn bind_cluster(&self, t: &TenantRef) -> Result<Action, kube::Error> {
+        let s = &self.settings;
+        let observed = match tenant::connect(&self.client, &self.profile, &t.namespace, &t.name, s.request_timeout).await {
+            Ok(api) => identity::observe(&api, s.probe_timeout, &jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()).await,
+            Err(e) => Err(e),
+        };
+        match observed {
+            Ok(id) => {
+                self.write_record(t, &Update { cluster: Some(id.clone()), ..Default::default() }).await?;
+                self.binds.lock().expect("lock").remove(t);
+                self.event(t, false, "ClusterBound", format!("tenant cluster bound: {}; every release pass checks that the admin kubeconfig still reaches it", id.describe())).await;
+                Ok(Action::await_change())
+            }
+            Err(e) => {
+                let attempts = {
+                    let mut binds = self.binds.lock().expect("lock");
+                    let n = binds.entry(t.clone()).or_insert(0);
+                    *n += 1;
+                    *n
+                };
+                let delay = backoff(s, attempts);
+                debug!(tenant = %t, error = %e, attempts, retry_in = ?delay, "tenant cluster not bound yet");
+                Ok(Action::requeue(delay))
+            }
+        }
+    }
+
     fn namespace_deleting(&self, namespace: &str) -> bool {
         self.namespaces.get(&ObjectRef::new(namespace)).is_some_and(|n| n.metadata.deletion_timestamp.is_some())
     }
@@ -306,6 +341,9 @@ async fn reconcile(parent: Arc<ParentMeta>, ctx: Arc<Context>) -> Result<Action,
             ctx.event(&t, false, "CustodyTaken", format!(
                 "finalizer {} added: deleting this tenant will first free its volumes", ctx.profile.custody_finalizer
             )).await;
+        }
+        if record.cluster.is_none() {
+            return Ok(ctx.bind_cluster(&t).await?);
         }
         return Ok(Action::await_change());
     }
@@ -408,6 +446,7 @@ async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
                 message: Some(message.clone()),
                 released_at: Some(jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()),
                 inventory: Some(inventory),
+                cluster: None,
             };
             match ctx.write_record(&t, &update).await {
                 Ok(()) => {
@@ -609,6 +648,7 @@ async fn run_controller(
         slots: Arc::new(Semaphore::new(max_concurrent.max(1))),
         running: Mutex::new(HashMap::new()),
         retries: Mutex::new(HashMap::new()),
+        binds: Mutex::new(HashMap::new()),
         phase_started: Mutex::new(HashMap::new()),
         trigger,
     });

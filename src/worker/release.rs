@@ -17,9 +17,10 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::claims::{self, ClaimKey};
-use super::tenant::{self, TenantAccessError};
+use super::identity;
+use super::tenant;
 use super::{Context, TenantRef};
-use crate::record::{Inventory, Phase, Record, Update, count};
+use crate::record::{ClusterIdentity, Inventory, Phase, Record, Update, count};
 
 /// Where the phase ended up on this pass.
 #[derive(Debug)]
@@ -47,25 +48,21 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
     let settings = &ctx.settings;
     let previous = record.inventory.clone();
     // Step 1: the admin kubeconfig.
-    let kc = match tenant::read_kubeconfig(&ctx.client, &ctx.profile, &t.namespace, &t.name).await {
-        Ok(kc) => kc,
-        Err(e) => return Ok(blocked(e.label(), e.to_string(), previous)),
-    };
-    let api = match tenant::client_for(kc, settings.request_timeout).await {
+    let api = match tenant::connect(&ctx.client, &ctx.profile, &t.namespace, &t.name, settings.request_timeout).await {
         Ok(api) => api,
-        Err(message) => {
-            let e = TenantAccessError::Unparseable {
-                namespace: t.namespace.clone(),
-                name: ctx.profile.kubeconfig_secret_name(&t.name),
-                message,
-            };
-            return Ok(blocked(e.label(), e.to_string(), previous));
-        }
+        Err(e) => return Ok(blocked(e.label(), e.to_string(), previous)),
     };
     // Step 2: a kubeconfig that exists is not an API server that answers.
     if let Err(e) = tenant::probe_ready(&api, settings.probe_timeout).await {
         return Ok(blocked(e.label(), e.to_string(), previous));
     }
+    // And it must be this tenant's cluster: the Secret is writable by
+    // whoever may edit the tenant namespace.
+    let secret = format!("{}/{}", t.namespace, ctx.profile.kubeconfig_secret_name(&t.name));
+    let bound = match same_cluster(ctx, t, &api, record.cluster.as_ref(), &secret).await? {
+        Ok(bound) => bound,
+        Err(outcome) => return Ok(outcome.with_inventory(previous)),
+    };
     let tc = api.client.clone();
     let fail = |step: &str, e: kube::Error| format!("tenant API {} failed while {step}: {e}", api.server);
     let deadline = Instant::now() + settings.wait_bound;
@@ -123,7 +120,10 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
             None => BTreeSet::new(),
         };
 
-        // Step 7: the outcome, from a fresh list.
+        // Step 7: the outcome, from a fresh list, of the same cluster.
+        if let Err(outcome) = same_cluster(ctx, t, &api, Some(&bound), &secret).await? {
+            return Ok(outcome.with_inventory(inventory));
+        }
         let pvs = match Api::<PersistentVolume>::all(tc.clone()).list(&ListParams::default()).await {
             Ok(l) => l.items,
             Err(e) => return Ok(blocked("tenant-api-error", fail("listing PersistentVolumes", e), inventory)),
@@ -169,6 +169,40 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
         }
         let reason = if remaining.is_empty() && contents_left.is_empty() { "retain-residue" } else { "volumes-remain" };
         return Ok(blocked(reason, parts.join("; "), inventory));
+    }
+}
+
+/// Checks that `api` reaches the cluster bound to the tenant, binding it
+/// first if none is; `Ok(Err(..))` is the Blocked outcome of a mismatch or
+/// of a cluster that does not say who it is.
+async fn same_cluster(
+    ctx: &Context,
+    t: &TenantRef,
+    api: &tenant::TenantApi,
+    bound: Option<&ClusterIdentity>,
+    secret: &str,
+) -> Result<Result<ClusterIdentity, Outcome>, kube::Error> {
+    let seen = match identity::observe(api, ctx.settings.probe_timeout, &now_rfc3339()).await {
+        Ok(seen) => seen,
+        Err(e) => return Ok(Err(blocked(e.label(), e.to_string(), None))),
+    };
+    match identity::check(bound, &seen, secret) {
+        identity::Check::Same => Ok(Ok(bound.cloned().unwrap_or(seen))),
+        identity::Check::Bind(id) => {
+            ctx.write_record(t, &Update { cluster: Some(id.clone()), ..Default::default() }).await?;
+            info!(namespace = %t.namespace, tenant = %t.name, server = %id.server, "tenant cluster bound at its first release pass");
+            Ok(Ok(id))
+        }
+        identity::Check::Different { message } => Ok(Err(blocked("cluster-mismatch", message, None))),
+    }
+}
+
+impl Outcome {
+    fn with_inventory(self, kept: Option<Inventory>) -> Outcome {
+        match self {
+            Outcome::Blocked { reason, message, inventory } => Outcome::Blocked { reason, message, inventory: inventory.or(kept) },
+            released => released,
+        }
     }
 }
 

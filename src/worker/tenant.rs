@@ -134,6 +134,22 @@ pub async fn client_for(kc: Kubeconfig, request_timeout: Duration) -> Result<Ten
     Ok(TenantApi { client, server })
 }
 
+/// Step 1 whole: the admin kubeconfig, vetted, as a client.
+pub async fn connect(
+    management: &kube::Client,
+    profile: &Profile,
+    namespace: &str,
+    tenant: &str,
+    request_timeout: Duration,
+) -> Result<TenantApi, TenantAccessError> {
+    let kc = read_kubeconfig(management, profile, namespace, tenant).await?;
+    client_for(kc, request_timeout).await.map_err(|message| TenantAccessError::Unparseable {
+        namespace: namespace.into(),
+        name: profile.kubeconfig_secret_name(tenant),
+        message,
+    })
+}
+
 /// Step 2: a kubeconfig that exists is not an API server that answers.
 pub async fn probe_ready(api: &TenantApi, timeout: Duration) -> Result<(), TenantAccessError> {
     let request = http::Request::get("/readyz").body(Vec::new()).expect("static request is valid");

@@ -171,35 +171,96 @@ fn csi_release_is_known_by_its_name_whatever_its_label_says() {
 fn relabelling_a_dependent_away_from_its_tenant_is_judged_as_its_delete() {
     let p = profile();
     let moved = labels(&[("cozystack.io/target-cluster-name", "kubernetes-other")]);
-    assert_eq!(retargeted(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &moved), Some(child()));
-    assert_eq!(retargeted(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &BTreeMap::new()), Some(child()));
+    let other = Target::Child { tenant: "kubernetes-other".into() };
+    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &moved), vec![child(), other]);
+    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &BTreeMap::new()), vec![child()]);
     let machine = GroupKind::new("cluster.x-k8s.io", "Machine");
     let capi = labels(&[("cluster.x-k8s.io/cluster-name", R)]);
-    assert!(matches!(retargeted(&p, &machine, "m", &capi, &BTreeMap::new()), Some(Target::Guarded { .. })));
-    // A CSI release relabelled as a parent is judged as the CSI release.
+    assert!(matches!(relabel_targets(&p, &machine, "m", &capi, &BTreeMap::new()).as_slice(), [Target::Guarded { .. }]));
+    // A CSI release relabelled in any way is judged as the CSI release: held until done.
     let mut as_parent = parent_labels();
     as_parent.extend(child_labels());
-    assert_eq!(retargeted(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &as_parent), Some(csi()));
-    // A relabelled CSI release is otherwise held like a child: only during teardown.
-    assert_eq!(retargeted(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &BTreeMap::new()), Some(child()));
-    // A Secret known by its name loses the labels a webhook selects it by.
-    let secret = GroupKind::new("", "Secret");
-    let kamaji = labels(&[("kamaji.clastix.io/component", "admin-kubeconfig")]);
-    assert!(matches!(
-        retargeted(&p, &secret, &format!("{R}-admin-kubeconfig"), &kamaji, &BTreeMap::new()),
-        Some(Target::Guarded { .. })
-    ));
+    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &as_parent), vec![csi()]);
+    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &BTreeMap::new()), vec![csi()]);
 }
 
 #[test]
-fn updates_that_keep_the_tenant_are_not_retargets() {
+fn adding_a_label_that_decides_what_an_object_is_counts_as_a_relabel() {
+    // The attack: `kubectl label hr R-csi apps.cozystack.io/application.kind=Kubernetes`
+    // made the CSI release match no webhook; its DELETE then went unreviewed.
+    let p = profile();
+    let kind_only = {
+        let mut l = child_labels();
+        l.insert("apps.cozystack.io/application.kind".into(), "Kubernetes".into());
+        l
+    };
+    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &kind_only), vec![csi()]);
+    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-coredns", &child_labels(), &kind_only), vec![child()]);
+    // Adding the parent labels to a child makes it look like a parent in
+    // custody: judged as the child's delete.
+    let mut as_parent = parent_labels();
+    as_parent.extend(child_labels());
+    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &as_parent), vec![child()]);
+    // Making an unrelated release a child of a tenant is judged for that tenant.
+    assert_eq!(relabel_targets(&p, &hr(), "podinfo", &BTreeMap::new(), &child_labels()), vec![child()]);
+}
+
+#[test]
+fn updates_that_keep_what_an_object_is_are_not_relabels() {
     let p = profile();
     let mut more = child_labels();
     more.insert("extra".into(), "x".into());
-    assert_eq!(retargeted(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &more), None);
-    // Adding a label moves nothing.
-    assert_eq!(retargeted(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &more), None);
-    assert_eq!(retargeted(&p, &hr(), R, &parent_labels(), &BTreeMap::new()), None, "parents have guards of their own");
+    more.insert("sharding.fluxcd.io/key".into(), "shard2".into());
+    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &more), vec![]);
+    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &more), vec![]);
+    assert_eq!(relabel_targets(&p, &hr(), R, &parent_labels(), &BTreeMap::new()), vec![], "parents have guards of their own");
+    // A label of another kind's identity is no identity of a release.
+    let capi = labels(&[("cluster.x-k8s.io/cluster-name", R)]);
+    assert_eq!(relabel_targets(&p, &hr(), "podinfo", &BTreeMap::new(), &capi), vec![]);
+}
+
+#[test]
+fn every_identity_of_an_object_is_found_so_none_hides_another() {
+    let p = profile();
+    // A Cluster named like another (absent) tenant but labelled for R: both.
+    let cluster = GroupKind::new("cluster.x-k8s.io", "Cluster");
+    let capi = labels(&[("cluster.x-k8s.io/cluster-name", R)]);
+    let ids = identities(&p, &cluster, &format!("{R}-extra"), &capi);
+    let tenants: Vec<_> = ids.iter().filter_map(Target::tenant).collect();
+    assert_eq!(tenants, vec![format!("{R}-extra").as_str(), R]);
+    // The tenant's own Cluster relabelled for another: still R's by its name.
+    let other = labels(&[("cluster.x-k8s.io/cluster-name", "kubernetes-other")]);
+    let tenants: Vec<String> = identities(&p, &cluster, R, &other).iter().filter_map(Target::tenant).map(str::to_string).collect();
+    assert_eq!(tenants, vec![R.to_string(), "kubernetes-other".to_string()]);
+    // A child dressed as a parent is still the child of R.
+    let mut as_parent = parent_labels();
+    as_parent.extend(child_labels());
+    assert_eq!(identities(&p, &hr(), "kubernetes-prod-cilium", &as_parent), vec![Target::Parent { tenant: "kubernetes-prod-cilium".into() }, child()]);
+    // The CSI release labelled as another tenant's child: both tenants.
+    let moved = labels(&[("cozystack.io/target-cluster-name", "kubernetes-other")]);
+    assert_eq!(identities(&p, &hr(), "kubernetes-prod-csi", &moved), vec![csi(), Target::Child { tenant: "kubernetes-other".into() }]);
+}
+
+#[test]
+fn every_guarded_entry_of_the_cozystack_profile_is_reachable() {
+    // One case per entry, in the profile's order: the entry must yield R
+    // even where an earlier entry of the same kind also matches.
+    let p = profile();
+    for (i, g) in p.guarded.iter().enumerate() {
+        let kind = GroupKind::new(&g.group, &g.kind);
+        let (name, l) = match (&g.name, &g.label) {
+            (Some(pattern), None) => (pattern.replace("{tenant}", R), BTreeMap::new()),
+            // Named for some other tenant, labelled for R.
+            (None, Some(label)) => (format!("{R}-extra-{i}"), labels(&[(label.as_str(), R)])),
+            other => panic!("guarded[{i}] {other:?}"),
+        };
+        let ids = identities(&p, &kind, &name, &l);
+        assert!(
+            ids.iter().any(|t| matches!(t, Target::Guarded { tenant, role } if tenant == R && *role == g.role)),
+            "guarded[{i}] ({} {name}) not reached: {ids:?}",
+            g.kind
+        );
+    }
 }
 
 #[test]

@@ -157,6 +157,7 @@ fn check_update(input: &Input, inv: Inventory, encoded: &str) {
         released_at: None,
         // Small inventories only: check_inventory covered the big ones.
         inventory: (encoded.len() < 16 * 1024).then_some(inv),
+        cluster: None,
     };
     let m = update.annotations(keys);
     let ann: BTreeMap<String, String> =
