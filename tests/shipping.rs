@@ -216,3 +216,47 @@ async fn custody_adopt_and_release_change_only_tenants_not_being_deleted() {
     assert!(out.contains("custody released"), "{out}");
     assert_eq!(finalizers("kubernetes-a").await, vec!["finalizers.fluxcd.io".to_string()], "only the custody finalizer went");
 }
+
+/// Every quoted name in the webhooks' CEL conditions and objectSelectors, and
+/// the Cozystack profile's names they stand for, agree both ways: a name
+/// renamed in `src/profile.rs` and not in the manifests (or the reverse)
+/// would send the gate too little, or too much.
+#[test]
+fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
+    use volume_gate::profile::Profile;
+    let p = Profile::cozystack();
+    let suffix = |pattern: &str| pattern.split_once("{tenant}").map(|(_, s)| s.to_string()).expect("pattern with {tenant}");
+    let kcsi = p.guarded.iter().filter_map(|g| g.name.as_deref()).find(|n| n.ends_with("-kcsi-controller")).expect("kcsi entry");
+    let mut profile_names: Vec<String> = vec![
+        p.custody_finalizer.clone(),
+        p.annotation_prefix.clone(),
+        format!("{}override", p.annotation_prefix),
+        p.child_label.clone(),
+        suffix(&p.csi_release),
+        suffix(&p.kubeconfig.secret_name),
+        suffix(kcsi),
+    ];
+    profile_names.extend(p.parent.match_labels.keys().cloned());
+    profile_names.extend(p.guarded.iter().filter_map(|g| g.label.clone()));
+    profile_names.sort();
+    profile_names.dedup();
+    let operations = ["CREATE", "UPDATE", "DELETE"];
+
+    let mut quoted: Vec<String> = Vec::new();
+    let mut selector_keys: Vec<String> = Vec::new();
+    for doc in common::manifests::base_documents().iter().filter(|d| common::manifests::is_webhook_configuration(d)) {
+        for w in doc["webhooks"].as_array().unwrap() {
+            for c in w["matchConditions"].as_array().into_iter().flatten() {
+                let expr = c["expression"].as_str().unwrap();
+                quoted.extend(expr.split('\'').skip(1).step_by(2).map(str::to_string));
+            }
+            let sel = &w["objectSelector"];
+            selector_keys.extend(sel["matchLabels"].as_object().into_iter().flatten().map(|(k, _)| k.clone()));
+            selector_keys.extend(sel["matchExpressions"].as_array().into_iter().flatten().map(|e| e["key"].as_str().unwrap().to_string()));
+        }
+    }
+    let unknown: Vec<&String> = quoted.iter().chain(&selector_keys).filter(|q| !profile_names.contains(q) && !operations.contains(&q.as_str())).collect();
+    assert!(unknown.is_empty(), "names in the webhook configurations that the profile does not have: {unknown:?}");
+    let unused: Vec<&String> = profile_names.iter().filter(|n| !quoted.contains(n) && !selector_keys.contains(n)).collect();
+    assert!(unused.is_empty(), "profile names no webhook condition or selector uses: {unused:?}");
+}
