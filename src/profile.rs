@@ -46,6 +46,11 @@ pub struct ParentSpec {
     pub plural: String,
     /// Every one of these labels must be present with this value.
     pub match_labels: BTreeMap<String, String>,
+    /// What every parent's name starts with (Cozystack: `kubernetes-<name>`).
+    /// The gate recognises parents by their labels; the shipped webhook
+    /// conditions use this to send it only objects of tenant releases.
+    #[serde(default)]
+    pub name_prefix: String,
 }
 
 /// How a guarded dependency names the tenant it belongs to.
@@ -64,6 +69,18 @@ pub struct GuardedSpec {
     /// A label whose value is the parent's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub label: Option<String>,
+}
+
+/// How an object is known as part of a parent release: what Helm deletes on
+/// uninstall. Helm's ownership annotations name the release and its
+/// namespace; helm-controller also labels what it installs.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ReleaseSpec {
+    pub name_annotation: String,
+    pub namespace_annotation: String,
+    pub name_label: String,
+    pub namespace_label: String,
 }
 
 /// Where the worker finds the tenant's admin kubeconfig.
@@ -102,6 +119,9 @@ pub struct Profile {
     pub csi_release: String,
     pub kubeconfig: KubeconfigSpec,
     pub guarded: Vec<GuardedSpec>,
+    /// Objects of a parent release are guarded during teardown: the CSI
+    /// controller's identity (its ServiceAccount and RBAC) goes with it.
+    pub release: ReleaseSpec,
     pub override_permission: OverridePermission,
 }
 
@@ -148,6 +168,7 @@ impl Profile {
                     ("apps.cozystack.io/application.kind".into(), "Kubernetes".into()),
                     ("apps.cozystack.io/application.group".into(), "apps.cozystack.io".into()),
                 ]),
+                name_prefix: "kubernetes-".into(),
             },
             child_label: "cozystack.io/target-cluster-name".into(),
             csi_release: "{tenant}-csi".into(),
@@ -165,6 +186,12 @@ impl Profile {
                 guarded("the tenant's admin kubeconfig, which the release phase needs", "", "Secret", Some("{tenant}-admin-kubeconfig"), None),
                 guarded("the tenant's CSI controller (KubeVirt path)", "apps", "Deployment", Some("{tenant}-kcsi-controller"), None),
             ],
+            release: ReleaseSpec {
+                name_annotation: "meta.helm.sh/release-name".into(),
+                namespace_annotation: "meta.helm.sh/release-namespace".into(),
+                name_label: "helm.toolkit.fluxcd.io/name".into(),
+                namespace_label: "helm.toolkit.fluxcd.io/namespace".into(),
+            },
             override_permission: OverridePermission {
                 group: "volumes.cozystack.io".into(),
                 resource: "tenants".into(),

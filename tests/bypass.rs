@@ -409,3 +409,68 @@ async fn every_guarded_object_under_every_combination_of_labels_is_reviewed_in_t
         unreviewed.join("\n")
     );
 }
+
+// ---------------------------------------------------------------------------
+// Everything the driver needs: the objects of the parent release
+// ---------------------------------------------------------------------------
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_parent_releases_objects_are_held_in_teardown_and_none_can_be_taken_out_of_it() {
+    // The KubeVirt CSI controller's identity is a template of the parent
+    // release: Helm's uninstall would delete it while the Deployment, held,
+    // stays, and the driver could then free no disk.
+    let env = env();
+    let client = env.cp.management_client().await;
+    let ns = "tenant-identity";
+    let r = "kubernetes-identity";
+    env.cp.namespace(ns).await;
+    let hrs: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &common::gate::helmrelease_resource());
+    paper_parent(&hrs, r).await;
+    let owned = json!({"meta.helm.sh/release-name": r, "meta.helm.sh/release-namespace": ns});
+    let kcsi = format!("{r}-kcsi");
+    let rbac = "rbac.authorization.k8s.io/v1";
+    let objects: Vec<(ApiResource, bool, Value)> = vec![
+        (resource("", "v1", "ServiceAccount", "serviceaccounts"), true, json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": kcsi}})),
+        (resource("rbac.authorization.k8s.io", "v1", "Role", "roles"), true, json!({"apiVersion": rbac, "kind": "Role", "metadata": {"name": kcsi},
+            "rules": [{"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "verbs": ["get", "create", "delete"]}]})),
+        (resource("rbac.authorization.k8s.io", "v1", "RoleBinding", "rolebindings"), true, json!({"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": kcsi},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": kcsi},
+            "subjects": [{"kind": "ServiceAccount", "name": kcsi, "namespace": ns}]})),
+        (resource("rbac.authorization.k8s.io", "v1", "ClusterRole", "clusterroles"), false, json!({"apiVersion": rbac, "kind": "ClusterRole", "metadata": {"name": kcsi},
+            "rules": [{"apiGroups": [""], "resources": ["persistentvolumes"], "verbs": ["get"]}]})),
+        (resource("rbac.authorization.k8s.io", "v1", "ClusterRoleBinding", "clusterrolebindings"), false, json!({"apiVersion": rbac, "kind": "ClusterRoleBinding", "metadata": {"name": format!("{kcsi}-binding")},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": kcsi},
+            "subjects": [{"kind": "ServiceAccount", "name": kcsi, "namespace": ns}]})),
+        (resource("", "v1", "ConfigMap", "configmaps"), true, json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "driver-config"}, "data": {"k": "v"}})),
+    ];
+    let api_for = |ar: &ApiResource, namespaced: bool| -> Api<DynamicObject> {
+        if namespaced { Api::namespaced_with(client.clone(), ns, ar) } else { Api::all_with(client.clone(), ar) }
+    };
+    for (ar, namespaced, doc) in &objects {
+        let mut doc = doc.clone();
+        doc["metadata"]["annotations"] = owned.clone();
+        doc["metadata"]["labels"] = json!({"app.kubernetes.io/managed-by": "Helm"});
+        api_for(ar, *namespaced).create(&PostParams::default(), &serde_json::from_value(doc).unwrap()).await.expect("create a release object");
+    }
+    // Outside teardown they go as usual (an upgrade may drop a template).
+    let cm = api_for(&objects[5].0, true);
+    cm.delete("driver-config", &dry()).await.expect("a release object may be deleted outside teardown");
+
+    hrs.delete(r, &DeleteParams::default()).await.expect("delete the parent");
+    let mut let_through = Vec::new();
+    for (ar, namespaced, doc) in &objects {
+        let name = doc["metadata"]["name"].as_str().unwrap();
+        let api = api_for(ar, *namespaced);
+        match api.delete(name, &DeleteParams::default()).await {
+            Err(kube::Error::Api(s)) if s.message.contains("volume-gate") && s.message.contains(&format!("tenant {r} ")) && s.message.contains("parent release") => {}
+            other => let_through.push(format!("DELETE {} {name}: {:?}", ar.kind, other.map(|_| "allowed"))),
+        }
+        // Taking it out of the release first is refused the same way.
+        let away = Patch::Merge(json!({"metadata": {"annotations": {"meta.helm.sh/release-name": null, "meta.helm.sh/release-namespace": null}}}));
+        match api.patch(name, &PatchParams::default(), &away).await {
+            Err(kube::Error::Api(s)) if s.message.contains("volume-gate") && s.message.contains("refusing to relabel") => {}
+            other => let_through.push(format!("un-annotate {} {name}: {:?}", ar.kind, other.map(|_| "allowed"))),
+        }
+    }
+    assert!(let_through.is_empty(), "objects of the parent release not held in teardown:\n{}", let_through.join("\n"));
+}

@@ -101,6 +101,8 @@ async fn tenant_in_teardown(client: &kube::Client, ns: &str, r: &str) {
     create(client, ns, &resource("", "v1", "Secret", "secrets"), json!({"apiVersion": "v1", "kind": "Secret",
         "metadata": {"name": format!("{r}-admin-kubeconfig"), "labels": {"kamaji.clastix.io/component": "admin-kubeconfig"}}})).await;
     create(client, ns, &deployment_resource(), flux_deployment(&format!("{r}-kcsi-controller"), r)).await;
+    create(client, ns, &resource("", "v1", "ServiceAccount", "serviceaccounts"), json!({"apiVersion": "v1", "kind": "ServiceAccount",
+        "metadata": {"name": format!("{r}-kcsi"), "annotations": {"meta.helm.sh/release-name": r, "meta.helm.sh/release-namespace": ns}}})).await;
     let parents = api(client, ns, &hr());
     common::wait::eventually(&format!("custody of {r}"), Duration::from_secs(30), || async {
         let p = parents.get(r).await.map_err(|e| e.to_string())?;
@@ -223,6 +225,10 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
         (
             "admin kubeconfig Secret: delete",
             leaving(&resource("", "v1", "Secret", "secrets")).delete(&format!("{r2}-admin-kubeconfig"), &DeleteParams::default()).await.map(drop),
+        ),
+        (
+            "release object (the CSI controller's ServiceAccount): delete",
+            leaving(&resource("", "v1", "ServiceAccount", "serviceaccounts")).delete(&format!("{r2}-kcsi"), &DeleteParams::default()).await.map(drop),
         ),
         ("kcsi controller: delete", leaving(&deployment_resource()).delete(&format!("{r2}-kcsi-controller"), &DeleteParams::default()).await.map(drop)),
         ("record key: phase", releases.patch(&r, &pp, &annotate("phase", "Released")).await.map(drop)),

@@ -18,6 +18,9 @@ pub enum Target {
     Child { tenant: String },
     /// Something the driver or the release phase needs.
     Guarded { tenant: String, role: String },
+    /// An object of the tenant's parent release (what Helm's uninstall
+    /// deletes), in `namespace` (the parent's), wherever the object is.
+    ReleaseObject { tenant: String, namespace: String },
     /// Nothing the gate protects.
     Unrelated,
 }
@@ -28,7 +31,8 @@ impl Target {
             Target::Parent { tenant }
             | Target::CsiRelease { tenant }
             | Target::Child { tenant }
-            | Target::Guarded { tenant, .. } => Some(tenant),
+            | Target::Guarded { tenant, .. }
+            | Target::ReleaseObject { tenant, .. } => Some(tenant),
             Target::Unrelated => None,
         }
     }
@@ -40,6 +44,7 @@ impl Target {
             Target::CsiRelease { .. } => "csi-release",
             Target::Child { .. } => "child",
             Target::Guarded { .. } => "guarded",
+            Target::ReleaseObject { .. } => "release-object",
             Target::Unrelated => "unrelated",
         }
     }
@@ -111,6 +116,40 @@ pub fn identity_labels<'a>(profile: &'a Profile, kind: &GroupKind) -> Vec<&'a st
     keys
 }
 
+/// The parent release an object belongs to, from Helm's ownership
+/// annotations or helm-controller's labels: `(namespace, release)`. An
+/// object in a namespace belongs to a release of that namespace only (a
+/// tenant may annotate its own objects, not make them another's); a
+/// cluster-scoped one names its release's namespace.
+pub fn release_of(profile: &Profile, request_namespace: &str, labels: &BTreeMap<String, String>, annotations: &BTreeMap<String, String>) -> Option<(String, String)> {
+    let r = &profile.release;
+    let by = |name: Option<&String>, namespace: Option<&String>| {
+        let name = name.filter(|n| !n.is_empty())?;
+        let namespace = if request_namespace.is_empty() { namespace.filter(|n| !n.is_empty())?.clone() } else { request_namespace.to_string() };
+        Some((namespace, name.clone()))
+    };
+    by(annotations.get(&r.name_annotation), annotations.get(&r.namespace_annotation))
+        .or_else(|| by(labels.get(&r.name_label), labels.get(&r.namespace_label)))
+}
+
+/// The object as part of a parent release, unless another identity already
+/// stands for the same tenant.
+pub fn with_release_identity(mut ids: Vec<Target>, request_namespace: &str, release: Option<(String, String)>) -> Vec<Target> {
+    if let Some((namespace, tenant)) = release {
+        let same_tenant = |t: &Target| !matches!(t, Target::Parent { .. }) && t.tenant() == Some(tenant.as_str()) && namespace == request_namespace;
+        if !ids.iter().any(same_tenant) {
+            ids.push(Target::ReleaseObject { tenant, namespace });
+        }
+    }
+    ids
+}
+
+/// The label and annotation keys that make an object part of a release.
+pub fn release_keys(profile: &Profile) -> [&str; 4] {
+    let r = &profile.release;
+    [&r.name_annotation, &r.namespace_annotation, &r.name_label, &r.namespace_label]
+}
+
 /// The parent's state as read for a decision.
 #[derive(Clone, Debug, Default, PartialEq)]
 pub struct ParentFacts {
@@ -134,7 +173,7 @@ impl ParentFacts {
 /// Whether the decision for `target` needs the namespace read, given the
 /// parent: only when "not in teardown" could lead to an allow.
 pub fn needs_namespace(target: &Target, parent: &ParentFacts) -> bool {
-    matches!(target, Target::Child { .. } | Target::Guarded { .. })
+    matches!(target, Target::Child { .. } | Target::Guarded { .. } | Target::ReleaseObject { .. })
         && !parent.deleting
         && !parent.record.is_done()
         && parent.namespace_deleting.is_none()
@@ -260,19 +299,20 @@ pub fn decide_dependent_delete(
             "the tenant's CSI driver release",
             if parent.teardown() { "is being torn down" } else { "exists" },
         ),
-        Target::Child { .. } | Target::Guarded { .. } if parent.teardown() => {
+        Target::Child { .. } | Target::Guarded { .. } | Target::ReleaseObject { .. } if parent.teardown() => {
             let what = match target {
                 Target::Guarded { role, .. } => role.as_str(),
+                Target::ReleaseObject { .. } => "an object of the tenant's parent release, such as the CSI controller's identity",
                 _ => "a child release the driver may need",
             };
             held("teardown-held", what, "is being torn down")
         }
-        Target::Child { .. } | Target::Guarded { .. } if parent.namespace_deleting.is_none() && !parent.deleting => {
+        Target::Child { .. } | Target::Guarded { .. } | Target::ReleaseObject { .. } if parent.namespace_deleting.is_none() && !parent.deleting => {
             // The caller skipped the namespace read: never allow on a guess.
             cannot_judge(format!("refusing to {} {subject}: the state of namespace {} was not read", subject.action, parent.namespace))
         }
         Target::Child { .. } => Verdict::allow("not-in-teardown"),
-        Target::Guarded { .. } => Verdict::allow("not-in-teardown"),
+        Target::Guarded { .. } | Target::ReleaseObject { .. } => Verdict::allow("not-in-teardown"),
         Target::Parent { .. } | Target::Unrelated => Verdict::allow("unrelated"),
     }
 }

@@ -165,7 +165,8 @@ impl Gate {
                 let labels = review::labels_of(Some(old));
                 let subject = Subject { kind: &kind, namespace, name, action: "delete" };
                 let mut judged = Vec::new();
-                for target in decide::identities(&self.profile, &kind, name, &labels) {
+                let ids = decide::identities(&self.profile, &kind, name, &labels);
+                for target in decide::with_release_identity(ids, namespace, self.release_of(namespace, Some(old))) {
                     let verdict = match &target {
                         Target::Parent { tenant } => {
                             let view = review::meta_view(old, namespace, name);
@@ -182,6 +183,10 @@ impl Gate {
                         Target::CsiRelease { tenant } | Target::Child { tenant } | Target::Guarded { tenant, .. } => {
                             let tenant = tenant.clone();
                             self.decide_dependent(&target, subject, namespace, &tenant).await
+                        }
+                        Target::ReleaseObject { tenant, namespace: parent_namespace } => {
+                            let (tenant, parent_namespace) = (tenant.clone(), parent_namespace.clone());
+                            self.decide_dependent(&target, subject, &parent_namespace, &tenant).await
                         }
                         Target::Unrelated => Verdict::allow("unrelated"),
                     };
@@ -201,6 +206,16 @@ impl Gate {
                         let verdict = self.decide_dependent(&target, subject, namespace, &tenant).await;
                         judged.push((target, verdict));
                     }
+                    // Taken out of (or put into) a parent release: judged as
+                    // the delete of an object of each release concerned.
+                    let (before, after) = (self.release_of(namespace, req.old_object.as_ref()), self.release_of(namespace, req.object.as_ref()));
+                    if before != after {
+                        for (parent_namespace, tenant) in before.into_iter().chain(after) {
+                            let target = Target::ReleaseObject { tenant: tenant.clone(), namespace: parent_namespace.clone() };
+                            let verdict = self.decide_dependent(&target, subject, &parent_namespace, &tenant).await;
+                            judged.push((target, verdict));
+                        }
+                    }
                 }
                 if kind == self.profile.parent_kind() {
                     judged.push(self.guard_release(req, &kind, namespace, name).await);
@@ -209,6 +224,12 @@ impl Gate {
             }
             _ => (Target::Unrelated, Verdict::allow("unrelated")),
         }
+    }
+
+    /// The parent release `obj` belongs to, `(namespace, release)`.
+    fn release_of(&self, namespace: &str, obj: Option<&review::Object>) -> Option<(String, String)> {
+        let view = review::meta_view(obj?, namespace, "");
+        decide::release_of(&self.profile, namespace, &view.labels, &view.annotations)
     }
 
     /// The guards on CREATE/UPDATE of a release: record, override, custody.

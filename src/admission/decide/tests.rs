@@ -713,3 +713,45 @@ fn json_patch_creates_the_finalizer_list_when_absent() {
     json_patch::patch(&mut doc, &patch).unwrap();
     assert_eq!(doc["metadata"]["finalizers"], serde_json::json!(["volumes.cozystack.io/release"]));
 }
+
+// ---- objects of the parent release ----
+
+fn helm_owned(release: &str, namespace: &str) -> BTreeMap<String, String> {
+    labels(&[("meta.helm.sh/release-name", release), ("meta.helm.sh/release-namespace", namespace)])
+}
+
+#[test]
+fn an_object_of_the_parent_release_is_known_by_helms_annotations_or_fluxs_labels() {
+    let p = profile();
+    let none = BTreeMap::new();
+    assert_eq!(release_of(&p, NS, &none, &helm_owned(R, NS)), Some((NS.into(), R.into())));
+    let flux = labels(&[("helm.toolkit.fluxcd.io/name", R), ("helm.toolkit.fluxcd.io/namespace", NS)]);
+    assert_eq!(release_of(&p, NS, &flux, &none), Some((NS.into(), R.into())));
+    // A cluster-scoped object (ClusterRole, ClusterRoleBinding) names its release's namespace.
+    assert_eq!(release_of(&p, "", &none, &helm_owned(R, NS)), Some((NS.into(), R.into())));
+    assert_eq!(release_of(&p, "", &none, &labels(&[("meta.helm.sh/release-name", R)])), None, "no namespace, no release");
+    // A namespaced object belongs to a release of its own namespace only.
+    assert_eq!(release_of(&p, "tenant-mallory", &none, &helm_owned(R, NS)), Some(("tenant-mallory".into(), R.into())));
+    assert_eq!(release_of(&p, NS, &none, &none), None);
+}
+
+#[test]
+fn a_release_object_is_judged_for_its_release_unless_another_identity_stands_for_that_tenant() {
+    let owned = Some((NS.to_string(), R.to_string()));
+    let ro = Target::ReleaseObject { tenant: R.into(), namespace: NS.into() };
+    assert_eq!(with_release_identity(vec![], NS, owned.clone()), vec![ro.clone()]);
+    assert_eq!(with_release_identity(vec![child()], NS, owned.clone()), vec![child()], "a child of R is already held for R");
+    assert_eq!(with_release_identity(vec![], "", owned.clone()), vec![ro]);
+    let other = Target::Child { tenant: "kubernetes-other".into() };
+    assert_eq!(with_release_identity(vec![other.clone()], NS, owned).len(), 2);
+}
+
+#[test]
+fn a_release_object_is_held_during_teardown_only() {
+    let ro = Target::ReleaseObject { tenant: R.into(), namespace: NS.into() };
+    let m = assert_denied(&delete(&ro, "kubernetes-prod-kcsi", Some(facts().deleting().build())), "teardown-held");
+    assert!(m.contains("parent release") && m.contains("kubectl annotate"), "{m}");
+    assert_allowed(&delete(&ro, "kubernetes-prod-kcsi", Some(facts().build())), "not-in-teardown");
+    assert_allowed(&delete(&ro, "kubernetes-prod-kcsi", Some(facts().deleting().phase("Released").build())), "done");
+    assert!(needs_namespace(&ro, &facts().namespace_unread().build()));
+}
