@@ -257,3 +257,52 @@ async fn a_delete_collection_is_judged_object_by_object() {
     t.wait_parent_gone(Duration::from_secs(120)).await;
     assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_hook_that_passes_early_cannot_uninstall_the_csi_controllers_identity_while_the_phase_runs() {
+    // Cozystack's hook with the KamajiControlPlane already gone: step 3 is
+    // a no-op, step 4's refusal only warns, the hook exits 0 and Helm's
+    // uninstall deletes every object of the parent release it can. The
+    // controller's ServiceAccount and RBAC must stay until the disks are
+    // freed: the simulated driver frees a volume only as that identity.
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("early")).await;
+    t.wait_custody().await;
+    t.with_held_claims(&["a", "b"]).await;
+    let kcps: Api<kube::api::DynamicObject> = Api::namespaced_with(t.management.clone(), &t.namespace, &common::tenant::kcp_resource());
+    kcps.delete(&t.name, &DeleteParams::default()).await.expect("outside teardown the control plane may go");
+    // Hold the phase open (a driver that frees nothing yet) until the uninstall has been tried.
+    t.set_driver(&env.sim, false).await;
+    t.delete_parent().await;
+    let key = format!("{}/{}", t.namespace, t.name);
+    let uninstall_refused = common::wait::eventually("the uninstall tried mid-phase", Duration::from_secs(120), || {
+        let log = env.sim.log();
+        let key = key.clone();
+        async move {
+            log.lines()
+                .find(|l| l.contains(&key) && l.contains(" uninstall-failed ") && l.contains("uninstallation completed with"))
+                .map(str::to_string)
+                .ok_or_else(|| "no uninstall attempt yet".to_string())
+        }
+    })
+    .await;
+    assert!(uninstall_refused.contains("volume-gate"), "the gate refused the uninstall's deletes: {uninstall_refused}");
+    assert_ne!(t.record().await.phase, Some(Phase::Released), "mid-phase");
+    let sa = Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(t.management.clone(), &t.namespace);
+    assert!(sa.get_opt(&format!("{}-kcsi", t.name)).await.unwrap().is_some(), "the controller's ServiceAccount stays");
+    let crb = Api::<k8s_openapi::api::rbac::v1::ClusterRoleBinding>::all(t.management.clone());
+    assert!(crb.get_opt(&format!("{}-kcsi-binding", t.name)).await.unwrap().is_some(), "its ClusterRoleBinding stays");
+
+    t.set_driver(&env.sim, true).await;
+    t.wait_parent_gone(Duration::from_secs(180)).await;
+    let left = env.sim.volumes_of(&t.namespace, &t.name);
+    assert!(left.is_empty(), "volumes left: {left:?}");
+    let log = env.sim.log();
+    assert!(
+        !log.lines().any(|l| l.contains(&key) && l.contains(" identity-missing ")),
+        "the driver never lacked its identity:\n{}",
+        log.lines().filter(|l| l.contains(&key)).collect::<Vec<_>>().join("\n")
+    );
+    // And once done, the uninstall took the identity with the rest.
+    assert!(sa.get_opt(&format!("{}-kcsi", t.name)).await.unwrap().is_none(), "uninstalled after the phase");
+}

@@ -96,7 +96,45 @@ impl Tenant {
         t
     }
 
+    /// The KubeVirt CSI controller of the parent release, and its identity
+    /// (ServiceAccount, Role, RoleBinding, ClusterRole, ClusterRoleBinding),
+    /// owned by the release as Helm and Flux mark it. The simulated driver
+    /// frees a volume only while this identity may delete DataVolumes.
+    async fn create_csi_controller(&self) {
+        let (ns, r) = (self.namespace.as_str(), self.name.as_str());
+        let kcsi = format!("{r}-kcsi");
+        let rbac = "rbac.authorization.k8s.io/v1";
+        let docs = [
+            json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": kcsi, "namespace": ns}}),
+            json!({"apiVersion": rbac, "kind": "Role", "metadata": {"name": kcsi, "namespace": ns},
+                "rules": [
+                    {"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "verbs": ["get", "create", "delete"]},
+                    {"apiGroups": ["kubevirt.io"], "resources": ["virtualmachineinstances"], "verbs": ["get", "list"]},
+                    {"apiGroups": ["subresources.kubevirt.io"], "resources": ["virtualmachineinstances/addvolume", "virtualmachineinstances/removevolume"], "verbs": ["update"]},
+                    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["patch"]},
+                ]}),
+            json!({"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": kcsi, "namespace": ns},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": kcsi},
+                "subjects": [{"kind": "ServiceAccount", "name": kcsi, "namespace": ns}]}),
+            json!({"apiVersion": rbac, "kind": "ClusterRole", "metadata": {"name": kcsi},
+                "rules": [{"apiGroups": [""], "resources": ["persistentvolumes"], "verbs": ["get"]}]}),
+            json!({"apiVersion": rbac, "kind": "ClusterRoleBinding", "metadata": {"name": format!("{kcsi}-binding")},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": kcsi},
+                "subjects": [{"kind": "ServiceAccount", "name": kcsi, "namespace": ns}]}),
+            json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": format!("{r}-kcsi-controller"), "namespace": ns},
+                "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "kcsi"}},
+                         "template": {"metadata": {"labels": {"app": "kcsi"}}, "spec": {
+                             "serviceAccountName": kcsi, "containers": [{"name": "csi-driver", "image": "kubevirt-csi-driver"}]}}}}),
+        ];
+        for mut d in docs {
+            d["metadata"]["labels"] = json!({"helm.toolkit.fluxcd.io/name": r, "helm.toolkit.fluxcd.io/namespace": ns});
+            d["metadata"]["annotations"] = json!({"meta.helm.sh/release-name": r, "meta.helm.sh/release-namespace": ns});
+            manifests::apply(&self.management, &d).await;
+        }
+    }
+
     async fn create_management_objects(&self) {
+        self.create_csi_controller().await;
         let (ns, r) = (self.namespace.as_str(), self.name.as_str());
         let hr = helmrelease_resource();
         let hrs: Api<DynamicObject> = Api::namespaced_with(self.management.clone(), ns, &hr);

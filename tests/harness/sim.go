@@ -54,6 +54,7 @@ const (
 	labelTargetCluster = "cozystack.io/target-cluster-name"
 	labelCAPICluster   = "cluster.x-k8s.io/cluster-name"
 	labelFluxName      = "helm.toolkit.fluxcd.io/name"
+	labelFluxNamespace = "helm.toolkit.fluxcd.io/namespace"
 	fluxFinalizer      = "finalizers.fluxcd.io"
 	kamajiFinalizer    = "finalizer.kamaji.clastix.io"
 	// annHarnessCluster on a TenantControlPlane names the harness cluster
@@ -171,7 +172,9 @@ type sim struct {
 	store *storage
 	mgmt  kubernetes.Interface
 	dyn   dynamic.Interface
-	disc  discovery.DiscoveryInterface
+	// restCfg is the management API's, for clients made with other credentials.
+	restCfg *rest.Config
+	disc    discovery.DiscoveryInterface
 
 	hrs  *lazyInformer // HelmReleases; started once the CRD is served
 	tcps *lazyInformer // TenantControlPlanes; likewise
@@ -208,7 +211,7 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 		return err
 	}
 	s := &sim{
-		cfg: cfg, log: l, store: store, mgmt: mgmt, dyn: dyn, disc: mgmt.Discovery(),
+		cfg: cfg, log: l, store: store, mgmt: mgmt, dyn: dyn, restCfg: restCfg, disc: mgmt.Discovery(),
 		ctx: ctx, tenants: map[string]*tenant{},
 	}
 	s.flux = newFlux(s)

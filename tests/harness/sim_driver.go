@@ -53,6 +53,9 @@ type driver struct {
 	// from a stale cache (which the API server also answers with success)
 	// is not logged twice. Owned by the worker goroutine.
 	deleted map[types.UID]bool
+	// identityProblem is the last reason the controller's identity could
+	// not free a volume, logged once. Owned by the worker goroutine.
+	identityProblem string
 }
 
 func (d *driver) setSnapshotter(sn *snapshotter) { d.snap.Store(sn) }
@@ -265,6 +268,14 @@ func (d *driver) syncVolume(ctx context.Context, name string) error {
 		if !released {
 			return nil
 		}
+		if ok, why := d.t.kcsiAllowed(ctx); !ok {
+			if why != d.identityProblem {
+				d.identityProblem = why
+				d.t.logf("driver", "identity-missing", "cannot free volume %s (pv %s): %s", handle, pv.Name, why)
+			}
+			return fmt.Errorf("DeleteVolume %s: the CSI controller's identity: %s", handle, why)
+		}
+		d.identityProblem = ""
 		existed, err := d.store.remove(handle)
 		if err != nil {
 			return fmt.Errorf("DeleteVolume %s: %w", handle, err)

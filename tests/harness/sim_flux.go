@@ -4,6 +4,7 @@ import (
 	"context"
 	"errors"
 	"fmt"
+	"k8s.io/client-go/dynamic"
 	"maps"
 	"slices"
 	"strings"
@@ -381,21 +382,50 @@ func (h *hookRun) deleteLoadBalancers(ctx context.Context) error {
 }
 
 // chartKinds are the kinds of the parent chart's own objects that helm
-// uninstall deletes here (the ones Flux labels with the release name).
+// uninstall deletes here (the ones Flux labels with the release name),
+// among them the KubeVirt CSI controller and its identity.
 var chartKinds = []schema.GroupVersionResource{
 	{Group: "apps", Version: "v1", Resource: "deployments"},
 	{Version: "v1", Resource: "services"},
 	{Version: "v1", Resource: "configmaps"},
 	{Version: "v1", Resource: "secrets"},
+	{Version: "v1", Resource: "serviceaccounts"},
+	{Group: "rbac.authorization.k8s.io", Version: "v1", Resource: "roles"},
+	{Group: "rbac.authorization.k8s.io", Version: "v1", Resource: "rolebindings"},
+}
+
+// chartClusterKinds are its cluster-scoped objects, labelled with the
+// release's name and namespace.
+var chartClusterKinds = []schema.GroupVersionResource{
+	{Group: "rbac.authorization.k8s.io", Version: "v1", Resource: "clusterroles"},
+	{Group: "rbac.authorization.k8s.io", Version: "v1", Resource: "clusterrolebindings"},
 }
 
 // deleteChartObjects is helm uninstall proper, after the hook succeeded.
 func (h *hookRun) deleteChartObjects(ctx context.Context) error {
 	var errs []error
 	var deleted []string
+	type scoped struct {
+		gvr        schema.GroupVersionResource
+		namespaced bool
+	}
+	var kinds []scoped
 	for _, gvr := range chartKinds {
-		c := h.f.s.dyn.Resource(gvr).Namespace(h.ns)
-		list, err := c.List(ctx, metav1.ListOptions{LabelSelector: labelFluxName + "=" + h.r})
+		kinds = append(kinds, scoped{gvr, true})
+	}
+	for _, gvr := range chartClusterKinds {
+		kinds = append(kinds, scoped{gvr, false})
+	}
+	for _, k := range kinds {
+		gvr := k.gvr
+		var c dynamic.ResourceInterface = h.f.s.dyn.Resource(gvr)
+		selector := labelFluxName + "=" + h.r
+		if k.namespaced {
+			c = h.f.s.dyn.Resource(gvr).Namespace(h.ns)
+		} else {
+			selector += "," + labelFluxNamespace + "=" + h.ns
+		}
+		list, err := c.List(ctx, metav1.ListOptions{LabelSelector: selector})
 		if err != nil {
 			errs = append(errs, fmt.Errorf("list %s: %w", gvr.Resource, err))
 			continue

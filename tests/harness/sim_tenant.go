@@ -37,6 +37,9 @@ type tenant struct {
 	// driverActive is read by the kubelet: mounting a volume needs the
 	// driver's node plugin, which goes away with the driver release.
 	driverActive atomic.Bool
+
+	// kcsi is the CSI controller's identity in the management cluster.
+	kcsi kcsiIdentity
 }
 
 func newTenant(s *sim, ns, name string) *tenant {

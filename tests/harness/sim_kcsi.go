@@ -1,0 +1,89 @@
+package main
+
+import (
+	"context"
+	"fmt"
+	"sync"
+	"time"
+
+	authnv1 "k8s.io/api/authentication/v1"
+	authzv1 "k8s.io/api/authorization/v1"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/client-go/kubernetes"
+	"k8s.io/client-go/rest"
+)
+
+// kcsiIdentity is the KubeVirt CSI controller's own identity in the
+// management cluster: ServiceAccount R-kcsi and its Role, RoleBinding,
+// ClusterRole and ClusterRoleBinding, templates of the parent release (not
+// of R-csi). The controller frees a disk by deleting its DataVolume as that
+// identity, so here the simulated driver frees a volume only while a
+// SelfSubjectAccessReview made with that ServiceAccount's token allows it:
+// a Helm uninstall that deleted the identity leaves the driver running and
+// unable to free anything, as in Cozystack.
+type kcsiIdentity struct {
+	mu        sync.Mutex
+	token     string
+	tokenAt   time.Time
+	allowed   bool
+	reason    string
+	checkedAt time.Time
+}
+
+// kcsiCheckTTL bounds how stale a verdict on the identity may be.
+const kcsiCheckTTL = 2 * time.Second
+
+// kcsiNeeds is what the controller does as its identity to free a volume.
+func kcsiNeeds(ns string) []authzv1.ResourceAttributes {
+	return []authzv1.ResourceAttributes{
+		{Namespace: ns, Verb: "delete", Group: "cdi.kubevirt.io", Resource: "datavolumes"},
+		{Verb: "get", Resource: "persistentvolumes"},
+	}
+}
+
+// kcsiAllowed reports whether the tenant's CSI controller identity may free
+// a volume now, and why not.
+func (t *tenant) kcsiAllowed(ctx context.Context) (bool, string) {
+	k := &t.kcsi
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	if time.Since(k.checkedAt) < kcsiCheckTTL {
+		return k.allowed, k.reason
+	}
+	k.allowed, k.reason = t.checkKcsi(ctx, k)
+	k.checkedAt = time.Now()
+	return k.allowed, k.reason
+}
+
+func (t *tenant) checkKcsi(ctx context.Context, k *kcsiIdentity) (bool, string) {
+	sa := t.name + "-kcsi"
+	if k.token == "" || time.Since(k.tokenAt) > 5*time.Minute {
+		exp := int64(600)
+		tr, err := t.s.mgmt.CoreV1().ServiceAccounts(t.ns).CreateToken(ctx, sa,
+			&authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{ExpirationSeconds: &exp}}, metav1.CreateOptions{})
+		if err != nil {
+			k.token = ""
+			return false, fmt.Sprintf("no token for ServiceAccount %s/%s: %v", t.ns, sa, err)
+		}
+		k.token, k.tokenAt = tr.Status.Token, time.Now()
+	}
+	cfg := rest.AnonymousClientConfig(t.s.restCfg)
+	cfg.BearerToken = k.token
+	cs, err := kubernetes.NewForConfig(cfg)
+	if err != nil {
+		return false, err.Error()
+	}
+	for _, ra := range kcsiNeeds(t.ns) {
+		review := &authzv1.SelfSubjectAccessReview{Spec: authzv1.SelfSubjectAccessReviewSpec{ResourceAttributes: &ra}}
+		r, err := cs.AuthorizationV1().SelfSubjectAccessReviews().Create(ctx, review, metav1.CreateOptions{})
+		if err != nil {
+			// A token of a deleted ServiceAccount is refused: ask for a new one next time.
+			k.token = ""
+			return false, fmt.Sprintf("as ServiceAccount %s/%s: %v", t.ns, sa, err)
+		}
+		if !r.Status.Allowed {
+			return false, fmt.Sprintf("ServiceAccount %s/%s may not %s %s.%s", t.ns, sa, ra.Verb, ra.Resource, ra.Group)
+		}
+	}
+	return true, ""
+}
