@@ -356,23 +356,25 @@ fn check_validate(
             }
         }
         Operation::Update
-            if decide::retargeted(
+            if !decide::relabel_targets(
                 &PROFILE,
                 &kind,
                 name,
                 &review::labels_of(req.old_object.as_ref()),
                 &review::labels_of(req.object.as_ref()),
             )
-            .is_some() =>
+            .is_empty() =>
         {
-            let target = decide::retargeted(
+            // The oracle follows the first identity a relabel concerns (the
+            // gate judges every one and keeps the strictest answer).
+            let target = decide::relabel_targets(
                 &PROFILE,
                 &kind,
                 name,
                 &review::labels_of(req.old_object.as_ref()),
                 &review::labels_of(req.object.as_ref()),
             )
-            .unwrap();
+            .remove(0);
             dependent(&target);
         }
         Operation::Create | Operation::Update if kind == PROFILE.parent_kind() => {

@@ -129,7 +129,9 @@ fn run(facts: &Facts, body: &[u8]) {
         Operation::Update => {
             let old = review::labels_of(req.old_object.as_ref());
             let new = review::labels_of(req.object.as_ref());
-            if let Some(target) = decide::retargeted(&PROFILE, &kind, &req.name, &old, &new) {
+            // The oracle follows the first identity a relabel concerns (the
+            // gate judges every one and keeps the strictest answer).
+            if let Some(target) = decide::relabel_targets(&PROFILE, &kind, &req.name, &old, &new).into_iter().next() {
                 assert!(target.tenant().is_some(), "a retargeted object has a tenant: {target:?}");
                 // A relabelled CSI release is judged as a child, or, when the
                 // relabel makes it look like a parent (F5), as itself.
