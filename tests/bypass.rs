@@ -319,20 +319,22 @@ fn object(api_version: &str, kind: &str, ns: &str, name: &str, labels: &BTreeMap
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn every_guarded_object_under_every_combination_of_labels_is_reviewed_in_teardown() {
+async fn every_guarded_object_under_any_pair_of_identity_labels_is_reviewed_in_teardown() {
     let env = env();
     let client = env.cp.management_client().await;
     let ns = "tenant-coverage";
     env.cp.namespace(ns).await;
     let hr = common::gate::helmrelease_resource();
     let hrs: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &hr);
-    let combos = 1usize << KEYS.len();
+    // Every subset of at most two of the keys (each webhook's selection
+    // turns on one key, or on two together), and all six: 23 combinations.
+    let combos: Vec<usize> = (0..1usize << KEYS.len()).filter(|b| b.count_ones() <= 2 || b.count_ones() as usize == KEYS.len()).collect();
 
     // One tenant per combination (a parent release and nothing behind it:
     // the worker can never release it, so it stays in teardown, not done),
     // and every guarded object of it carrying that combination of labels.
     let mut expected: Vec<(ApiResource, String, String)> = Vec::new();
-    for bits in 0..combos {
+    for &bits in &combos {
         let r = format!("kubernetes-cover-{bits}");
         paper_parent(&hrs, &r).await;
         let l = combination(bits, &r);
@@ -374,7 +376,7 @@ async fn every_guarded_object_under_every_combination_of_labels_is_reviewed_in_t
         }
     }
     // Every parent in teardown (in custody since its creation).
-    for bits in 0..combos {
+    for &bits in &combos {
         hrs.delete(&format!("kubernetes-cover-{bits}"), &DeleteParams::default()).await.expect("delete parent");
     }
 
@@ -388,7 +390,7 @@ async fn every_guarded_object_under_every_combination_of_labels_is_reviewed_in_t
     }
     // And a relabel that strips or adds every identity label on a release
     // or a Cluster API object is refused as well.
-    for bits in [0usize, combos - 1] {
+    for bits in [0usize, (1 << KEYS.len()) - 1] {
         let r = format!("kubernetes-cover-{bits}");
         for (ar, name) in [(hr.clone(), format!("{r}-coredns")), (cluster_resource(), format!("{r}-extra"))] {
             let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);

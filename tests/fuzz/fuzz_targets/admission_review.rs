@@ -181,7 +181,7 @@ fn expected_dependent(target: &Target, parent: Option<&ParentFacts>) -> bool {
     let teardown = p.deleting || p.namespace_deleting == Some(true);
     match target {
         Target::CsiRelease { .. } => false,
-        Target::Child { .. } | Target::Guarded { .. } => !teardown && p.namespace_deleting == Some(false),
+        Target::Child { .. } | Target::Guarded { .. } | Target::ReleaseObject { .. } => !teardown && p.namespace_deleting == Some(false),
         Target::Parent { .. } | Target::Unrelated => true,
     }
 }
