@@ -211,6 +211,19 @@ async fn wait_log<T>(env: &common::Env, t: &Tenant, what: &str, timeout: Duratio
     .await
 }
 
+/// Waits until the parent is gone and Flux has logged removing its
+/// finalizer (the simulator logs an action after the API call that does
+/// it, so the parent can be seen gone before the line is written), and
+/// returns the log about `t`.
+async fn wait_teardown_logged(env: &common::Env, t: &Tenant, timeout: Duration) -> Vec<LogLine> {
+    t.wait_parent_gone(timeout).await;
+    let removed = format!("HelmRelease {}: finalizers.fluxcd.io removed", t.name);
+    wait_log(env, t, "Flux's line about removing the parent's finalizer", Duration::from_secs(30), |lines| {
+        lines.iter().any(|l| l.component == "flux" && l.action == "finalizer-removed" && l.details == removed).then(|| lines.to_vec())
+    })
+    .await
+}
+
 // ---------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -222,9 +235,7 @@ async fn the_hook_runs_steps_one_to_six_in_order_and_then_flux_removes_its_final
     let t = Tenant::create(env.cp, &env.cp.unique("order")).await;
 
     t.delete_parent().await;
-    t.wait_parent_gone(Duration::from_secs(120)).await;
-
-    let lines = lines_of(env, &t);
+    let lines = wait_teardown_logged(env, &t, Duration::from_secs(120)).await;
     let attempt1 = hook_lines(&lines, 1);
     assert_eq!(step_sequence(&attempt1), vec![1, 2, 3, 4, 5, 6], "the hook's steps, in order, in attempt 1:\n{}", render(&lines));
     assert!(hook_lines(&lines, 2).is_empty(), "one attempt was enough:\n{}", render(&lines));
@@ -320,8 +331,7 @@ async fn a_refused_kcp_delete_aborts_the_hook_and_flux_retries_it_from_step_one_
 
     // The refusal ends: the next retry goes all the way and the teardown completes.
     delete_binding(&t, &policy).await;
-    t.wait_parent_gone(Duration::from_secs(90)).await;
-    let lines = lines_of(env, &t);
+    let lines = wait_teardown_logged(env, &t, Duration::from_secs(90)).await;
     let done = lines.iter().find(|l| l.component == "hook" && l.action == "done").unwrap_or_else(|| panic!("{}", render(&lines)));
     let n = attempt_of(done).unwrap();
     assert!(n > 3, "the completing run is a later attempt: {n}");
@@ -342,9 +352,7 @@ async fn a_refused_child_delete_makes_step_two_strip_the_children_finalizers_and
     wait_refused(&t.hr_api(), &cilium, &message).await;
 
     t.delete_parent().await;
-    t.wait_parent_gone(Duration::from_secs(120)).await;
-
-    let lines = lines_of(env, &t);
+    let lines = wait_teardown_logged(env, &t, Duration::from_secs(120)).await;
     let hook = hook_lines(&lines, 1);
     let warned = hook
         .iter()
@@ -410,9 +418,7 @@ async fn step_five_without_the_datavolume_crd_is_skipped_not_a_failure() {
     .await;
 
     t.delete_parent().await;
-    t.wait_parent_gone(Duration::from_secs(120)).await;
-
-    let lines = lines_of(env, &t);
+    let lines = wait_teardown_logged(env, &t, Duration::from_secs(120)).await;
     let hook = hook_lines(&lines, 1);
     assert!(
         hook.iter().any(|l| l.action == "step5" && l.details.contains("DataVolumes not served (CDI not installed): skipped")),
