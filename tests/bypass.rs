@@ -252,12 +252,9 @@ async fn the_kcsi_controller_and_the_admin_kubeconfig_are_held_whatever_their_la
     let t = Tenant::create(env.cp, &env.cp.unique("blind")).await;
     t.wait_custody().await;
     let m = mallory(&t).await;
+    // The tenant's kcsi controller, as its parent release made it (Flux's
+    // labels and Helm's ownership annotations).
     let kcsi = format!("{}-kcsi-controller", t.name);
-    let deployment = json!({"apiVersion": "apps/v1", "kind": "Deployment",
-        "metadata": {"name": kcsi, "namespace": t.namespace, "labels": {FLUX: t.name}},
-        "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "kcsi"}},
-                 "template": {"metadata": {"labels": {"app": "kcsi"}}, "spec": {"containers": [{"name": "c", "image": "kcsi"}]}}}});
-    common::manifests::apply(&t.management, &deployment).await;
     let deployments: Api<DynamicObject> = Api::namespaced_with(m.clone(), &t.namespace, &deployment_resource());
     let secrets: Api<Secret> = Api::namespaced(m.clone(), &t.namespace);
     let kubeconfig = format!("{}-admin-kubeconfig", t.name);
@@ -265,8 +262,10 @@ async fn the_kcsi_controller_and_the_admin_kubeconfig_are_held_whatever_their_la
     // Before the teardown: the labels the webhooks once selected on go.
     secrets.patch(&kubeconfig, &PatchParams::default(), &labels_patch(json!({KAMAJI: null}))).await.expect("not an identity label");
     hold_in_teardown(&t).await;
-    // During it: the Deployment's Flux label goes too.
-    deployments.patch(&kcsi, &PatchParams::default(), &labels_patch(json!({FLUX: null}))).await.expect("not an identity label");
+    // During it: the Deployment's Flux labels go too (Helm's annotations
+    // still say whose it is, so it stays in its release: allowed).
+    let flux_away = labels_patch(json!({FLUX: null, "helm.toolkit.fluxcd.io/namespace": null}));
+    deployments.patch(&kcsi, &PatchParams::default(), &flux_away).await.expect("still an object of its release");
 
     assert_refused("DELETE of the unlabelled kcsi controller", deployments.delete(&kcsi, &DeleteParams::default()).await, &["CSI controller"]);
     assert_refused("DELETE of the unlabelled admin kubeconfig", secrets.delete(&kubeconfig, &DeleteParams::default()).await, &["admin kubeconfig"]);
