@@ -92,7 +92,13 @@ async fn deleting_the_tenant_namespace_leaves_zero_volumes() {
     common::wait::eventually("tenant namespace gone", Duration::from_secs(240), || {
         let namespaces = namespaces.clone();
         let ns = t.namespace.clone();
-        async move { if namespaces.get_opt(&ns).await.map_err(|e| e.to_string())?.is_none() { Ok(()) } else { Err("terminating".into()) } }
+        async move {
+            match namespaces.get_opt(&ns).await.map_err(|e| e.to_string())? {
+                None => Ok(()),
+                // What the namespace controller says is left, for the failure message.
+                Some(n) => Err(format!("terminating: {:?}", n.status.and_then(|s| s.conditions).unwrap_or_default().iter().map(|c| c.message.clone().unwrap_or_default()).collect::<Vec<_>>())),
+            }
+        }
     })
     .await;
     let left = env.sim.volumes_of(&t.namespace, &t.name);

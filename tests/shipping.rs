@@ -242,7 +242,8 @@ fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
     profile_names.extend(p.guarded.iter().filter_map(|g| g.label.clone()));
     profile_names.sort();
     profile_names.dedup();
-    let operations = ["CREATE", "UPDATE", "DELETE"];
+    // The operations, and '' (the default of an absent label in `orValue('')`).
+    let operations = ["CREATE", "UPDATE", "DELETE", ""];
 
     let mut quoted: Vec<String> = Vec::new();
     let mut selector_keys: Vec<String> = Vec::new();

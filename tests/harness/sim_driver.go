@@ -113,6 +113,12 @@ func (d *driver) run(ctx context.Context) {
 	if !cache.WaitForCacheSync(ctx.Done(), pvcInf.Informer().HasSynced, pvInf.Informer().HasSynced, scInf.Informer().HasSynced) {
 		return
 	}
+	// The controller gets its ServiceAccount token when it starts, as a Pod
+	// gets its projected token; it is checked again before each DeleteVolume.
+	if ok, why := d.t.kcsiAllowed(ctx); !ok {
+		d.identityProblem = why
+		d.t.logf("driver", "identity-missing", "at start: %s", why)
+	}
 	go d.runSnapshots(ctx)
 	go func() {
 		<-ctx.Done()

@@ -55,17 +55,30 @@ func (t *tenant) kcsiAllowed(ctx context.Context) (bool, string) {
 	return k.allowed, k.reason
 }
 
+// kcsiTokenTTL and kcsiTokenRefresh follow a projected ServiceAccount
+// token: requested for an hour, refreshed at 80% of it. A refresh that
+// fails (a terminating namespace takes no TokenRequest) leaves the token
+// in use until it expires, as the kubelet leaves it in the Pod.
+const (
+	kcsiTokenTTL     = time.Hour
+	kcsiTokenRefresh = 48 * time.Minute
+)
+
 func (t *tenant) checkKcsi(ctx context.Context, k *kcsiIdentity) (bool, string) {
 	sa := t.name + "-kcsi"
-	if k.token == "" || time.Since(k.tokenAt) > 5*time.Minute {
-		exp := int64(600)
+	if k.token == "" || time.Since(k.tokenAt) > kcsiTokenRefresh {
+		exp := int64(kcsiTokenTTL / time.Second)
 		tr, err := t.s.mgmt.CoreV1().ServiceAccounts(t.ns).CreateToken(ctx, sa,
 			&authnv1.TokenRequest{Spec: authnv1.TokenRequestSpec{ExpirationSeconds: &exp}}, metav1.CreateOptions{})
-		if err != nil {
+		switch {
+		case err == nil:
+			k.token, k.tokenAt = tr.Status.Token, time.Now()
+		case k.token != "" && time.Since(k.tokenAt) < kcsiTokenTTL-time.Minute:
+			// Keep using the token the controller already holds.
+		default:
 			k.token = ""
 			return false, fmt.Sprintf("no token for ServiceAccount %s/%s: %v", t.ns, sa, err)
 		}
-		k.token, k.tokenAt = tr.Status.Token, time.Now()
 	}
 	cfg := rest.AnonymousClientConfig(t.s.restCfg)
 	cfg.BearerToken = k.token
