@@ -4,19 +4,28 @@
 //! The layout is the architecture:
 //! - [`profile`] alone knows the platform's names (Cozystack by default);
 //! - [`record`] alone knows the annotation keys of the release record;
-//! - [`admission`] holds the gate's decisions as pure functions and a thin
-//!   HTTP layer;
+//! - [`admission`] holds the gate's decisions as pure functions, the fresh
+//!   reads they need, and a thin HTTP layer;
 //! - [`worker`] takes custody of tenants and runs the volume-release phase;
+//! - [`args`] is the command line of both roles;
+//! - [`metrics`] is every metric exported;
 //! - [`tls`] and [`certs`] serve and mint the webhook's certificates;
-//! - [`admin`] is the plain-HTTP health and metrics port.
+//! - [`admin`] is the plain-HTTP health and metrics port;
+//! - `testing` (unit tests, or the `testing` feature) is a scripted API
+//!   server for in-process tests.
+//!
+//! The design: `docs/design.md`.
 
 pub mod admin;
 pub mod admission;
+pub mod args;
 pub mod certs;
 pub mod metrics;
 pub mod profile;
 pub mod record;
 pub mod telemetry;
+#[cfg(any(test, feature = "testing"))]
+pub mod testing;
 pub mod tls;
 pub mod worker;
 

@@ -12,9 +12,9 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Serve the validating and mutating admission webhook.
-    Webhook(volume_gate::admission::server::WebhookArgs),
+    Webhook(volume_gate::args::WebhookArgs),
     /// Run the worker: custody of every tenant and the volume-release phase.
-    Worker(volume_gate::worker::WorkerArgs),
+    Worker(volume_gate::args::WorkerArgs),
     /// Serving certificates for the webhook.
     #[command(subcommand)]
     Certs(CertsCommand),

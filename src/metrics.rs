@@ -11,7 +11,8 @@ use prometheus_client::registry::Registry;
 
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
-    /// parent, csi-release, child, guarded, unrelated, invalid
+    /// `Target::label`: parent, csi-release, child, guarded, release-object,
+    /// unrelated; or invalid (an undecodable review)
     pub target: String,
     pub operation: String,
     /// allowed, denied
@@ -34,12 +35,68 @@ pub struct ErrorLabels {
     pub error: String,
 }
 
+/// Why a worker's reconcile or release pass failed: the `error` label of
+/// `volume_gate_reconcile_errors_total`, in one place.
+#[derive(Clone, Copy, Debug, PartialEq, Eq, Hash)]
+pub enum ErrorKind {
+    /// A call to the management API server failed.
+    ManagementApi,
+    KubeconfigNotFound,
+    KubeconfigForbidden,
+    KubeconfigUnreadable,
+    KubeconfigUnparseable,
+    /// The tenant API did not answer `/readyz` in time.
+    TenantApiSilent,
+    TenantApiNotReady,
+    /// A call to the tenant API failed during the phase.
+    TenantApiError,
+    /// The admin kubeconfig reaches another cluster than the one bound.
+    ClusterMismatch,
+    /// Volumes not freed within the wait bound.
+    VolumesRemain,
+    /// Only `Retain` volumes are left.
+    RetainResidue,
+}
+
+impl ErrorKind {
+    pub const ALL: [ErrorKind; 11] = [
+        ErrorKind::ManagementApi,
+        ErrorKind::KubeconfigNotFound,
+        ErrorKind::KubeconfigForbidden,
+        ErrorKind::KubeconfigUnreadable,
+        ErrorKind::KubeconfigUnparseable,
+        ErrorKind::TenantApiSilent,
+        ErrorKind::TenantApiNotReady,
+        ErrorKind::TenantApiError,
+        ErrorKind::ClusterMismatch,
+        ErrorKind::VolumesRemain,
+        ErrorKind::RetainResidue,
+    ];
+
+    pub fn as_str(self) -> &'static str {
+        match self {
+            ErrorKind::ManagementApi => "management-api",
+            ErrorKind::KubeconfigNotFound => "kubeconfig-not-found",
+            ErrorKind::KubeconfigForbidden => "kubeconfig-forbidden",
+            ErrorKind::KubeconfigUnreadable => "kubeconfig-unreadable",
+            ErrorKind::KubeconfigUnparseable => "kubeconfig-unparseable",
+            ErrorKind::TenantApiSilent => "tenant-api-silent",
+            ErrorKind::TenantApiNotReady => "tenant-api-not-ready",
+            ErrorKind::TenantApiError => "tenant-api-error",
+            ErrorKind::ClusterMismatch => "cluster-mismatch",
+            ErrorKind::VolumesRemain => "volumes-remain",
+            ErrorKind::RetainResidue => "retain-residue",
+        }
+    }
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct OutcomeLabels {
     pub outcome: String,
 }
 
-/// Every metric volume-gate exports; each role registers what it uses.
+/// Every metric volume-gate exports. Both roles register all of them; each
+/// moves only its own (the webhook the admission ones, the worker the rest).
 pub struct Metrics {
     registry: Registry,
     pub decisions: Family<DecisionLabels, Counter>,
@@ -82,10 +139,29 @@ impl Metrics {
         Arc::new(Self { registry, ..m })
     }
 
+    /// Counts one worker error.
+    pub fn count_error(&self, kind: ErrorKind) {
+        self.reconcile_errors.get_or_create(&ErrorLabels { error: kind.as_str().into() }).inc();
+    }
+
     /// The OpenMetrics text exposition.
     pub fn encode(&self) -> String {
         let mut out = String::new();
         prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
         out
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn error_labels_are_distinct_and_exported_once_counted() {
+        let labels: std::collections::BTreeSet<_> = ErrorKind::ALL.iter().map(|k| k.as_str()).collect();
+        assert_eq!(labels.len(), ErrorKind::ALL.len());
+        let m = Metrics::new();
+        m.count_error(ErrorKind::ClusterMismatch);
+        assert!(m.encode().contains(r#"volume_gate_reconcile_errors_total{error="cluster-mismatch"} 1"#), "{}", m.encode());
     }
 }

@@ -144,7 +144,7 @@ pub enum ProfileError {
 }
 
 impl Profile {
-    /// The Cozystack profile (DESIGN.md §1).
+    /// The Cozystack profile (`docs/design.md` §1).
     pub fn cozystack() -> Self {
         let guarded = |role: &str, group: &str, kind: &str, name: Option<&str>, label: Option<&str>| GuardedSpec {
             role: role.to_string(),
@@ -209,6 +209,17 @@ impl Profile {
             ProfileError::Invalid { message, .. } => ProfileError::Invalid { path: shown.clone(), message },
             other => other,
         })
+    }
+
+    /// The profile a command was given (`--profile`), or Cozystack's.
+    pub fn load_or_default(path: Option<&Path>) -> Result<Self, ProfileError> {
+        path.map_or_else(|| Ok(Self::cozystack()), Self::load)
+    }
+
+    /// The API resource of the parent release (group, version, kind, plural).
+    pub fn parent_resource(&self) -> kube::api::ApiResource {
+        let p = &self.parent;
+        kube::api::ApiResource::from_gvk_with_plural(&kube::api::GroupVersionKind::gvk(&p.group, &p.version, &p.kind), &p.plural)
     }
 
     pub fn from_yaml(text: &str) -> Result<Self, ProfileError> {

@@ -1,5 +1,5 @@
 //! The release record: annotations on the parent release, and the one place
-//! that knows their keys (DESIGN.md §3).
+//! that knows their keys (`docs/design.md` §3).
 //!
 //! The worker writes `phase`, `released-at`, `message`, `volumes` and
 //! `cluster` (who the tenant cluster is, bound when custody began); a
@@ -33,12 +33,30 @@ pub fn bounded(s: &str, max: usize) -> String {
     if s.len() <= max {
         return s.to_string();
     }
-    let marker = format!("…[{} bytes]", s.len());
-    let mut cut = max.saturating_sub(marker.len());
+    shorten(s, max, &format!("…[{} bytes]", s.len()))
+}
+
+/// `s` whole if it fits in `max` bytes; otherwise cut at a character
+/// boundary and ended with `suffix`, the two together within `max`.
+pub fn shorten(s: &str, max: usize, suffix: &str) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut cut = max.saturating_sub(suffix.len());
     while !s.is_char_boundary(cut) {
         cut -= 1;
     }
-    format!("{}{marker}", &s[..cut])
+    format!("{}{suffix}", &s[..cut])
+}
+
+/// The current time as the record writes it (RFC 3339, seconds, UTC).
+pub fn now_rfc3339() -> String {
+    rfc3339(jiff::Timestamp::now())
+}
+
+/// `t` as the record writes times (RFC 3339, seconds, UTC).
+pub fn rfc3339(t: jiff::Timestamp) -> String {
+    t.strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
 }
 
 /// Annotation keys under the profile's prefix.
@@ -406,15 +424,7 @@ pub fn count(n: usize, noun: &str) -> String {
 
 /// Messages are one human line, bounded.
 pub fn one_line(s: &str) -> String {
-    let flat: String = s.split_whitespace().collect::<Vec<_>>().join(" ");
-    if flat.len() <= 1024 {
-        return flat;
-    }
-    let mut cut = 1021;
-    while !flat.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{}...", &flat[..cut])
+    shorten(&s.split_whitespace().collect::<Vec<_>>().join(" "), 1024, "...")
 }
 
 #[cfg(test)]

@@ -1,4 +1,4 @@
-//! Load (issue 8): one namespace holding 50 tenant clusters is deleted at
+//! Load: one namespace holding 50 tenant clusters is deleted at
 //! once, while admission traffic hits the webhook through the real API
 //! server. Every decision must be right, none may fail or time out, and
 //! every tenant's volumes must be freed.

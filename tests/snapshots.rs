@@ -1,4 +1,4 @@
-//! VolumeSnapshots with the gate installed (DESIGN.md §5 step 5): a tenant
+//! VolumeSnapshots with the gate installed (`docs/design.md` §5 step 5): a tenant
 //! that serves snapshot.storage.k8s.io has its snapshots deleted by the
 //! worker and their contents waited for, so storage keeps nothing of the
 //! tenant; a tenant without that API is released as well, the absent API

@@ -1,5 +1,5 @@
 //! The simulated Cozystack teardown itself, WITHOUT the gate: the pre-delete
-//! hook's step order and failure rules (DESIGN.md §1), Flux's retries, and
+//! hook's step order and failure rules (`docs/design.md` §1), Flux's retries, and
 //! what deleting a TenantControlPlane does. The gated tests rely on this
 //! world behaving as Cozystack does, so it is pinned down here, from the
 //! simulator's log (one line per action) and from the API state.

@@ -1,4 +1,4 @@
-//! The gate's decisions (DESIGN.md §4) as pure functions of the request and
+//! The gate's decisions (`docs/design.md` §4) as pure functions of the request and
 //! the tenant's state. No I/O here: the HTTP layer gathers the facts, these
 //! functions judge them, and unit tests cover every row.
 
@@ -165,6 +165,19 @@ pub struct ParentFacts {
 }
 
 impl ParentFacts {
+    /// The facts of a parent release `tenant` seen as `view` (its namespace
+    /// not read yet).
+    pub fn of(profile: &Profile, keys: &Keys, tenant: &str, view: &ObjectMetaView) -> Self {
+        ParentFacts {
+            namespace: view.namespace.clone(),
+            name: tenant.to_string(),
+            deleting: view.deleting,
+            namespace_deleting: None,
+            in_custody: view.finalizers.contains(&profile.custody_finalizer),
+            record: Record::from_annotations(keys, &view.annotations),
+        }
+    }
+
     pub fn teardown(&self) -> bool {
         self.deleting || self.namespace_deleting == Some(true)
     }
@@ -397,7 +410,7 @@ fn annotation<'a>(meta: Option<&'a ObjectMetaView>, key: &str) -> Option<&'a str
     meta.and_then(|m| m.annotations.get(key)).map(String::as_str)
 }
 
-/// Validating guards for CREATE/UPDATE of a parent release (DESIGN.md §4).
+/// Validating guards for CREATE/UPDATE of a parent release (`docs/design.md` §4).
 pub fn guard_update(profile: &Profile, keys: &Keys, change: Change<'_>, who: Requester<'_>, now: jiff::Timestamp) -> UpdateVerdict {
     let Change { old, new } = change;
     let is_parent = profile.is_parent(&new.labels) || old.is_some_and(|o| profile.is_parent(&o.labels));
@@ -527,7 +540,7 @@ pub enum Mutation {
     Unstamp { keys: Vec<String> },
 }
 
-/// Mutations for CREATE/UPDATE of a release (DESIGN.md §2, §3).
+/// Mutations for CREATE/UPDATE of a release (`docs/design.md` §2, §3).
 pub fn mutate(profile: &Profile, keys: &Keys, change: Change<'_>, who: Requester<'_>, now: jiff::Timestamp) -> Vec<Mutation> {
     let Change { old, new } = change;
     // The same test as `guard_update`: a write that removes the parent
@@ -549,7 +562,7 @@ pub fn mutate(profile: &Profile, keys: &Keys, change: Change<'_>, who: Requester
         if annotation(Some(new), &keys.override_reason).is_some() {
             out.push(Mutation::Stamp {
                 by: who.username.to_string(),
-                at: now.strftime("%Y-%m-%dT%H:%M:%SZ").to_string(),
+                at: crate::record::rfc3339(now),
             });
         } else {
             let present: Vec<String> =

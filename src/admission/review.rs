@@ -20,7 +20,7 @@ pub const KIND: &str = "AdmissionReview";
 /// An object of a review as the decisions see it: its metadata, nothing
 /// else. The API server sends whole objects (spec, status, values: up to
 /// megabytes); building only the metadata costs a fifth to a seventh of
-/// building the whole object (BENCHMARKS.md, benchmark 1), and serde still
+/// building the whole object (`docs/benchmarks.md`, benchmark 1), and serde still
 /// checks that what it skips is well-formed JSON.
 #[derive(Clone, Debug, Default, Deserialize, Serialize)]
 pub struct Object {
@@ -65,7 +65,7 @@ pub struct Invalid {
 /// Decodes an AdmissionReview v1 body into its request.
 pub fn decode(body: &[u8]) -> Result<Request, Invalid> {
     // One typed pass for a good review; building a generic tree first costs
-    // as much again (BENCHMARKS.md), so it is kept for explaining a bad one.
+    // as much again (`docs/benchmarks.md`), so it is kept for explaining a bad one.
     // serde skips fields it does not model without checking their UTF-8.
     let Ok(text) = std::str::from_utf8(body) else {
         return Err(Invalid { uid: None, message: "body is not JSON: not valid UTF-8".into() });
@@ -74,10 +74,8 @@ pub fn decode(body: &[u8]) -> Result<Request, Invalid> {
         let well_formed = review.types.api_version == API_VERSION
             && review.types.kind == KIND
             && review.request.as_ref().is_some_and(|r| !r.uid.is_empty());
-        if well_formed {
-            if let Ok(req) = review.try_into() {
-                return Ok(req);
-            }
+        if well_formed && let Ok(req) = review.try_into() {
+            return Ok(req);
         }
     }
     explain_invalid(body)
@@ -221,14 +219,7 @@ pub fn respond(uid: &str, verdict: &Verdict, patch: Option<&json_patch::Patch>) 
 
 /// Warnings over 256 characters may be dropped by clients; keep them whole.
 fn truncate_warning(w: &str) -> String {
-    if w.len() <= 256 {
-        return w.to_string();
-    }
-    let mut cut = 253;
-    while !w.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{}...", &w[..cut])
+    crate::record::shorten(w, 256, "...")
 }
 
 #[cfg(test)]

@@ -72,7 +72,7 @@ pub fn reconcile_inventory(previous: Option<&Inventory>, current: &[PersistentVo
 
 /// The claims each Pod mounts: `persistentVolumeClaim.claimName`, and the
 /// claim `<pod>-<volume>` of each generic ephemeral volume. Matching is done
-/// here in code: a Pod can mount several claims (the seed's JSONPath lesson).
+/// here in code: a Pod can mount several claims (docs/design.md §0, the JSONPath lesson).
 pub fn claims_of(pod: &Pod) -> Vec<ClaimKey> {
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
     let pod_name = pod.metadata.name.clone().unwrap_or_default();

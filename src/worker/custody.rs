@@ -2,8 +2,10 @@
 //! concurrent change, and `volume-gate custody` to take it on install and
 //! hand it back on uninstall.
 
-use kube::api::{Api, ApiResource, DynamicObject, ListParams, Patch, PatchParams};
-use kube::core::{GroupVersionKind, PartialObjectMeta};
+use json_patch::jsonptr::PointerBuf;
+use json_patch::{AddOperation, Patch, PatchOperation, RemoveOperation, TestOperation};
+use kube::api::{Api, DynamicObject, ListParams, PatchParams};
+use kube::core::PartialObjectMeta;
 use kube::{Resource, ResourceExt};
 use serde_json::json;
 
@@ -11,32 +13,30 @@ use crate::profile::Profile;
 
 /// A JSON Patch adding `finalizer`, valid only at `resource_version`: a stale
 /// view fails (409/422) instead of racing a deletion.
-pub fn add_finalizer_patch(finalizers: &[String], resource_version: &str, finalizer: &str) -> json_patch::Patch {
+pub fn add_finalizer_patch(finalizers: &[String], resource_version: &str, finalizer: &str) -> Patch {
     let add = if finalizers.is_empty() {
-        json!({"op": "add", "path": "/metadata/finalizers", "value": [finalizer]})
+        AddOperation { path: PointerBuf::from_tokens(["metadata", "finalizers"]), value: json!([finalizer]) }
     } else {
-        json!({"op": "add", "path": "/metadata/finalizers/-", "value": finalizer})
+        AddOperation { path: PointerBuf::from_tokens(["metadata", "finalizers", "-"]), value: json!(finalizer) }
     };
-    serde_json::from_value(json!([{"op": "test", "path": "/metadata/resourceVersion", "value": resource_version}, add]))
-        .expect("static patch")
+    Patch(vec![
+        PatchOperation::Test(TestOperation {
+            path: PointerBuf::from_tokens(["metadata", "resourceVersion"]),
+            value: json!(resource_version),
+        }),
+        PatchOperation::Add(add),
+    ])
 }
 
 /// A JSON Patch removing `finalizer` by index, guarded by a `test` of that
 /// index; `None` when it is not there.
-pub fn remove_finalizer_patch(finalizers: &[String], finalizer: &str) -> Option<json_patch::Patch> {
+pub fn remove_finalizer_patch(finalizers: &[String], finalizer: &str) -> Option<Patch> {
     let i = finalizers.iter().position(|f| f == finalizer)?;
-    Some(
-        serde_json::from_value(json!([
-            {"op": "test", "path": format!("/metadata/finalizers/{i}"), "value": finalizer},
-            {"op": "remove", "path": format!("/metadata/finalizers/{i}")},
-        ]))
-        .expect("static patch"),
-    )
-}
-
-pub fn parent_resource(profile: &Profile) -> ApiResource {
-    let p = &profile.parent;
-    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(&p.group, &p.version, &p.kind), &p.plural)
+    let path = PointerBuf::from_tokens(["metadata".to_string(), "finalizers".to_string(), i.to_string()]);
+    Some(Patch(vec![
+        PatchOperation::Test(TestOperation { path: path.clone(), value: json!(finalizer) }),
+        PatchOperation::Remove(RemoveOperation { path }),
+    ]))
 }
 
 /// Every parent release (metadata), in one namespace or all.
@@ -45,7 +45,7 @@ pub async fn list_parents(
     profile: &Profile,
     namespace: Option<&str>,
 ) -> Result<Vec<PartialObjectMeta<DynamicObject>>, kube::Error> {
-    let ar = parent_resource(profile);
+    let ar = profile.parent_resource();
     let api: Api<DynamicObject> = match namespace {
         Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
         None => Api::all_with(client.clone(), &ar),
@@ -84,12 +84,9 @@ pub async fn run_command(cmd: CustodyCommand) -> Result<(), String> {
         CustodyCommand::Release(a) => (a, false),
         CustodyCommand::Adopt(a) => (a, true),
     };
-    let profile = match &args.profile {
-        Some(p) => Profile::load(p).map_err(|e| e.to_string())?,
-        None => Profile::cozystack(),
-    };
+    let profile = Profile::load_or_default(args.profile.as_deref()).map_err(|e| e.to_string())?;
     let client = kube::Client::try_default().await.map_err(|e| format!("cannot reach the management cluster: {e}"))?;
-    let ar = parent_resource(&profile);
+    let ar = profile.parent_resource();
     let parents = list_parents(&client, &profile, args.namespace.as_deref()).await.map_err(|e| format!("cannot list tenants: {e}"))?;
     let (mut changed, mut skipped, mut failed) = (0, 0, 0);
     for p in parents {
@@ -114,7 +111,7 @@ pub async fn run_command(cmd: CustodyCommand) -> Result<(), String> {
             continue;
         }
         let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &ar);
-        match api.patch_metadata(&name, &PatchParams::default(), &Patch::<()>::Json(patch)).await {
+        match api.patch_metadata(&name, &PatchParams::default(), &kube::api::Patch::<()>::Json(patch)).await {
             Ok(_) => {
                 println!("{ns}/{name}: {verb}");
                 changed += 1;

@@ -1,4 +1,4 @@
-//! The volume-release phase (DESIGN.md §5, steps 1–7) for one tenant.
+//! The volume-release phase (`docs/design.md` §5, steps 1–7) for one tenant.
 //!
 //! Every step is idempotent and reads its state from the APIs, so a worker
 //! killed anywhere resumes: the inventory is in the record, the claims are
@@ -20,7 +20,8 @@ use super::claims::{self, ClaimKey};
 use super::identity;
 use super::tenant;
 use super::{Context, TenantRef};
-use crate::record::{ClusterIdentity, Inventory, Phase, Record, Update, count};
+use crate::metrics::ErrorKind;
+use crate::record::{ClusterIdentity, Inventory, Phase, Record, Update, count, now_rfc3339};
 
 /// Where the phase ended up on this pass.
 #[derive(Debug)]
@@ -28,19 +29,16 @@ pub enum Outcome {
     /// Every inventoried PV is gone.
     Released { inventory: Inventory },
     /// Something stands in the way; retried with backoff.
-    Blocked { reason: &'static str, message: String, inventory: Option<Inventory> },
+    Blocked { reason: ErrorKind, message: String, inventory: Option<Inventory> },
 }
 
 /// Name of the quota that stops new claims in a tenant being released.
 pub const FREEZE_QUOTA: &str = "volume-gate-freeze";
 
-fn blocked(reason: &'static str, message: String, inventory: Option<Inventory>) -> Outcome {
+fn blocked(reason: ErrorKind, message: String, inventory: Option<Inventory>) -> Outcome {
     Outcome::Blocked { reason, message, inventory }
 }
 
-fn now_rfc3339() -> String {
-    jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string()
-}
 
 /// Runs steps 1–7 once. `Err` is a management-API failure (requeue);
 /// everything about the tenant is an [`Outcome`].
@@ -50,11 +48,11 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
     // Step 1: the admin kubeconfig.
     let api = match tenant::connect(&ctx.client, &ctx.profile, &t.namespace, &t.name, settings.request_timeout).await {
         Ok(api) => api,
-        Err(e) => return Ok(blocked(e.label(), e.to_string(), previous)),
+        Err(e) => return Ok(blocked(e.kind(), e.to_string(), previous)),
     };
     // Step 2: a kubeconfig that exists is not an API server that answers.
     if let Err(e) = tenant::probe_ready(&api, settings.probe_timeout).await {
-        return Ok(blocked(e.label(), e.to_string(), previous));
+        return Ok(blocked(e.kind(), e.to_string(), previous));
     }
     // And it must be this tenant's cluster: the Secret is writable by
     // whoever may edit the tenant namespace.
@@ -71,7 +69,7 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
         // Step 3: inventory before any deletion, written to the record.
         let pvs = match Api::<PersistentVolume>::all(tc.clone()).list(&ListParams::default()).await {
             Ok(l) => l.items,
-            Err(e) => return Ok(blocked("tenant-api-error", fail("listing PersistentVolumes", e), inventory)),
+            Err(e) => return Ok(blocked(ErrorKind::TenantApiError, fail("listing PersistentVolumes", e), inventory)),
         };
         let first_time = inventory.is_none();
         let inv = claims::reconcile_inventory(inventory.as_ref(), &pvs, &now_rfc3339());
@@ -88,34 +86,34 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
 
         // Step 4: stop new claims, delete every claim, then the Pods holding them.
         if let Err(e) = freeze_claims(&tc).await {
-            return Ok(blocked("tenant-api-error", fail("creating the claim freeze quota", e), inventory));
+            return Ok(blocked(ErrorKind::TenantApiError, fail("creating the claim freeze quota", e), inventory));
         }
         let claims = match delete_claims(&tc).await {
             Ok(c) => c,
-            Err(e) => return Ok(blocked("tenant-api-error", fail("deleting PersistentVolumeClaims", e), inventory)),
+            Err(e) => return Ok(blocked(ErrorKind::TenantApiError, fail("deleting PersistentVolumeClaims", e), inventory)),
         };
         let pods = match delete_holding_pods(&tc, &claims).await {
             Ok(p) => p,
-            Err(e) => return Ok(blocked("tenant-api-error", fail("deleting the Pods that mount claims", e), inventory)),
+            Err(e) => return Ok(blocked(ErrorKind::TenantApiError, fail("deleting the Pods that mount claims", e), inventory)),
         };
         info!(namespace = %t.namespace, tenant = %t.name, claims = claims.len(), pods = pods, "claims and holding pods deleted");
 
         // Step 5: snapshots, when that API is installed.
         let snapshot_contents = match release_snapshots(&tc).await {
             Ok(c) => c,
-            Err(e) => return Ok(blocked("tenant-api-error", fail("deleting VolumeSnapshots", e), inventory)),
+            Err(e) => return Ok(blocked(ErrorKind::TenantApiError, fail("deleting VolumeSnapshots", e), inventory)),
         };
 
         // Step 6: wait for the PVs themselves.
         let waited: HashSet<String> = inv.remaining().filter(|v| !v.is_retain()).map(|v| v.pv.clone()).collect();
         let progress = WaitProgress { ctx, tenant: t, inventory: inv.clone() };
         if let Err(e) = wait_gone(Api::<PersistentVolume>::all(tc.clone()), waited, deadline, &progress).await {
-            return Ok(blocked("tenant-api-error", fail("watching PersistentVolumes", e), inventory));
+            return Ok(blocked(ErrorKind::TenantApiError, fail("watching PersistentVolumes", e), inventory));
         }
         let contents_left = match snapshot_contents {
             Some((api, names)) => match wait_gone(api, names, deadline, &NoProgress).await {
                 Ok(s) => s,
-                Err(e) => return Ok(blocked("tenant-api-error", fail("watching VolumeSnapshotContents", e), inventory)),
+                Err(e) => return Ok(blocked(ErrorKind::TenantApiError, fail("watching VolumeSnapshotContents", e), inventory)),
             },
             None => BTreeSet::new(),
         };
@@ -126,7 +124,7 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
         }
         let pvs = match Api::<PersistentVolume>::all(tc.clone()).list(&ListParams::default()).await {
             Ok(l) => l.items,
-            Err(e) => return Ok(blocked("tenant-api-error", fail("listing PersistentVolumes", e), inventory)),
+            Err(e) => return Ok(blocked(ErrorKind::TenantApiError, fail("listing PersistentVolumes", e), inventory)),
         };
         let inv = claims::reconcile_inventory(Some(&inv), &pvs, &now_rfc3339());
         let newly_freed = inv.freed.saturating_sub(inventory.as_ref().map_or(0, |i| i.freed));
@@ -167,7 +165,7 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
                 contents_left.iter().cloned().collect::<Vec<_>>().join(", ")
             ));
         }
-        let reason = if remaining.is_empty() && contents_left.is_empty() { "retain-residue" } else { "volumes-remain" };
+        let reason = if remaining.is_empty() && contents_left.is_empty() { ErrorKind::RetainResidue } else { ErrorKind::VolumesRemain };
         return Ok(blocked(reason, parts.join("; "), inventory));
     }
 }
@@ -184,7 +182,7 @@ async fn same_cluster(
 ) -> Result<Result<ClusterIdentity, Outcome>, kube::Error> {
     let seen = match identity::observe(api, ctx.settings.probe_timeout, &now_rfc3339()).await {
         Ok(seen) => seen,
-        Err(e) => return Ok(Err(blocked(e.label(), e.to_string(), None))),
+        Err(e) => return Ok(Err(blocked(e.kind(), e.to_string(), None))),
     };
     match identity::check(bound, &seen, secret) {
         identity::Check::Same => Ok(Ok(bound.cloned().unwrap_or(seen))),
@@ -193,7 +191,7 @@ async fn same_cluster(
             info!(namespace = %t.namespace, tenant = %t.name, server = %id.server, "tenant cluster bound at its first release pass");
             Ok(Ok(id))
         }
-        identity::Check::Different { message } => Ok(Err(blocked("cluster-mismatch", message, None))),
+        identity::Check::Different { message } => Ok(Err(blocked(ErrorKind::ClusterMismatch, message, None))),
     }
 }
 

@@ -106,10 +106,7 @@ pub fn render_table(rows: &[TenantStatus], wide: bool, now: jiff::Timestamp) -> 
 }
 
 pub async fn run(args: StatusArgs) -> Result<(), String> {
-    let profile = match &args.profile {
-        Some(p) => Profile::load(p).map_err(|e| e.to_string())?,
-        None => Profile::cozystack(),
-    };
+    let profile = Profile::load_or_default(args.profile.as_deref()).map_err(|e| e.to_string())?;
     let keys = Keys::new(&profile.annotation_prefix);
     let client = kube::Client::try_default().await.map_err(|e| format!("cannot reach the management cluster: {e}"))?;
     let parents = list_parents(&client, &profile, args.namespace.as_deref()).await.map_err(|e| format!("cannot list tenants: {e}"))?;

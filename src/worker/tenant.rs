@@ -7,6 +7,7 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
+use crate::metrics::ErrorKind;
 use crate::profile::Profile;
 
 /// A kubeconfig larger than this is not a kubeconfig.
@@ -30,15 +31,15 @@ pub enum TenantAccessError {
 }
 
 impl TenantAccessError {
-    /// A metric label.
-    pub fn label(&self) -> &'static str {
+    /// Its metric label.
+    pub fn kind(&self) -> ErrorKind {
         match self {
-            TenantAccessError::SecretNotFound { .. } => "kubeconfig-not-found",
-            TenantAccessError::SecretForbidden { .. } => "kubeconfig-forbidden",
-            TenantAccessError::SecretUnreadable { .. } => "kubeconfig-unreadable",
-            TenantAccessError::Unparseable { .. } => "kubeconfig-unparseable",
-            TenantAccessError::NotAnswering { .. } => "tenant-api-silent",
-            TenantAccessError::NotReady { .. } => "tenant-api-not-ready",
+            TenantAccessError::SecretNotFound { .. } => ErrorKind::KubeconfigNotFound,
+            TenantAccessError::SecretForbidden { .. } => ErrorKind::KubeconfigForbidden,
+            TenantAccessError::SecretUnreadable { .. } => ErrorKind::KubeconfigUnreadable,
+            TenantAccessError::Unparseable { .. } => ErrorKind::KubeconfigUnparseable,
+            TenantAccessError::NotAnswering { .. } => ErrorKind::TenantApiSilent,
+            TenantAccessError::NotReady { .. } => ErrorKind::TenantApiNotReady,
         }
     }
 }

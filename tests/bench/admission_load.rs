@@ -1,4 +1,4 @@
-//! Benchmark 1 (issue 7): the admission overhead against the limit of the stack.
+//! Benchmark 1: the admission overhead against the limit of the stack.
 //!
 //!     cargo run --release --example bench-admission -- --rounds 5 --seconds 10
 //!
@@ -55,7 +55,8 @@ use serde_json::{Map, Value, json};
 use tokio::net::{TcpListener, TcpStream};
 use tokio_rustls::TlsConnector;
 use tokio_util::sync::CancellationToken;
-use volume_gate::admission::server::{DEFAULT_MAX_BODY_BYTES, DEFAULT_WORKER_IDENTITY, Gate, router};
+use volume_gate::admission::{Gate, router};
+use volume_gate::args::{DEFAULT_MAX_BODY_BYTES, DEFAULT_WORKER_IDENTITY};
 use volume_gate::certs::{self, ServingSpec};
 use volume_gate::metrics::{DecisionLabels, Metrics};
 use volume_gate::profile::Profile;

@@ -1,4 +1,4 @@
-//! Benchmark 2 (issue 7): decisions that need a fresh read, in a burst like a
+//! Benchmark 2: decisions that need a fresh read, in a burst like a
 //! namespace deletion.
 //!
 //!     cargo run --release --example bench-burst -- --rounds 5
@@ -47,7 +47,8 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams};
 use serde_json::{Value, json};
 use tower::ServiceExt;
-use volume_gate::admission::server::{DEFAULT_MAX_BODY_BYTES, DEFAULT_WORKER_IDENTITY, Gate, router};
+use volume_gate::admission::{Gate, router};
+use volume_gate::args::{DEFAULT_MAX_BODY_BYTES, DEFAULT_WORKER_IDENTITY};
 use volume_gate::metrics::Metrics;
 use volume_gate::profile::Profile;
 

@@ -1,4 +1,4 @@
-//! Benchmark 5 (issue 7): many tenants deleted at once.
+//! Benchmark 5: many tenants deleted at once.
 //!
 //!     cargo run --release --example bench-concurrency -- --tenants 50
 //!
@@ -94,7 +94,7 @@ async fn main() {
         // SAFETY: set before any thread of ours reads the environment concurrently.
         unsafe { std::env::set_var("GOGC", args.gogc.to_string()) };
     }
-    println!("bench-concurrency (issue 7, benchmark 5)");
+    println!("bench-concurrency (benchmark 5)");
     println!("{}", scale::machine());
     println!("GOGC for harness processes: {}", if args.gogc > 0 { args.gogc.to_string() } else { "default".into() });
     let started = Instant::now();

@@ -1,4 +1,4 @@
-//! Benchmark 4 (issue 7): the footprint of the webhook and the worker on a
+//! Benchmark 4: the footprint of the webhook and the worker on a
 //! management cluster with many tenants, against the same processes with
 //! none (the floor).
 //!
@@ -116,7 +116,7 @@ struct Round {
 async fn main() {
     let args = Args::parse();
     assert!(args.children <= CHILDREN.len(), "at most {} children", CHILDREN.len());
-    println!("bench-footprint (issue 7, benchmark 4)");
+    println!("bench-footprint (benchmark 4)");
     println!("{}", scale::machine());
     let started = Instant::now();
     let cp = common::cluster::control_plane();

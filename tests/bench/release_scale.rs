@@ -1,4 +1,4 @@
-//! Benchmark 3 (issue 7): the release phase at scale, against the seed's
+//! Benchmark 3: the release phase at scale, against the upstream fix's
 //! procedure run as a shell hook would run it.
 //!
 //!     cargo run --release --example bench-release -- --sizes 100,1000,5000
@@ -19,7 +19,7 @@
 //!   every `--poll-ms`). The worker's HTTP requests are counted from its own
 //!   log (kube-client's trace layer logs one `requesting` event per request,
 //!   retries included), split into the tenant API and the management API.
-//! - **baseline**: the seed's Step 1b as a hook runs it, each step a
+//! - **baseline**: the upstream fix's Step 1b (docs/design.md §0) as a hook runs it, each step a
 //!   `kubectl` process (the harness's kubectl): `get --raw /readyz`,
 //!   `get pv -o name` (what to wait for), `delete pvc --all -A --wait=false`,
 //!   `get pods -A -o json` matched in code, one `delete pod --wait=false`
@@ -53,7 +53,7 @@ use scale::{BenchGate, Milestones, Observer, Requests, Workload, fmt_kinds, load
 use volume_gate::record::Phase;
 
 #[derive(Parser, Debug)]
-#[command(about = "Benchmark 3: release at scale, gate vs the seed's kubectl hook")]
+#[command(about = "Benchmark 3: release at scale, gate vs the upstream fix's kubectl hook")]
 struct Args {
     /// Claims per tenant, comma-separated.
     #[arg(long, value_delimiter = ',', default_value = "100,1000,5000")]
@@ -100,7 +100,7 @@ struct BaselineRun {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = Args::parse();
-    println!("bench-release (issue 7, benchmark 3)");
+    println!("bench-release (benchmark 3)");
     println!("{}", scale::machine());
     println!("sizes {:?}, rounds up to {} (repeated only under {}s), create concurrency {}", args.sizes, args.rounds, args.repeat_under, args.create_concurrency);
 

@@ -1,4 +1,4 @@
-//! Shared pieces of the scale benchmarks (issue 7, benchmarks 3–5):
+//! Shared pieces of the scale benchmarks (benchmarks 3–5):
 //! the gate installed as the fixture installs it but with worker flags and
 //! request tracing of our choosing, per-request accounting from the worker's
 //! own log, process memory from /proc, workloads of many claims, and small

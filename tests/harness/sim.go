@@ -47,7 +47,7 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 )
 
-// Cozystack names (DESIGN.md §1).
+// Cozystack names (`docs/design.md` §1).
 const (
 	labelAppKind       = "apps.cozystack.io/application.kind"
 	labelAppGroup      = "apps.cozystack.io/application.group"

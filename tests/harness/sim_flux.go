@@ -21,7 +21,7 @@ import (
 )
 
 // flux stands in for Flux's helm-controller when a HelmRelease is deleted,
-// and for the tenant chart's pre-delete hook (DESIGN.md §1): a parent
+// and for the tenant chart's pre-delete hook (`docs/design.md` §1): a parent
 // release runs the hook, in order, with its failure rules; a failed hook
 // fails the uninstall, which is retried after an exponential backoff, the
 // whole hook again. Any other release (suspended, or not a tenant) is

@@ -16,7 +16,7 @@ pub fn now(offset_secs: i32) -> jiff::Timestamp {
 }
 
 /// Invariant checks that found something already reported in
-/// RELIABILITY-fuzz.md are skipped unless `VG_FUZZ_KNOWN` names them
+/// `docs/fuzzing.md` are skipped unless `VG_FUZZ_KNOWN` names them
 /// (`VG_FUZZ_KNOWN=F3`, `VG_FUZZ_KNOWN=F1,F5`, or `1` for all), so a run
 /// keeps looking for new findings instead of stopping at a known one.
 pub fn check_known(id: &str) -> bool {

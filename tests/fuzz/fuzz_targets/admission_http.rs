@@ -13,7 +13,7 @@
 //! - an undecodable, oversized, truncated or non-JSON body (F7) is never
 //!   allowed (HTTP 200
 //!   when a uid was found, else the error status);
-//! - /validate's verdict equals DESIGN.md §4's table computed here from the
+//! - /validate's verdict equals `docs/design.md` §4's table computed here from the
 //!   stand-in's state; an allow of a dependent rests on a parent read made
 //!   for this request, and an allow "not in teardown" on a namespace read;
 //!   any API error is a denial;
@@ -40,7 +40,8 @@ use serde_json::{Value, json};
 use tower::ServiceExt;
 use volume_gate::admission::decide::{self, Change, Requester, Target, UpdateVerdict};
 use volume_gate::admission::review;
-use volume_gate::admission::server::{DEFAULT_MAX_BODY_BYTES, Gate, router};
+use volume_gate::admission::{Gate, router};
+use volume_gate::args::DEFAULT_MAX_BODY_BYTES;
 use volume_gate::metrics::Metrics;
 use volume_gate::profile::Profile;
 use volume_gate::record::{Keys, Record};
@@ -291,7 +292,7 @@ fn run(facts: &Facts, body: &[u8], endpoint: &str) {
     }
 }
 
-/// DESIGN.md §4, from the stand-in's state.
+/// `docs/design.md` §4, from the stand-in's state.
 fn check_validate(
     facts: &Facts,
     req: &AdmissionRequest<DynamicObject>,

@@ -11,7 +11,7 @@
 //!   and carries the uid decode found (or "");
 //! - decode ok: the uid is non-empty and the envelope was v1;
 //! - DELETE (and a relabelling UPDATE, judged as a delete): the verdict equals
-//!   DESIGN.md §4's table, computed independently here (allow only when the
+//!   `docs/design.md` §4's table, computed independently here (allow only when the
 //!   target is unrelated; the parent is absent, with a warning; the record is
 //!   done; the parent is in custody (parent target); or a child/guarded
 //!   object outside teardown with the namespace read) — for the fuzzer's facts
@@ -172,7 +172,7 @@ fn run(facts: &Facts, body: &[u8]) {
     }
 }
 
-/// DESIGN.md §4 for a child/guarded/CSI dependent, computed independently.
+/// `docs/design.md` §4 for a child/guarded/CSI dependent, computed independently.
 fn expected_dependent(target: &Target, parent: Option<&ParentFacts>) -> bool {
     let Some(p) = parent else { return true };
     if p.record.is_done() {
@@ -316,7 +316,7 @@ fn judge_parent_write(
     if let UpdateVerdict::Final(Verdict::Deny { reason: "stamp-forged", message, .. }) = &verdict {
         let client_forged = override_of(old_view.as_ref()) == override_of(Some(&new_view))
             && stamps_of(old_view.as_ref()) != stamps_of(Some(&new_view));
-        // A known finding (RELIABILITY-fuzz.md F1): mutate looks only at the
+        // A known finding (`docs/fuzzing.md` F1): mutate looks only at the
         // new labels, the guard at old or new, so a worker write that drops
         // the parent labels and changes the override is never stamped.
         let known_f1 = !PROFILE.is_parent(&new_view.labels) && who.is_worker && !common::check_known("F1");

@@ -1,0 +1,435 @@
+//! The gate: gathers the facts a decision needs (fresh reads of the parent,
+//! its namespace, a SubjectAccessReview) and hands them to the pure
+//! decisions of [`super::decide`]. It only reads: admission has no side
+//! effects (`docs/design.md` §2).
+
+use std::sync::Arc;
+
+use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, ApiResource, PostParams};
+use kube::core::admission::Operation;
+use kube::core::{DynamicObject, PartialObjectMeta};
+
+use super::decide::{
+    self, Change, ObjectMetaView, ParentFacts, Requester, Subject, Target, UpdateVerdict, Verdict, cannot_judge, classify,
+};
+use super::review;
+use crate::metrics::Metrics;
+use crate::profile::Profile;
+use crate::record::Keys;
+
+/// Everything a decision needs besides the request.
+pub struct Gate {
+    pub profile: Profile,
+    pub keys: Keys,
+    pub worker_identity: String,
+    pub client: kube::Client,
+    pub metrics: Arc<Metrics>,
+    parent_resource: ApiResource,
+}
+
+impl Gate {
+    pub fn new(profile: Profile, worker_identity: String, client: kube::Client, metrics: Arc<Metrics>) -> Self {
+        let parent_resource = profile.parent_resource();
+        Self { keys: Keys::new(&profile.annotation_prefix), profile, worker_identity, client, metrics, parent_resource }
+    }
+
+    fn requester<'a>(&self, req: &'a review::Request) -> Requester<'a> {
+        let username = req.user_info.username.as_deref().unwrap_or("");
+        Requester { username, is_worker: !username.is_empty() && username == self.worker_identity }
+    }
+
+    /// The parent as it is now in the API server: a GET, never a cache, so an
+    /// allow never rests on a view that has not seen a deletion yet.
+    async fn read_parent(&self, namespace: &str, tenant: &str) -> Result<Option<ParentFacts>, kube::Error> {
+        let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), namespace, &self.parent_resource);
+        self.metrics.api_reads.inc();
+        let Some(meta) = api.get_metadata_opt(tenant).await? else {
+            return Ok(None);
+        };
+        Ok(self.parent_facts(namespace, tenant, &meta))
+    }
+
+    fn parent_facts(&self, namespace: &str, tenant: &str, meta: &PartialObjectMeta<DynamicObject>) -> Option<ParentFacts> {
+        let m = &meta.metadata;
+        let view = ObjectMetaView {
+            namespace: namespace.to_string(),
+            name: tenant.to_string(),
+            labels: m.labels.clone().unwrap_or_default(),
+            annotations: m.annotations.clone().unwrap_or_default(),
+            finalizers: m.finalizers.clone().unwrap_or_default(),
+            deleting: m.deletion_timestamp.is_some(),
+        };
+        self.profile.is_parent(&view.labels).then(|| ParentFacts::of(&self.profile, &self.keys, tenant, &view))
+    }
+
+    async fn namespace_deleting(&self, namespace: &str) -> Result<bool, kube::Error> {
+        let api: Api<Namespace> = Api::all(self.client.clone());
+        self.metrics.api_reads.inc();
+        Ok(api.get_metadata_opt(namespace).await?.is_none_or(|ns| ns.metadata.deletion_timestamp.is_some()))
+    }
+
+    /// The validating decision for one request.
+    pub async fn validate(&self, req: &review::Request) -> (Target, Verdict) {
+        let kind = review::group_kind(req);
+        let namespace = req.namespace.as_deref().unwrap_or("");
+        let name = review::request_name(req);
+        match req.operation {
+            Operation::Delete => {
+                if name.is_empty() {
+                    return (Target::Unrelated, cannot_judge(format!("DELETE of {kind} in namespace {namespace:?} names no object")));
+                }
+                let Some(old) = req.old_object.as_ref() else {
+                    // Without the object its labels are unknown: never guess.
+                    let target = classify(&self.profile, &kind, name, &Default::default());
+                    return (target, cannot_judge(format!("DELETE of {kind} {namespace}/{name} carries no oldObject")));
+                };
+                let labels = review::labels_of(Some(old));
+                let subject = Subject { kind: &kind, namespace, name, action: "delete" };
+                let mut judged = Vec::new();
+                let ids = decide::identities(&self.profile, &kind, name, &labels);
+                for target in decide::with_release_identity(ids, namespace, self.release_of(namespace, Some(old))) {
+                    let verdict = match &target {
+                        Target::Parent { tenant } => {
+                            let view = review::meta_view(old, namespace, name);
+                            let facts = ParentFacts::of(&self.profile, &self.keys, tenant, &view);
+                            decide::decide_parent_delete(&self.profile, subject, &facts)
+                        }
+                        Target::CsiRelease { tenant } | Target::Child { tenant } | Target::Guarded { tenant, .. } => {
+                            let tenant = tenant.clone();
+                            self.decide_dependent(&target, subject, namespace, &tenant).await
+                        }
+                        Target::ReleaseObject { tenant, namespace: parent_namespace } => {
+                            let (tenant, parent_namespace) = (tenant.clone(), parent_namespace.clone());
+                            self.decide_dependent(&target, subject, &parent_namespace, &tenant).await
+                        }
+                        Target::Unrelated => Verdict::allow("unrelated"),
+                    };
+                    judged.push((target, verdict));
+                }
+                strictest_of(judged)
+            }
+            Operation::Create | Operation::Update => {
+                let mut judged = Vec::new();
+                // A change of what the object is: judged like the delete it enables.
+                if req.operation == Operation::Update {
+                    let old = review::labels_of(req.old_object.as_ref());
+                    let new = review::labels_of(req.object.as_ref());
+                    let subject = Subject { kind: &kind, namespace, name, action: "relabel" };
+                    for target in decide::relabel_targets(&self.profile, &kind, name, &old, &new) {
+                        let tenant = target.tenant().expect("a dependent has a tenant").to_string();
+                        let verdict = self.decide_dependent(&target, subject, namespace, &tenant).await;
+                        judged.push((target, verdict));
+                    }
+                    // Taken out of (or put into) a parent release: judged as
+                    // the delete of an object of each release concerned.
+                    let (before, after) = (self.release_of(namespace, req.old_object.as_ref()), self.release_of(namespace, req.object.as_ref()));
+                    if before != after {
+                        for (parent_namespace, tenant) in before.into_iter().chain(after) {
+                            let target = Target::ReleaseObject { tenant: tenant.clone(), namespace: parent_namespace.clone() };
+                            let verdict = self.decide_dependent(&target, subject, &parent_namespace, &tenant).await;
+                            judged.push((target, verdict));
+                        }
+                    }
+                }
+                if kind == self.profile.parent_kind() {
+                    judged.push(self.guard_release(req, &kind, namespace, name).await);
+                }
+                strictest_of(judged)
+            }
+            _ => (Target::Unrelated, Verdict::allow("unrelated")),
+        }
+    }
+
+    /// The parent release `obj` belongs to, `(namespace, release)`.
+    fn release_of(&self, namespace: &str, obj: Option<&review::Object>) -> Option<(String, String)> {
+        let view = review::meta_view(obj?, namespace, "");
+        decide::release_of(&self.profile, namespace, &view.labels, &view.annotations)
+    }
+
+    /// The guards on CREATE/UPDATE of a release: record, override, custody.
+    async fn guard_release(&self, req: &review::Request, kind: &crate::profile::GroupKind, namespace: &str, name: &str) -> (Target, Verdict) {
+        let Some(new) = req.object.as_ref() else {
+            return (Target::Unrelated, cannot_judge(format!("{kind} {namespace}/{name} carries no object")));
+        };
+        let new_view = review::meta_view(new, namespace, name);
+        let old_view = req.old_object.as_ref().map(|o| review::meta_view(o, namespace, name));
+        let target = classify(&self.profile, kind, &new_view.name, &new_view.labels);
+        let who = self.requester(req);
+        let change = Change { old: old_view.as_ref(), new: &new_view };
+        let verdict = match decide::guard_update(&self.profile, &self.keys, change, who, jiff::Timestamp::now()) {
+            UpdateVerdict::Final(v) => v,
+            UpdateVerdict::NeedsOverridePermission { namespace, tenant } => self.check_override_permission(req, &namespace, &tenant).await,
+        };
+        (target, verdict)
+    }
+
+    async fn decide_dependent(&self, target: &Target, subject: Subject<'_>, namespace: &str, tenant: &str) -> Verdict {
+        // Both go into URL paths: a '/' would read some other object (and a
+        // 404 there reads as "no parent"). The API server never sends such
+        // names; a forged review gets a refusal (found by fuzzing).
+        if !is_object_name(namespace) || !is_object_name(tenant) {
+            return cannot_judge(format!(
+                "refusing to {} {subject}: {namespace:?}/{tenant:?} is not a namespace and name the API server would send",
+                subject.action
+            ));
+        }
+        let mut parent = match self.read_parent(namespace, tenant).await {
+            Ok(p) => p,
+            Err(e) => {
+                return cannot_judge(format!("refusing to {} {subject}: cannot read tenant {namespace}/{tenant}: {e}", subject.action));
+            }
+        };
+        if let Some(p) = parent.as_mut().filter(|p| decide::needs_namespace(target, p)) {
+            match self.namespace_deleting(namespace).await {
+                Ok(deleting) => p.namespace_deleting = Some(deleting),
+                Err(e) => {
+                    return cannot_judge(format!("refusing to {} {subject}: cannot read namespace {namespace}: {e}", subject.action));
+                }
+            }
+        }
+        decide::decide_dependent_delete(&self.profile, target, subject, parent.as_ref())
+    }
+
+    async fn check_override_permission(&self, req: &review::Request, namespace: &str, tenant: &str) -> Verdict {
+        let u = &req.user_info;
+        let username = u.username.clone().unwrap_or_default();
+        let p = &self.profile.override_permission;
+        let sar = SubjectAccessReview {
+            spec: SubjectAccessReviewSpec {
+                user: u.username.clone(),
+                groups: u.groups.clone(),
+                uid: u.uid.clone(),
+                extra: u.extra.clone(),
+                resource_attributes: Some(ResourceAttributes {
+                    namespace: Some(namespace.to_string()),
+                    name: Some(tenant.to_string()),
+                    group: Some(p.group.clone()),
+                    resource: Some(p.resource.clone()),
+                    verb: Some(p.verb.clone()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
+        let api: Api<SubjectAccessReview> = Api::all(self.client.clone());
+        self.metrics.api_reads.inc();
+        match api.create(&PostParams::default(), &sar).await {
+            Ok(done) => {
+                let status = done.status.unwrap_or_default();
+                if status.allowed && !status.denied.unwrap_or(false) {
+                    Verdict::allow("override-authorized")
+                } else {
+                    decide::override_refused(&self.profile, &username, namespace, tenant, status.reason.as_deref().unwrap_or(""))
+                }
+            }
+            Err(e) => cannot_judge(format!(
+                "cannot check whether {username} may record an override on {namespace}/{tenant} (SubjectAccessReview failed: {e})"
+            )),
+        }
+    }
+
+    /// The mutating answer for one request: a verdict and its patch.
+    pub fn mutate(&self, req: &review::Request) -> (Target, Verdict, Option<json_patch::Patch>) {
+        let kind = review::group_kind(req);
+        let namespace = req.namespace.as_deref().unwrap_or("");
+        if !matches!(req.operation, Operation::Create | Operation::Update) || kind != self.profile.parent_kind() {
+            return (Target::Unrelated, Verdict::allow("unrelated"), None);
+        }
+        let Some(new) = req.object.as_ref() else {
+            return (Target::Unrelated, cannot_judge(format!("{kind} {namespace}/{} carries no object", review::request_name(req))), None);
+        };
+        let name = review::request_name(req);
+        let new_view = review::meta_view(new, namespace, name);
+        let old_view = req.old_object.as_ref().map(|o| review::meta_view(o, namespace, name));
+        let target = classify(&self.profile, &kind, &new_view.name, &new_view.labels);
+        let change = Change { old: old_view.as_ref(), new: &new_view };
+        let mutations = decide::mutate(&self.profile, &self.keys, change, self.requester(req), jiff::Timestamp::now());
+        let reason = if mutations.is_empty() { "unchanged" } else { "mutated" };
+        let patch = decide::to_json_patch(&self.profile, &self.keys, &mutations);
+        (target, Verdict::allow(reason), Some(patch))
+    }
+}
+
+/// The strictest verdict of those an object's identities got, with the
+/// identity that earned it (the first one when all allow).
+fn strictest_of(judged: Vec<(Target, Verdict)>) -> (Target, Verdict) {
+    let target = judged
+        .iter()
+        .find(|(_, v)| !v.allowed())
+        .or(judged.first())
+        .map_or(Target::Unrelated, |(t, _)| t.clone());
+    (target, decide::strictest(judged.into_iter().map(|(_, v)| v).collect()))
+}
+
+/// A DNS-1123 subdomain, what Kubernetes allows as a namespace or object
+/// name (and so safe in a URL path).
+fn is_object_name(s: &str) -> bool {
+    !s.is_empty() && s.len() <= 253 && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+}
+
+/// The gate's read paths against a scripted API server: what it reads, and
+/// that every failed read is a refusal.
+#[cfg(test)]
+mod tests {
+    use serde_json::{Value, json};
+
+    use super::*;
+    use crate::testing::{FakeApi, partial_metadata};
+
+    const WORKER: &str = "system:serviceaccount:volume-gate:volume-gate-worker";
+    const NS: &str = "tenant-a";
+    const PARENT: &str = "/apis/helm.toolkit.fluxcd.io/v2/namespaces/tenant-a/helmreleases/kubernetes-a";
+    const NAMESPACE: &str = "/api/v1/namespaces/tenant-a";
+    const SAR: &str = "/apis/authorization.k8s.io/v1/subjectaccessreviews";
+
+    fn gate(api: &Arc<FakeApi>) -> Gate {
+        Gate::new(Profile::cozystack(), WORKER.into(), api.client(), Metrics::new())
+    }
+
+    fn review(operation: &str, object: Option<Value>, old: Option<Value>, name: &str, user: &str) -> review::Request {
+        let kind = json!({"group": "helm.toolkit.fluxcd.io", "version": "v2", "kind": "HelmRelease"});
+        let body = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": "u-1", "kind": kind, "resource": {"group": "helm.toolkit.fluxcd.io", "version": "v2", "resource": "helmreleases"},
+            "name": name, "namespace": NS, "operation": operation, "userInfo": {"username": user},
+            "object": object, "oldObject": old, "dryRun": false}});
+        review::decode(&serde_json::to_vec(&body).unwrap()).expect("a valid review")
+    }
+
+    fn release(name: &str, labels: Value, annotations: Value) -> Value {
+        json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
+               "metadata": {"name": name, "namespace": NS, "labels": labels, "annotations": annotations}})
+    }
+
+    fn parent_labels() -> Value {
+        json!({"apps.cozystack.io/application.kind": "Kubernetes", "apps.cozystack.io/application.group": "apps.cozystack.io"})
+    }
+
+    fn child_delete(name: &str) -> review::Request {
+        let old = release(name, json!({"cozystack.io/target-cluster-name": "kubernetes-a"}), json!({}));
+        review("DELETE", None, Some(old), name, "flux")
+    }
+
+    /// The parent as a metadata read returns it.
+    fn parent(deleting: bool, annotations: Value) -> Value {
+        let mut meta = json!({"name": "kubernetes-a", "namespace": NS, "labels": parent_labels(),
+                              "annotations": annotations, "finalizers": ["volumes.cozystack.io/release"]});
+        if deleting {
+            meta["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        }
+        partial_metadata(meta)
+    }
+
+    fn reads(api: &FakeApi) -> Vec<String> {
+        api.calls().iter().map(|c| c.line()).collect()
+    }
+
+    #[tokio::test]
+    async fn a_child_outside_teardown_is_allowed_only_after_reading_the_parent_and_its_namespace() {
+        let api = FakeApi::new();
+        api.get(PARENT, parent(false, json!({})));
+        api.get(NAMESPACE, partial_metadata(json!({"name": NS})));
+        let (target, verdict) = gate(&api).validate(&child_delete("kubernetes-a-coredns")).await;
+        assert_eq!(target, Target::Child { tenant: "kubernetes-a".into() });
+        assert_eq!(verdict, Verdict::allow("not-in-teardown"));
+        assert_eq!(reads(&api), [format!("GET {PARENT}"), format!("GET {NAMESPACE}")]);
+    }
+
+    #[tokio::test]
+    async fn a_child_in_a_deleting_namespace_is_refused_naming_the_tenant() {
+        let api = FakeApi::new();
+        api.get(PARENT, parent(false, json!({})));
+        api.get(NAMESPACE, partial_metadata(json!({"name": NS, "deletionTimestamp": "2026-01-01T00:00:00Z"})));
+        let (_, verdict) = gate(&api).validate(&child_delete("kubernetes-a-coredns")).await;
+        let Verdict::Deny { reason, message, .. } = verdict else { panic!("allowed") };
+        assert_eq!(reason, "teardown-held");
+        assert!(message.contains("tenant kubernetes-a in namespace tenant-a is being torn down"), "{message}");
+    }
+
+    #[tokio::test]
+    async fn a_failed_parent_read_is_a_refusal_and_nothing_more_is_read() {
+        let api = FakeApi::new();
+        api.fail("GET", PARENT, 500);
+        let (_, verdict) = gate(&api).validate(&child_delete("kubernetes-a-csi")).await;
+        let Verdict::Deny { message, .. } = verdict else { panic!("allowed on a failed read") };
+        assert!(message.contains("cannot read tenant tenant-a/kubernetes-a"), "{message}");
+        assert_eq!(reads(&api), [format!("GET {PARENT}")]);
+    }
+
+    #[tokio::test]
+    async fn a_failed_namespace_read_is_a_refusal() {
+        let api = FakeApi::new();
+        api.get(PARENT, parent(false, json!({})));
+        api.fail("GET", NAMESPACE, 503);
+        let (_, verdict) = gate(&api).validate(&child_delete("kubernetes-a-coredns")).await;
+        let Verdict::Deny { message, .. } = verdict else { panic!("allowed on a failed read") };
+        assert!(message.contains("cannot read namespace tenant-a"), "{message}");
+    }
+
+    #[tokio::test]
+    async fn the_csi_release_is_refused_until_done_and_allowed_after_without_a_namespace_read() {
+        let api = FakeApi::new();
+        api.get(PARENT, parent(true, json!({"volumes.cozystack.io/phase": "Releasing"})));
+        let (_, verdict) = gate(&api).validate(&child_delete("kubernetes-a-csi")).await;
+        assert_eq!(verdict.reason(), "csi-release-held");
+        api.get(PARENT, parent(true, json!({"volumes.cozystack.io/phase": "Released"})));
+        let (_, verdict) = gate(&api).validate(&child_delete("kubernetes-a-csi")).await;
+        assert_eq!(verdict, Verdict::allow("done"));
+        assert!(api.calls_to("GET", NAMESPACE).is_empty(), "{:?}", reads(&api));
+    }
+
+    #[tokio::test]
+    async fn a_child_without_a_parent_is_allowed_with_a_warning() {
+        let api = FakeApi::new();
+        let (_, verdict) = gate(&api).validate(&child_delete("kubernetes-a-csi")).await;
+        let Verdict::Allow { reason, warnings } = verdict else { panic!("refused") };
+        assert_eq!(reason, "parent-absent");
+        assert!(warnings[0].contains("tenant kubernetes-a has no parent release"), "{warnings:?}");
+    }
+
+    #[tokio::test]
+    async fn a_parent_delete_is_judged_from_the_review_alone() {
+        let api = FakeApi::new();
+        let mut old = release("kubernetes-a", parent_labels(), json!({}));
+        old["metadata"]["finalizers"] = json!(["volumes.cozystack.io/release"]);
+        let (target, verdict) = gate(&api).validate(&review("DELETE", None, Some(old), "kubernetes-a", "alice")).await;
+        assert_eq!(target, Target::Parent { tenant: "kubernetes-a".into() });
+        assert!(verdict.allowed());
+        assert!(api.calls().is_empty(), "{:?}", reads(&api));
+    }
+
+    /// An override by a person: allowed only when a SubjectAccessReview
+    /// made for this request allows it; a failed review is a refusal.
+    #[tokio::test]
+    async fn an_override_rests_on_a_subject_access_review() {
+        let old = release("kubernetes-a", parent_labels(), json!({}));
+        let new = release("kubernetes-a", parent_labels(), json!({
+            "volumes.cozystack.io/override": "abandoned",
+            "volumes.cozystack.io/override-by": "alice",
+            "volumes.cozystack.io/override-at": crate::record::now_rfc3339(),
+        }));
+        let req = review("UPDATE", Some(new), Some(old), "kubernetes-a", "alice");
+        for (status, body, allowed) in [
+            (201, json!({"status": {"allowed": true}}), true),
+            (201, json!({"status": {"allowed": false, "reason": "no RBAC"}}), false),
+            (201, json!({"status": {"allowed": true, "denied": true}}), false),
+            (500, crate::testing::status_body(500), false),
+        ] {
+            let api = FakeApi::new();
+            let mut sar = body.clone();
+            sar["apiVersion"] = json!("authorization.k8s.io/v1");
+            sar["kind"] = json!("SubjectAccessReview");
+            sar["spec"] = json!({});
+            api.on("POST", SAR, status, if status == 201 { sar } else { body.clone() });
+            let (_, verdict) = gate(&api).validate(&req).await;
+            assert_eq!(verdict.allowed(), allowed, "{status} {body}: {verdict:?}");
+            let calls = api.calls_to("POST", SAR);
+            assert_eq!(calls.len(), 1);
+            let attrs = &calls[0].body["spec"]["resourceAttributes"];
+            assert_eq!((attrs["verb"].as_str(), attrs["name"].as_str()), (Some("override"), Some("kubernetes-a")), "{attrs}");
+            assert_eq!(calls[0].body["spec"]["user"], "alice");
+        }
+    }
+}

@@ -1,0 +1,114 @@
+//! Command-line arguments of the two long-running roles, and the one
+//! duration parser they share.
+
+use std::net::SocketAddr;
+use std::path::PathBuf;
+use std::time::Duration;
+
+/// AdmissionReview bodies larger than this are refused (the API server's own
+/// request limit is 3 MiB).
+pub const DEFAULT_MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
+/// The worker's username as the shipped manifests name its ServiceAccount.
+pub const DEFAULT_WORKER_IDENTITY: &str = "system:serviceaccount:volume-gate:volume-gate-worker";
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct WebhookArgs {
+    /// HTTPS address for admission reviews.
+    #[arg(long, default_value = "0.0.0.0:8443", env = "VOLUME_GATE_LISTEN")]
+    pub listen: SocketAddr,
+    /// Plain-HTTP address for /healthz, /readyz and /metrics.
+    #[arg(long, default_value = "0.0.0.0:8080", env = "VOLUME_GATE_ADMIN_LISTEN")]
+    pub admin_listen: SocketAddr,
+    /// Serving certificate (PEM); reloaded when it changes.
+    #[arg(long, default_value = "/etc/volume-gate/tls/tls.crt")]
+    pub tls_cert: PathBuf,
+    /// Serving key (PEM); reloaded when it changes.
+    #[arg(long, default_value = "/etc/volume-gate/tls/tls.key")]
+    pub tls_key: PathBuf,
+    /// How often to re-read the certificate and key.
+    #[arg(long, default_value = "5s", value_parser = parse_duration)]
+    pub cert_reload_interval: Duration,
+    /// Platform profile (YAML); Cozystack when absent.
+    #[arg(long, env = "VOLUME_GATE_PROFILE")]
+    pub profile: Option<PathBuf>,
+    /// The worker's username: the only identity that writes the record and
+    /// removes the custody finalizer.
+    #[arg(long, default_value = DEFAULT_WORKER_IDENTITY, env = "VOLUME_GATE_WORKER_IDENTITY")]
+    pub worker_identity: String,
+    /// AdmissionReview bodies larger than this are refused.
+    #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
+    pub max_body_bytes: usize,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct WorkerArgs {
+    /// Plain-HTTP address for /healthz, /readyz and /metrics.
+    #[arg(long, default_value = "0.0.0.0:8080", env = "VOLUME_GATE_ADMIN_LISTEN")]
+    pub admin_listen: SocketAddr,
+    /// Platform profile (YAML); Cozystack when absent.
+    #[arg(long, env = "VOLUME_GATE_PROFILE")]
+    pub profile: Option<PathBuf>,
+    /// At most this many tenants are released at once.
+    #[arg(long, default_value_t = 4)]
+    pub max_concurrent_releases: usize,
+    /// Bound on the tenant /readyz probe.
+    #[arg(long, default_value = "10s", value_parser = parse_duration)]
+    pub probe_timeout: Duration,
+    /// How long one pass waits for the PVs to be gone before Blocked.
+    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    pub wait_bound: Duration,
+    /// First retry delay after Blocked; doubles up to --retry-max.
+    #[arg(long, default_value = "30s", value_parser = parse_duration)]
+    pub retry_base: Duration,
+    #[arg(long, default_value = "10m", value_parser = parse_duration)]
+    pub retry_max: Duration,
+    /// Lease for leader election, in the worker's namespace.
+    #[arg(long, default_value = "volume-gate-worker")]
+    pub lease_name: String,
+    #[arg(long, env = "POD_NAMESPACE", default_value = "volume-gate")]
+    pub lease_namespace: String,
+    #[arg(long, default_value = "15s", value_parser = parse_duration)]
+    pub lease_duration: Duration,
+    /// This replica's identity in the Lease (the Pod name in a cluster).
+    #[arg(long, env = "POD_NAME")]
+    pub identity: Option<String>,
+    /// Only watch parents in this namespace (tests); all namespaces when absent.
+    #[arg(long)]
+    pub namespace: Option<String>,
+}
+
+/// A duration as operators write it: `500ms`, `10s`, `5m`, `1h30m`, or a bare
+/// number of seconds. Parsed by jiff's friendly format, so an absurd value
+/// (`99999999999999999999h`) is an error naming the input, never a panic.
+pub fn parse_duration(s: &str) -> Result<Duration, String> {
+    let s = s.trim();
+    let text = if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) { format!("{s}s") } else { s.to_string() };
+    let signed: jiff::SignedDuration =
+        text.parse().map_err(|e| format!("{s:?} is not a duration like 500ms, 10s, 5m or 1h30m: {e}"))?;
+    Duration::try_from(signed).map_err(|_| format!("{s:?}: a duration must not be negative"))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn durations_parse_with_units() {
+        assert_eq!(parse_duration("500ms").unwrap(), Duration::from_millis(500));
+        assert_eq!(parse_duration("10s").unwrap(), Duration::from_secs(10));
+        assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
+        assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5400));
+        assert_eq!(parse_duration("3").unwrap(), Duration::from_secs(3));
+        assert!(parse_duration("ten").unwrap_err().contains("ten"));
+        assert!(parse_duration("").is_err());
+        assert!(parse_duration("5d").is_err(), "days are not a fixed length");
+    }
+
+    #[test]
+    fn absurd_or_negative_durations_are_errors_not_panics() {
+        let e = parse_duration("99999999999999999999h").unwrap_err();
+        assert!(e.contains("99999999999999999999h"), "{e}");
+        assert!(parse_duration("-5s").is_err());
+        assert!(parse_duration("1e400s").is_err());
+    }
+}

@@ -1,0 +1,252 @@
+//! The worker's shared state, and its writes to the management API: the
+//! record, Events, the custody finalizer, the cluster binding.
+
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex};
+
+use k8s_openapi::api::core::v1::Namespace;
+use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams};
+use kube::core::PartialObjectMeta;
+use kube::runtime::controller::Action;
+use kube::runtime::events::{Event, EventType, Recorder, Reporter};
+use kube::runtime::reflector::{ObjectRef, Store};
+use kube::ResourceExt;
+use tokio::sync::Semaphore;
+use tokio::time::Instant;
+use tracing::{debug, info, warn};
+
+use super::{Settings, TenantRef, custody, identity, tenant};
+use crate::metrics::{Metrics, OutcomeLabels, PhaseLabels};
+use crate::profile::Profile;
+use crate::record::{Keys, Phase, Record, Update, now_rfc3339, one_line, shorten};
+
+/// A parent release as the worker watches it: metadata only.
+pub type ParentMeta = PartialObjectMeta<DynamicObject>;
+
+/// When a tenant's next pass may start, and how many have failed in a row.
+#[derive(Clone, Copy)]
+pub(crate) struct Retry {
+    pub at: Instant,
+    pub attempts: u32,
+}
+
+pub struct Context {
+    pub client: kube::Client,
+    pub profile: Profile,
+    pub keys: Keys,
+    pub metrics: Arc<Metrics>,
+    pub settings: Settings,
+    recorder: Recorder,
+    pub(crate) parent_resource: ApiResource,
+    pub(crate) parents: Store<ParentMeta>,
+    namespaces: Store<PartialObjectMeta<Namespace>>,
+    pub(crate) slots: Arc<Semaphore>,
+    /// The running phase task of each tenant.
+    pub(crate) running: Mutex<HashMap<TenantRef, tokio::task::JoinHandle<()>>>,
+    pub(crate) retries: Mutex<HashMap<TenantRef, Retry>>,
+    /// Attempts to bind a tenant's cluster (see `bind_cluster`).
+    binds: Mutex<HashMap<TenantRef, u32>>,
+    /// When each tenant's phase started, for its duration.
+    pub(crate) phase_started: Mutex<HashMap<TenantRef, Instant>>,
+    /// Reconciles a tenant when its phase task ends.
+    trigger: tokio::sync::mpsc::UnboundedSender<ObjectRef<ParentMeta>>,
+}
+
+/// What a [`Context`] is made of besides its own bookkeeping.
+pub struct Parts {
+    pub client: kube::Client,
+    pub profile: Profile,
+    pub metrics: Arc<Metrics>,
+    pub settings: Settings,
+    pub max_concurrent: usize,
+    /// This replica's name in the Events it publishes.
+    pub identity: String,
+    pub parents: Store<ParentMeta>,
+    pub namespaces: Store<PartialObjectMeta<Namespace>>,
+    pub trigger: tokio::sync::mpsc::UnboundedSender<ObjectRef<ParentMeta>>,
+}
+
+impl Context {
+    pub fn new(p: Parts) -> Self {
+        let reporter = Reporter { controller: "volume-gate-worker".into(), instance: Some(p.identity) };
+        Context {
+            recorder: Recorder::new(p.client.clone(), reporter),
+            client: p.client,
+            keys: Keys::new(&p.profile.annotation_prefix),
+            parent_resource: p.profile.parent_resource(),
+            profile: p.profile,
+            metrics: p.metrics,
+            settings: p.settings,
+            parents: p.parents,
+            namespaces: p.namespaces,
+            slots: Arc::new(Semaphore::new(p.max_concurrent.max(1))),
+            running: Mutex::new(HashMap::new()),
+            retries: Mutex::new(HashMap::new()),
+            binds: Mutex::new(HashMap::new()),
+            phase_started: Mutex::new(HashMap::new()),
+            trigger: p.trigger,
+        }
+    }
+
+    /// The reference of tenant `t`'s parent in the controller's queue.
+    pub(crate) fn object_ref(&self, t: &TenantRef) -> ObjectRef<ParentMeta> {
+        ObjectRef::new_with(&t.name, self.parent_resource.clone()).within(&t.namespace)
+    }
+
+    /// Asks the controller to reconcile `t` again.
+    pub(crate) fn retrigger(&self, t: &TenantRef) {
+        let _ = self.trigger.send(self.object_ref(t));
+    }
+
+    fn parent_api(&self, namespace: &str) -> Api<DynamicObject> {
+        Api::namespaced_with(self.client.clone(), namespace, &self.parent_resource)
+    }
+
+    /// Writes worker-owned record keys with a merge patch that names only
+    /// them: other annotations, and anything a person set, stay untouched.
+    pub async fn write_record(&self, t: &TenantRef, update: &Update) -> Result<(), kube::Error> {
+        let patch = serde_json::json!({"metadata": {"annotations": update.annotations(&self.keys)}});
+        self.parent_api(&t.namespace).patch_metadata(&t.name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        Ok(())
+    }
+
+    /// The parent's record, read now, if a release pass should run on it:
+    /// `None` when the parent is gone, `Released`, overridden or out of
+    /// custody.
+    pub(crate) async fn fresh_record(&self, t: &TenantRef) -> Result<Option<Record>, kube::Error> {
+        let Some(parent) = self.parent_api(&t.namespace).get_metadata_opt(&t.name).await? else { return Ok(None) };
+        let record = Record::from_annotations(&self.keys, parent.annotations());
+        let in_custody = parent.finalizers().contains(&self.profile.custody_finalizer);
+        let done = record.phase == Some(Phase::Released) || record.stamped_override().is_some();
+        Ok((in_custody && !done).then_some(record))
+    }
+
+    /// An Event on the parent; a failure to publish is logged, never fatal.
+    pub async fn event(&self, t: &TenantRef, warning: bool, reason: &str, note: String) {
+        let reference = self.parent_reference(t);
+        let ev = Event {
+            type_: if warning { EventType::Warning } else { EventType::Normal },
+            reason: reason.to_string(),
+            note: Some(shorten(&one_line(&note), 1000, "...")),
+            action: "ReleaseVolumes".into(),
+            secondary: None,
+        };
+        if let Err(e) = self.recorder.publish(&ev, &reference).await {
+            warn!(tenant = %t, reason, error = %e, "cannot publish event");
+        }
+        if warning {
+            warn!(tenant = %t, reason, note = %note, "event");
+        } else {
+            info!(tenant = %t, reason, note = %note, "event");
+        }
+    }
+
+    fn parent_reference(&self, t: &TenantRef) -> k8s_openapi::api::core::v1::ObjectReference {
+        let uid = self.parents.get(&self.object_ref(t)).and_then(|p| p.uid());
+        k8s_openapi::api::core::v1::ObjectReference {
+            api_version: Some(self.parent_resource.api_version.clone()),
+            kind: Some(self.parent_resource.kind.clone()),
+            namespace: Some(t.namespace.clone()),
+            name: Some(t.name.clone()),
+            uid,
+            ..Default::default()
+        }
+    }
+
+    /// Ends custody: removes the finalizer, guarded by a `test` of its index.
+    pub(crate) async fn end_custody(&self, t: &TenantRef, finalizers: &[String]) -> Result<(), kube::Error> {
+        let Some(patch) = custody::remove_finalizer_patch(finalizers, &self.profile.custody_finalizer) else { return Ok(()) };
+        let api = self.parent_api(&t.namespace);
+        match api.patch_metadata(&t.name, &PatchParams::default(), &Patch::<()>::Json(patch)).await {
+            Ok(_) => {
+                info!(tenant = %t, "custody ended: finalizer removed");
+                Ok(())
+            }
+            // The `test` failed: the finalizers changed since the store saw
+            // them, typically because this worker already removed its own
+            // (the store lags the write). Done if it is gone now; otherwise
+            // the reconcile runs again on the fresh list.
+            Err(kube::Error::Api(s)) if s.code == 422 || s.code == 404 => {
+                let now = api.get_metadata_opt(&t.name).await?;
+                match now {
+                    Some(p) if p.finalizers().contains(&self.profile.custody_finalizer) => Err(kube::Error::Api(s)),
+                    _ => Ok(()),
+                }
+            }
+            Err(e) => Err(e),
+        }
+    }
+
+    /// Takes custody of a parent that is not being deleted.
+    pub(crate) async fn take_custody(&self, t: &TenantRef, meta: &ParentMeta) -> Result<(), kube::Error> {
+        let rv = meta.resource_version().unwrap_or_default();
+        let patch = custody::add_finalizer_patch(meta.finalizers(), &rv, &self.profile.custody_finalizer);
+        self.parent_api(&t.namespace).patch_metadata(&t.name, &PatchParams::default(), &Patch::<()>::Json(patch)).await?;
+        Ok(())
+    }
+
+    /// Binds the tenant to the cluster its admin kubeconfig reaches now,
+    /// while nothing is at stake, so a release pass can tell when the Secret
+    /// was later made to point elsewhere. A tenant whose kubeconfig or API
+    /// is not there yet (Kamaji is still building it) is tried again with
+    /// backoff.
+    pub(crate) async fn bind_cluster(&self, t: &TenantRef) -> Result<Action, kube::Error> {
+        let s = &self.settings;
+        let observed = match tenant::connect(&self.client, &self.profile, &t.namespace, &t.name, s.request_timeout).await {
+            Ok(api) => identity::observe(&api, s.probe_timeout, &now_rfc3339()).await,
+            Err(e) => Err(e),
+        };
+        match observed {
+            Ok(id) => {
+                self.write_record(t, &Update { cluster: Some(id.clone()), ..Default::default() }).await?;
+                self.binds.lock().expect("lock").remove(t);
+                self.event(t, false, "ClusterBound", format!("tenant cluster bound: {}; every release pass checks that the admin kubeconfig still reaches it", id.describe())).await;
+                Ok(Action::await_change())
+            }
+            Err(e) => {
+                let attempts = {
+                    let mut binds = self.binds.lock().expect("lock");
+                    let n = binds.entry(t.clone()).or_insert(0);
+                    *n += 1;
+                    *n
+                };
+                let delay = s.backoff(attempts);
+                debug!(tenant = %t, error = %e, attempts, retry_in = ?delay, "tenant cluster not bound yet");
+                Ok(Action::requeue(delay))
+            }
+        }
+    }
+
+    pub(crate) fn namespace_deleting(&self, namespace: &str) -> bool {
+        self.namespaces.get(&ObjectRef::new(namespace)).is_some_and(|n| n.metadata.deletion_timestamp.is_some())
+    }
+
+    /// Recounts tenants by phase. Only the phase annotation is parsed, and
+    /// an inventory only for the few Blocked or Overridden tenants: this runs
+    /// over every parent, so it must stay cheap with thousands of them.
+    pub(crate) fn refresh_phase_gauge(&self) {
+        let mut counts: HashMap<&'static str, i64> = HashMap::new();
+        let mut residue = 0i64;
+        for p in self.parents.state() {
+            let annotations = p.annotations();
+            let phase = annotations.get(&self.keys.phase).and_then(|v| v.parse::<Phase>().ok());
+            *counts.entry(phase.map_or("NotStarted", Phase::as_str)).or_default() += 1;
+            if matches!(phase, Some(Phase::Blocked | Phase::Overridden)) {
+                residue += Record::from_annotations(&self.keys, annotations).inventory.map_or(0, |i| i.left() as i64);
+            }
+        }
+        for phase in ["NotStarted", "Releasing", "Released", "Blocked", "Overridden"] {
+            self.metrics.tenants_by_phase.get_or_create(&PhaseLabels { phase: phase.into() }).set(*counts.get(phase).unwrap_or(&0));
+        }
+        self.metrics.residue_volumes.set(residue);
+    }
+
+    pub(crate) fn observe_outcome(&self, t: &TenantRef, outcome: &str) {
+        if let Some(started) = self.phase_started.lock().expect("lock").remove(t) {
+            self.metrics
+                .phase_seconds
+                .get_or_create(&OutcomeLabels { outcome: outcome.into() })
+                .observe(started.elapsed().as_secs_f64());
+        }
+    }
+}

@@ -1,0 +1,223 @@
+//! What the worker does next for one tenant (`docs/design.md` §2, §5), as a
+//! pure function of what it sees: the parent's metadata, its namespace, and
+//! the state of the tenant's phase task. No I/O here; `reconcile` carries the
+//! answer out, and the tests below cover every branch.
+
+use std::time::Duration;
+
+use crate::record::{Override, Phase, Record, count};
+
+/// The state of the tenant's release-phase task in this worker.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Task {
+    /// No task, or one that has ended.
+    Idle,
+    /// A task is running; it triggers a reconcile when it ends.
+    Running,
+    /// The last pass failed; the next may start in this long.
+    RetryIn(Duration),
+}
+
+/// What a reconcile sees of a tenant.
+#[derive(Clone, Copy, Debug)]
+pub struct Seen<'a> {
+    /// The object carries the profile's parent labels.
+    pub is_parent: bool,
+    pub record: &'a Record,
+    /// The custody finalizer is on the parent.
+    pub in_custody: bool,
+    /// The parent has a deletionTimestamp.
+    pub deleting: bool,
+    /// Its namespace has a deletionTimestamp.
+    pub namespace_deleting: bool,
+    pub task: Task,
+}
+
+/// The worker's next step for a tenant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Next {
+    /// Nothing to do until the parent changes.
+    Wait,
+    /// Not a tenant parent: ignore it.
+    Ignore,
+    /// A live tenant: add the custody finalizer (then bind, if `bind`).
+    TakeCustody { bind: bool },
+    /// A live tenant in custody whose cluster is not bound yet.
+    BindCluster,
+    /// Being deleted before custody began: nothing can hold it; say so.
+    DeletedWithoutCustody,
+    /// Released (the worker may have crashed before ending custody): end it.
+    EndCustody,
+    /// An override is recorded: stop any pass, write `Overridden` with
+    /// `message` (unless already written), end custody.
+    Override { message: Option<String> },
+    /// A pass is running; its end triggers the next reconcile.
+    AwaitPass,
+    /// The last pass failed; look again in this long.
+    RetryIn(Duration),
+    /// Start a release pass.
+    StartPass,
+}
+
+/// The next step for a tenant.
+pub fn next(seen: Seen<'_>) -> Next {
+    if !seen.is_parent {
+        return Next::Ignore;
+    }
+    let record = seen.record;
+    let teardown = seen.deleting || seen.namespace_deleting;
+    if !teardown {
+        return match (seen.in_custody, record.cluster.is_some()) {
+            (false, bound) => Next::TakeCustody { bind: !bound },
+            (true, false) => Next::BindCluster,
+            (true, true) => Next::Wait,
+        };
+    }
+    if !seen.in_custody {
+        // Loud only when it matters: the parent itself is going and nothing
+        // was ever recorded.
+        let unreleased = record.phase.is_none() && !record.is_done() && seen.deleting;
+        return if unreleased { Next::DeletedWithoutCustody } else { Next::Wait };
+    }
+    if record.phase == Some(Phase::Released) {
+        return Next::EndCustody;
+    }
+    if let Some(ov) = record.stamped_override() {
+        let message = (record.phase != Some(Phase::Overridden)).then(|| override_message(record, ov));
+        return Next::Override { message };
+    }
+    match seen.task {
+        Task::Running => Next::AwaitPass,
+        Task::RetryIn(delay) if !delay.is_zero() => Next::RetryIn(delay),
+        Task::RetryIn(_) | Task::Idle => Next::StartPass,
+    }
+}
+
+/// The record's message for an override: who, why, and what it leaves on
+/// storage (from the inventory, when one was taken).
+pub fn override_message(record: &Record, ov: &Override) -> String {
+    let left = record
+        .inventory
+        .as_ref()
+        .map(|i| {
+            let named = i.first_remaining(50);
+            format!("{} left on storage{}", count(i.left(), "volume"), if named.is_empty() { String::new() } else { format!(": {named}") })
+        })
+        .unwrap_or_else(|| "no inventory was taken: the volumes left on storage are unknown".into());
+    let by = ov.by.as_deref().unwrap_or("?");
+    format!("override by {by} ({}): {left}", ov.reason.trim())
+}
+
+/// The delay before retry `attempts` (1-based): `base` doubling up to `max`.
+pub fn backoff(base: Duration, max: Duration, attempts: u32) -> Duration {
+    let factor = 2u32.saturating_pow(attempts.saturating_sub(1).min(16));
+    base.saturating_mul(factor).min(max)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::{ClusterIdentity, Keys};
+
+    fn record(pairs: &[(&str, &str)]) -> Record {
+        let keys = Keys::new("volumes.cozystack.io/");
+        let ann = pairs.iter().map(|(k, v)| (format!("volumes.cozystack.io/{k}"), v.to_string())).collect();
+        Record::from_annotations(&keys, &ann)
+    }
+
+    fn bound() -> Record {
+        let mut r = record(&[]);
+        r.cluster = Some(ClusterIdentity { server: "https://t".into(), kube_system_uid: "u".into(), bound_at: "2026-01-01T00:00:00Z".into() });
+        r
+    }
+
+    fn seen(record: &Record) -> Seen<'_> {
+        Seen { is_parent: true, record, in_custody: true, deleting: false, namespace_deleting: false, task: Task::Idle }
+    }
+
+    const OVERRIDE: [(&str, &str); 3] =
+        [("override", " abandoned "), ("override-by", "alice"), ("override-at", "2026-01-01T00:00:00Z")];
+
+    #[test]
+    fn an_object_without_the_parent_labels_is_ignored_whatever_else_it_carries() {
+        let r = record(&[("phase", "Blocked")]);
+        assert_eq!(next(Seen { is_parent: false, deleting: true, ..seen(&r) }), Next::Ignore);
+    }
+
+    #[test]
+    fn a_live_tenant_is_taken_into_custody_then_bound_once() {
+        let unbound = record(&[]);
+        let b = bound();
+        assert_eq!(next(Seen { in_custody: false, ..seen(&unbound) }), Next::TakeCustody { bind: true });
+        assert_eq!(next(Seen { in_custody: false, ..seen(&b) }), Next::TakeCustody { bind: false });
+        assert_eq!(next(seen(&unbound)), Next::BindCluster);
+        assert_eq!(next(seen(&b)), Next::Wait);
+    }
+
+    #[test]
+    fn a_tenant_deleted_before_custody_is_reported_once_its_parent_goes_and_never_held() {
+        let r = record(&[]);
+        assert_eq!(next(Seen { in_custody: false, deleting: true, ..seen(&r) }), Next::DeletedWithoutCustody);
+        // Only its namespace going: the parent's own deletion reports it.
+        assert_eq!(next(Seen { in_custody: false, namespace_deleting: true, ..seen(&r) }), Next::Wait);
+        // Custody already ended after a recorded outcome: nothing to say.
+        let released = record(&[("phase", "Released")]);
+        assert_eq!(next(Seen { in_custody: false, deleting: true, ..seen(&released) }), Next::Wait);
+    }
+
+    #[test]
+    fn a_released_tenant_still_in_custody_ends_custody_whatever_the_task_does() {
+        let r = record(&[("phase", "Released")]);
+        for task in [Task::Idle, Task::Running, Task::RetryIn(Duration::from_secs(9))] {
+            assert_eq!(next(Seen { deleting: true, task, ..seen(&r) }), Next::EndCustody);
+        }
+    }
+
+    #[test]
+    fn a_stamped_override_is_recorded_once_then_only_ends_custody() {
+        let mut pairs = OVERRIDE.to_vec();
+        pairs.push(("phase", "Blocked"));
+        let blocked = record(&pairs);
+        let Next::Override { message: Some(m) } = next(Seen { deleting: true, task: Task::Running, ..seen(&blocked) }) else {
+            panic!("expected an override to record")
+        };
+        assert_eq!(m, "override by alice (abandoned): no inventory was taken: the volumes left on storage are unknown");
+        pairs.pop();
+        pairs.push(("phase", "Overridden"));
+        let recorded = record(&pairs);
+        assert_eq!(next(Seen { namespace_deleting: true, ..seen(&recorded) }), Next::Override { message: None });
+    }
+
+    #[test]
+    fn an_unstamped_override_is_not_an_override() {
+        let r = record(&[("override", "abandoned")]);
+        assert_eq!(next(Seen { deleting: true, ..seen(&r) }), Next::StartPass);
+    }
+
+    #[test]
+    fn in_teardown_a_pass_starts_unless_one_runs_or_a_retry_is_due_later() {
+        for phase in [None, Some("Releasing"), Some("Blocked")] {
+            let r = record(phase.map(|p| [("phase", p)]).unwrap_or_default().as_ref());
+            let s = Seen { deleting: true, ..seen(&r) };
+            assert_eq!(next(s), Next::StartPass, "{phase:?}");
+            assert_eq!(next(Seen { task: Task::Running, ..s }), Next::AwaitPass);
+            assert_eq!(next(Seen { task: Task::RetryIn(Duration::from_secs(3)), ..s }), Next::RetryIn(Duration::from_secs(3)));
+            assert_eq!(next(Seen { task: Task::RetryIn(Duration::ZERO), ..s }), Next::StartPass);
+        }
+    }
+
+    #[test]
+    fn a_namespace_deletion_is_a_teardown_too() {
+        let r = record(&[]);
+        assert_eq!(next(Seen { namespace_deleting: true, ..seen(&r) }), Next::StartPass);
+    }
+
+    #[test]
+    fn backoff_doubles_from_the_base_up_to_the_max_and_never_overflows() {
+        let (base, max) = (Duration::from_secs(30), Duration::from_secs(600));
+        let delays: Vec<u64> = (1..=7).map(|n| backoff(base, max, n).as_secs()).collect();
+        assert_eq!(delays, [30, 60, 120, 240, 480, 600, 600]);
+        assert_eq!(backoff(base, max, 0), base);
+        assert_eq!(backoff(base, Duration::MAX, u32::MAX), base * 65536);
+    }
+}

@@ -1,0 +1,371 @@
+//! One reconcile of a parent release: [`next`] decides, this carries it out;
+//! and the phase task, which runs a pass and records its outcome.
+
+use std::sync::Arc;
+use std::time::Duration;
+
+use kube::{Resource, ResourceExt};
+use kube::runtime::controller::Action;
+use tokio::time::Instant;
+use tracing::{error, warn};
+
+use super::context::{ParentMeta, Retry};
+use super::next::{self, Next, Seen, Task};
+use super::{Context, TenantRef, release};
+use crate::metrics::ErrorKind;
+use crate::record::{Phase, Record, Update, count, now_rfc3339};
+
+/// Errors of one reconcile.
+#[derive(Debug, thiserror::Error)]
+pub enum ReconcileError {
+    #[error("management API: {0}")]
+    Management(#[from] kube::Error),
+}
+
+impl ReconcileError {
+    pub fn kind(&self) -> ErrorKind {
+        match self {
+            ReconcileError::Management(_) => ErrorKind::ManagementApi,
+        }
+    }
+}
+
+/// How soon a failed management-API call is tried again.
+const API_RETRY: Duration = Duration::from_secs(5);
+
+/// The state of `t`'s phase task, for [`next::next`].
+fn task_state(ctx: &Context, t: &TenantRef) -> Task {
+    {
+        let mut running = ctx.running.lock().expect("lock");
+        match running.get(t) {
+            Some(task) if !task.is_finished() => return Task::Running,
+            Some(_) => {
+                running.remove(t);
+            }
+            None => {}
+        }
+    }
+    match ctx.retries.lock().expect("lock").get(t) {
+        Some(retry) => Task::RetryIn(retry.at.saturating_duration_since(Instant::now())),
+        None => Task::Idle,
+    }
+}
+
+/// One reconcile of a parent release.
+pub async fn reconcile(parent: Arc<ParentMeta>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
+    let t = TenantRef { namespace: parent.namespace().unwrap_or_default(), name: parent.name_any() };
+    let record = Record::from_annotations(&ctx.keys, parent.annotations());
+    let seen = Seen {
+        is_parent: ctx.profile.is_parent(parent.labels()),
+        record: &record,
+        in_custody: parent.finalizers().contains(&ctx.profile.custody_finalizer),
+        deleting: parent.meta().deletion_timestamp.is_some(),
+        namespace_deleting: ctx.namespace_deleting(&t.namespace),
+        task: task_state(&ctx, &t),
+    };
+    match next::next(seen) {
+        Next::Ignore | Next::Wait | Next::AwaitPass => Ok(Action::await_change()),
+        Next::TakeCustody { bind } => {
+            ctx.take_custody(&t, &parent).await?;
+            ctx.event(&t, false, "CustodyTaken", format!(
+                "finalizer {} added: deleting this tenant will first free its volumes", ctx.profile.custody_finalizer
+            )).await;
+            if bind { Ok(ctx.bind_cluster(&t).await?) } else { Ok(Action::await_change()) }
+        }
+        Next::BindCluster => Ok(ctx.bind_cluster(&t).await?),
+        Next::DeletedWithoutCustody => {
+            warn!(tenant = %t, "tenant is being deleted without custody; its volumes were not released by volume-gate");
+            Ok(Action::await_change())
+        }
+        Next::EndCustody => {
+            ctx.end_custody(&t, parent.finalizers()).await?;
+            Ok(Action::await_change())
+        }
+        Next::Override { message } => {
+            if let Some(task) = ctx.running.lock().expect("lock").remove(&t) {
+                task.abort();
+            }
+            if let Some(message) = message {
+                ctx.write_record(&t, &Update { phase: Some(Phase::Overridden), message: Some(message.clone()), ..Default::default() })
+                    .await?;
+                ctx.event(&t, true, "Overridden", message).await;
+                ctx.observe_outcome(&t, "overridden");
+                ctx.retries.lock().expect("lock").remove(&t);
+            }
+            ctx.end_custody(&t, parent.finalizers()).await?;
+            Ok(Action::await_change())
+        }
+        Next::RetryIn(delay) => Ok(Action::requeue(delay)),
+        Next::StartPass => {
+            ctx.phase_started.lock().expect("lock").entry(t.clone()).or_insert_with(Instant::now);
+            let task = tokio::spawn(run_phase(ctx.clone(), t.clone()));
+            ctx.running.lock().expect("lock").insert(t, task);
+            Ok(Action::await_change())
+        }
+    }
+}
+
+/// The phase task: waits for a slot, runs steps 1–7, records the outcome.
+pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
+    // The controller's store can be behind the worker's own writes: the
+    // reconcile that the end of a pass triggers may still see the parent as
+    // it was when the pass began (in custody, `Releasing`). A pass started
+    // from that view wrote `Releasing` over `Released`, and the gate then
+    // refused what it had allowed. So a pass starts from a fresh read, and
+    // not at all for a tenant that is gone, done or out of custody (the
+    // watch brings the reconcile that settles those).
+    let record = match ctx.fresh_record(&t).await {
+        Ok(Some(record)) => record,
+        Ok(None) => return,
+        Err(e) => {
+            warn!(tenant = %t, error = %e, "cannot read the parent before a release pass; retrying");
+            ctx.retries.lock().expect("lock").insert(t.clone(), Retry { at: Instant::now() + API_RETRY, attempts: 0 });
+            ctx.retrigger(&t);
+            return;
+        }
+    };
+    if record.phase.is_none() {
+        let waiting = ctx.slots.available_permits() == 0;
+        let message = if waiting { "waiting for a release slot" } else { "release started" };
+        if let Err(e) = ctx.write_record(&t, &Update { phase: Some(Phase::Releasing), message: Some(message.into()), ..Default::default() }).await {
+            warn!(tenant = %t, error = %e, "cannot record the start of the release");
+        }
+        ctx.event(&t, false, "ReleaseStarted", "tenant is being deleted: releasing its volumes before the CSI driver goes".into()).await;
+    }
+    let Ok(_permit) = ctx.slots.clone().acquire_owned().await else { return };
+    let outcome = release::run(&ctx, &t, &record).await;
+    let result = match outcome {
+        Ok(release::Outcome::Released { inventory }) => {
+            let message = format!("{} freed, none left on storage", count(inventory.total, "volume"));
+            let update = Update {
+                phase: Some(Phase::Released),
+                message: Some(message.clone()),
+                released_at: Some(now_rfc3339()),
+                inventory: Some(inventory),
+                cluster: None,
+            };
+            match ctx.write_record(&t, &update).await {
+                Ok(()) => {
+                    ctx.event(&t, false, "Released", message).await;
+                    ctx.observe_outcome(&t, "released");
+                    ctx.retries.lock().expect("lock").remove(&t);
+                    // Custody ends in the reconcile this write triggers.
+                    Ok(())
+                }
+                Err(e) => Err(e),
+            }
+        }
+        Ok(release::Outcome::Blocked { reason, message, inventory }) => {
+            ctx.metrics.count_error(reason);
+            let attempts = {
+                let mut retries = ctx.retries.lock().expect("lock");
+                let attempts = retries.get(&t).map_or(0, |r| r.attempts) + 1;
+                let delay = ctx.settings.backoff(attempts);
+                retries.insert(t.clone(), Retry { at: Instant::now() + delay, attempts });
+                attempts
+            };
+            let delay = ctx.settings.backoff(attempts);
+            let full = format!("{message} (attempt {attempts}; retrying in {}s)", delay.as_secs());
+            let update = Update { phase: Some(Phase::Blocked), message: Some(full.clone()), inventory, ..Default::default() };
+            let written = ctx.write_record(&t, &update).await;
+            ctx.event(&t, true, "Blocked", full).await;
+            written
+        }
+        Err(e) => Err(e),
+    };
+    if let Err(e) = result {
+        ctx.metrics.count_error(ErrorKind::ManagementApi);
+        error!(tenant = %t, error = %e, "release pass failed on the management API; retrying");
+        let mut retries = ctx.retries.lock().expect("lock");
+        let attempts = retries.get(&t).map_or(0, |r| r.attempts) + 1;
+        retries.insert(t.clone(), Retry { at: Instant::now() + API_RETRY, attempts });
+    }
+    ctx.retrigger(&t);
+}
+
+pub(crate) fn error_policy(parent: Arc<ParentMeta>, error: &ReconcileError, ctx: Arc<Context>) -> Action {
+    ctx.metrics.count_error(error.kind());
+    warn!(namespace = parent.namespace().unwrap_or_default(), name = %parent.name_any(), error = %error, "reconcile failed");
+    Action::requeue(API_RETRY)
+}
+
+/// Reconcile against a scripted API server: the calls each decision makes.
+#[cfg(test)]
+mod tests {
+    use k8s_openapi::api::core::v1::Namespace;
+    use kube::core::PartialObjectMeta;
+    use kube::runtime::reflector::store::Writer;
+    use serde_json::{Value, json};
+
+    use super::*;
+    use crate::metrics::Metrics;
+    use crate::profile::Profile;
+    use crate::testing::{FakeApi, partial_metadata};
+    use crate::worker::Settings;
+    use crate::worker::context::Parts;
+
+    const NS: &str = "tenant-a";
+    const PARENT: &str = "/apis/helm.toolkit.fluxcd.io/v2/namespaces/tenant-a/helmreleases/kubernetes-a";
+    const SECRET: &str = "/api/v1/namespaces/tenant-a/secrets/kubernetes-a-admin-kubeconfig";
+    const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/tenant-a/events";
+    const CUSTODY: &str = "volumes.cozystack.io/release";
+
+    struct World {
+        api: Arc<FakeApi>,
+        ctx: Arc<Context>,
+        triggered: tokio::sync::mpsc::UnboundedReceiver<kube::runtime::reflector::ObjectRef<ParentMeta>>,
+    }
+
+    fn world() -> World {
+        let api = FakeApi::new();
+        let event = json!({"apiVersion": "events.k8s.io/v1", "kind": "Event",
+                           "metadata": {"name": "e", "namespace": NS}, "eventTime": "2026-01-01T00:00:00.000000Z"});
+        api.on("POST", EVENTS, 201, event);
+        let profile = Profile::cozystack();
+        let (trigger, triggered) = tokio::sync::mpsc::unbounded_channel();
+        let settings = Settings {
+            probe_timeout: Duration::from_secs(1),
+            wait_bound: Duration::from_secs(1),
+            request_timeout: Duration::from_secs(1),
+            retry_base: Duration::from_secs(30),
+            retry_max: Duration::from_secs(600),
+        };
+        let ctx = Arc::new(Context::new(Parts {
+            client: api.client(),
+            parents: Writer::<ParentMeta>::new(profile.parent_resource()).as_reader(),
+            namespaces: Writer::<PartialObjectMeta<Namespace>>::new(()).as_reader(),
+            profile,
+            metrics: Metrics::new(),
+            settings,
+            max_concurrent: 1,
+            identity: "test".into(),
+            trigger,
+        }));
+        World { api, ctx, triggered }
+    }
+
+    fn parent(labels: bool, deleting: bool, finalizers: &[&str], annotations: Value) -> Value {
+        let mut meta = json!({"name": "kubernetes-a", "namespace": NS, "resourceVersion": "7", "uid": "p-uid",
+                              "annotations": annotations, "finalizers": finalizers});
+        if labels {
+            meta["labels"] = json!({"apps.cozystack.io/application.kind": "Kubernetes", "apps.cozystack.io/application.group": "apps.cozystack.io"});
+        }
+        if deleting {
+            meta["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+        }
+        partial_metadata(meta)
+    }
+
+    fn meta(v: &Value) -> Arc<ParentMeta> {
+        Arc::new(serde_json::from_value(v.clone()).expect("parent metadata"))
+    }
+
+    /// The bodies of the PATCHes sent to the parent, in order.
+    fn patches(api: &FakeApi) -> Vec<(String, Value)> {
+        api.calls_to("PATCH", PARENT).into_iter().map(|c| (c.content_type, c.body)).collect()
+    }
+
+    fn event_reasons(api: &FakeApi) -> Vec<(String, String)> {
+        api.calls_to("POST", EVENTS)
+            .iter()
+            .map(|c| (c.body["type"].as_str().unwrap_or("").to_string(), c.body["reason"].as_str().unwrap_or("").to_string()))
+            .collect()
+    }
+
+    #[tokio::test]
+    async fn an_object_without_the_parent_labels_gets_no_call() {
+        let w = world();
+        let p = parent(false, true, &[], json!({"volumes.cozystack.io/phase": "Blocked"}));
+        let action = reconcile(meta(&p), w.ctx.clone()).await.unwrap();
+        assert_eq!(action, Action::await_change());
+        assert!(w.api.calls().is_empty(), "{:?}", w.api.calls());
+    }
+
+    #[tokio::test]
+    async fn a_live_tenant_is_taken_into_custody_at_its_version_and_its_binding_retried_with_backoff() {
+        let w = world();
+        let p = parent(true, false, &["finalizers.fluxcd.io"], json!({}));
+        w.api.on("PATCH", PARENT, 200, p.clone());
+        let action = reconcile(meta(&p), w.ctx.clone()).await.unwrap();
+        let sent = patches(&w.api);
+        assert_eq!(sent.len(), 1, "{sent:?}");
+        assert_eq!(sent[0].0, "application/json-patch+json");
+        assert_eq!(sent[0].1, json!([
+            {"op": "test", "path": "/metadata/resourceVersion", "value": "7"},
+            {"op": "add", "path": "/metadata/finalizers/-", "value": CUSTODY},
+        ]));
+        assert_eq!(event_reasons(&w.api), [("Normal".to_string(), "CustodyTaken".to_string())]);
+        // No kubeconfig yet (Kamaji is building the tenant): tried again after retry_base.
+        assert_eq!(w.api.calls_to("GET", SECRET).len(), 1);
+        assert_eq!(action, Action::requeue(Duration::from_secs(30)));
+        let again = reconcile(meta(&parent(true, false, &["finalizers.fluxcd.io", CUSTODY], json!({}))), w.ctx.clone()).await.unwrap();
+        assert_eq!(again, Action::requeue(Duration::from_secs(60)), "the second attempt backs off");
+    }
+
+    #[tokio::test]
+    async fn a_released_tenant_still_in_custody_has_only_its_finalizer_removed_by_index_under_a_test() {
+        let w = world();
+        let p = parent(true, true, &["finalizers.fluxcd.io", CUSTODY], json!({"volumes.cozystack.io/phase": "Released"}));
+        w.api.on("PATCH", PARENT, 200, p.clone());
+        reconcile(meta(&p), w.ctx.clone()).await.unwrap();
+        assert_eq!(patches(&w.api).iter().map(|p| p.1.clone()).collect::<Vec<_>>(), [json!([
+            {"op": "test", "path": "/metadata/finalizers/1", "value": CUSTODY},
+            {"op": "remove", "path": "/metadata/finalizers/1"},
+        ])]);
+        assert!(w.api.calls_to("GET", SECRET).is_empty(), "a released tenant's cluster is not touched");
+    }
+
+    #[tokio::test]
+    async fn a_stamped_override_is_recorded_with_a_warning_then_custody_ends() {
+        let w = world();
+        let p = parent(true, true, &[CUSTODY], json!({
+            "volumes.cozystack.io/phase": "Blocked",
+            "volumes.cozystack.io/override": "tenant abandoned",
+            "volumes.cozystack.io/override-by": "alice",
+            "volumes.cozystack.io/override-at": "2026-01-01T00:00:00Z",
+        }));
+        w.api.on("PATCH", PARENT, 200, p.clone());
+        reconcile(meta(&p), w.ctx.clone()).await.unwrap();
+        let sent = patches(&w.api);
+        assert_eq!(sent.len(), 2, "{sent:?}");
+        assert_eq!(sent[0].0, "application/merge-patch+json");
+        let ann = &sent[0].1["metadata"]["annotations"];
+        assert_eq!(ann["volumes.cozystack.io/phase"], "Overridden");
+        assert!(ann["volumes.cozystack.io/message"].as_str().unwrap().starts_with("override by alice (tenant abandoned)"), "{ann}");
+        assert!(ann.get("volumes.cozystack.io/override").is_none(), "the person's keys are not rewritten: {ann}");
+        assert_eq!(sent[1].1[1], json!({"op": "remove", "path": "/metadata/finalizers/0"}));
+        assert_eq!(event_reasons(&w.api), [("Warning".to_string(), "Overridden".to_string())]);
+    }
+
+    /// A pass whose kubeconfig Secret is missing: the phase task records
+    /// `Releasing`, then `Blocked` naming the Secret, counts the error, and
+    /// triggers the reconcile that waits out the backoff.
+    #[tokio::test]
+    async fn a_pass_without_a_kubeconfig_is_blocked_loudly_and_retried_after_the_backoff() {
+        let mut w = world();
+        let p = parent(true, true, &[CUSTODY], json!({}));
+        w.api.get(PARENT, p.clone());
+        w.api.on("PATCH", PARENT, 200, p.clone());
+        let action = reconcile(meta(&p), w.ctx.clone()).await.unwrap();
+        assert_eq!(action, Action::await_change());
+        // The task's last act is the trigger; the test has no other clock.
+        let again = tokio::time::timeout(Duration::from_secs(30), w.triggered.recv()).await.expect("the pass ends");
+        assert_eq!(again.expect("a trigger").name, "kubernetes-a");
+
+        let phases: Vec<Value> = patches(&w.api).iter().map(|p| p.1["metadata"]["annotations"].clone()).collect();
+        assert_eq!(phases.len(), 2, "{phases:?}");
+        assert_eq!(phases[0]["volumes.cozystack.io/phase"], "Releasing");
+        assert_eq!(phases[1]["volumes.cozystack.io/phase"], "Blocked");
+        let message = phases[1]["volumes.cozystack.io/message"].as_str().unwrap();
+        assert!(message.contains("tenant-a/kubernetes-a-admin-kubeconfig") && message.contains("(attempt 1; retrying in 30s)"), "{message}");
+        assert_eq!(event_reasons(&w.api).last().unwrap(), &("Warning".to_string(), "Blocked".to_string()));
+        assert!(w.ctx.metrics.encode().contains(r#"volume_gate_reconcile_errors_total{error="kubeconfig-not-found"} 1"#));
+
+        // Reconciled again before the backoff ends: a requeue, no new pass.
+        let blocked = parent(true, true, &[CUSTODY], phases[1].clone());
+        let calls = w.api.calls().len();
+        let action = reconcile(meta(&blocked), w.ctx.clone()).await.unwrap();
+        assert!(format!("{action:?}").contains("Some("), "{action:?}");
+        assert_eq!(w.api.calls().len(), calls, "{:?}", &w.api.calls()[calls..]);
+    }
+}
