@@ -1,0 +1,243 @@
+//! The decisions on writes of a parent release (`docs/design.md` §4): who
+//! may change the record, the override and its stamps, and the custody
+//! finalizer; and the mutating webhook's patch.
+
+use std::collections::BTreeMap;
+
+use super::*;
+
+/// Who is asking, from the request's userInfo.
+#[derive(Clone, Copy, Debug)]
+pub struct Requester<'a> {
+    pub username: &'a str,
+    pub is_worker: bool,
+}
+
+/// Metadata of the object before and after a CREATE or UPDATE.
+#[derive(Clone, Copy, Debug)]
+pub struct Change<'a> {
+    pub old: Option<&'a ObjectMetaView>,
+    pub new: &'a ObjectMetaView,
+}
+
+/// The parts of ObjectMeta the guards look at.
+#[derive(Clone, Debug, Default, PartialEq)]
+pub struct ObjectMetaView {
+    pub namespace: String,
+    pub name: String,
+    pub labels: BTreeMap<String, String>,
+    pub annotations: BTreeMap<String, String>,
+    pub finalizers: Vec<String>,
+    pub deleting: bool,
+}
+
+/// What the validating guards conclude on an UPDATE/CREATE of a release.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum UpdateVerdict {
+    /// Decided without asking anyone.
+    Final(Verdict),
+    /// Allowed if a SubjectAccessReview for the override verb allows the
+    /// requester on this tenant.
+    NeedsOverridePermission { namespace: String, tenant: String },
+}
+
+fn annotation<'a>(meta: Option<&'a ObjectMetaView>, key: &str) -> Option<&'a str> {
+    meta.and_then(|m| m.annotations.get(key)).map(String::as_str)
+}
+
+/// Validating guards for CREATE/UPDATE of a parent release (`docs/design.md` §4).
+pub fn guard_update(profile: &Profile, keys: &Keys, change: Change<'_>, who: Requester<'_>, now: jiff::Timestamp) -> UpdateVerdict {
+    let Change { old, new } = change;
+    let is_parent = profile.is_parent(&new.labels) || old.is_some_and(|o| profile.is_parent(&o.labels));
+    if !is_parent {
+        return UpdateVerdict::Final(Verdict::allow("not-a-parent"));
+    }
+    let tenant = new.name.as_str();
+    let changed = |key: &str| annotation(old, key) != annotation(Some(new), key);
+
+    // Custody ends only through the worker, which records why.
+    let had_finalizer = old.is_some_and(|o| o.finalizers.contains(&profile.custody_finalizer));
+    if had_finalizer && !new.finalizers.contains(&profile.custody_finalizer) && !who.is_worker {
+        return UpdateVerdict::Final(forbid(
+            "custody-finalizer-removed",
+            format!(
+                "{} may not remove the custody finalizer {} from tenant {}/{tenant}: only the volume-gate worker ends \
+                 custody, after the volume-release phase or a recorded override. To abandon the volumes, record an \
+                 override instead: {}",
+                who.username,
+                profile.custody_finalizer,
+                new.namespace,
+                profile.override_command(&new.namespace, tenant)
+            ),
+        ));
+    }
+    // Custody is a stated intent; hiding a parent behind other labels would
+    // end it silently.
+    if old.is_some_and(|o| profile.is_parent(&o.labels)) && !profile.is_parent(&new.labels) && !who.is_worker {
+        return UpdateVerdict::Final(forbid(
+            "parent-labels-removed",
+            format!(
+                "{} may not remove the tenant labels ({}) from {}/{tenant}: the volume gate recognises tenants by them",
+                who.username,
+                profile.parent_selector(),
+                new.namespace
+            ),
+        ));
+    }
+    let worker_keys: Vec<&str> = keys.worker_owned().into_iter().filter(|k| changed(k)).collect();
+    if !worker_keys.is_empty() && !who.is_worker {
+        return UpdateVerdict::Final(forbid(
+            "record-forged",
+            format!(
+                "{} may not change {}: the release record is written only by the volume-gate worker",
+                who.username,
+                worker_keys.join(", ")
+            ),
+        ));
+    }
+    let override_changed = changed(&keys.override_reason);
+    if !override_changed {
+        let stamps: Vec<&str> = keys.stamped().into_iter().filter(|k| changed(k)).collect();
+        if !stamps.is_empty() {
+            return UpdateVerdict::Final(forbid(
+                "stamp-forged",
+                format!(
+                    "{} may not change {}: these are stamped by the volume gate when {} changes, never accepted from a client",
+                    who.username,
+                    stamps.join(", "),
+                    keys.override_reason
+                ),
+            ));
+        }
+        return UpdateVerdict::Final(Verdict::allow("guards-passed"));
+    }
+    match annotation(Some(new), &keys.override_reason) {
+        Some(reason) if reason.trim().is_empty() => UpdateVerdict::Final(forbid(
+            "override-without-reason",
+            format!("the override on {}/{tenant} needs a reason: say why these volumes may be abandoned", new.namespace),
+        )),
+        Some(_) => {
+            let by = annotation(Some(new), &keys.override_by);
+            let at = annotation(Some(new), &keys.override_at);
+            let at_ok = at
+                .and_then(|a| a.parse::<jiff::Timestamp>().ok())
+                .is_some_and(|t| (now.as_second() - t.as_second()).abs() <= 300);
+            if by != Some(who.username) || !at_ok {
+                return UpdateVerdict::Final(forbid(
+                    "stamp-forged",
+                    format!(
+                        "the override on {}/{tenant} is not stamped as the volume gate stamps it ({} must be the requester \
+                         {}, {} the time of this request): is the mutating webhook installed?",
+                        new.namespace, keys.override_by, who.username, keys.override_at
+                    ),
+                ));
+            }
+            UpdateVerdict::NeedsOverridePermission { namespace: new.namespace.clone(), tenant: tenant.to_string() }
+        }
+        None => {
+            // Withdrawing an override is as much a decision as recording one.
+            if keys.stamped().into_iter().any(|k| annotation(Some(new), k).is_some()) {
+                return UpdateVerdict::Final(forbid(
+                    "stamp-forged",
+                    format!("the override on {}/{tenant} was removed but its stamps were not", new.namespace),
+                ));
+            }
+            UpdateVerdict::NeedsOverridePermission { namespace: new.namespace.clone(), tenant: tenant.to_string() }
+        }
+    }
+}
+
+/// The message when the SubjectAccessReview refuses an override.
+pub fn override_refused(profile: &Profile, username: &str, namespace: &str, tenant: &str, why: &str) -> Verdict {
+    let p = &profile.override_permission;
+    let why = if why.is_empty() { String::new() } else { format!(" ({why})") };
+    forbid(
+        "override-unauthorized",
+        format!(
+            "{username} may not record an override for tenant {namespace}/{tenant}: it needs verb {verb:?} on resource \
+             {res:?} of group {group:?}{why}. An administrator grants it with a Role rule {{apiGroups: [{group}], \
+             resources: [{res}], verbs: [{verb}]}} in namespace {namespace}",
+            verb = p.verb,
+            res = p.resource,
+            group = p.group
+        ),
+    )
+}
+
+/// One JSON Patch operation, as the mutating webhook returns it.
+#[derive(Clone, Debug, PartialEq)]
+pub enum Mutation {
+    /// Add the custody finalizer (creating the list when absent).
+    AddFinalizer { create_list: bool },
+    /// Stamp who recorded the override and when.
+    Stamp { by: String, at: String },
+    /// Remove the stamps of a withdrawn override.
+    Unstamp { keys: Vec<String> },
+}
+
+/// Mutations for CREATE/UPDATE of a release (`docs/design.md` §2, §3).
+pub fn mutate(profile: &Profile, keys: &Keys, change: Change<'_>, who: Requester<'_>, now: jiff::Timestamp) -> Vec<Mutation> {
+    let Change { old, new } = change;
+    // The same test as `guard_update`: a write that removes the parent
+    // labels is still judged (and stamped) as a write to a parent, or the
+    // guard would refuse the webhook's own missing stamps (fuzz finding F1).
+    let parent_now = profile.is_parent(&new.labels);
+    if !parent_now && !old.is_some_and(|o| profile.is_parent(&o.labels)) {
+        return Vec::new();
+    }
+    let mut out = Vec::new();
+    // Custody starts before deletion, never during it, and only on what is
+    // a parent after the write. A removal is not quietly undone here: the
+    // validating guard refuses it, loudly.
+    let removal = old.is_some_and(|o| o.finalizers.contains(&profile.custody_finalizer));
+    if parent_now && !new.deleting && !removal && !new.finalizers.contains(&profile.custody_finalizer) {
+        out.push(Mutation::AddFinalizer { create_list: new.finalizers.is_empty() });
+    }
+    if annotation(old, &keys.override_reason) != annotation(Some(new), &keys.override_reason) {
+        if annotation(Some(new), &keys.override_reason).is_some() {
+            out.push(Mutation::Stamp {
+                by: who.username.to_string(),
+                at: crate::record::rfc3339(now),
+            });
+        } else {
+            let present: Vec<String> =
+                keys.stamped().into_iter().filter(|k| new.annotations.contains_key(*k)).map(str::to_string).collect();
+            if !present.is_empty() {
+                out.push(Mutation::Unstamp { keys: present });
+            }
+        }
+    }
+    out
+}
+
+/// Renders mutations as RFC 6902 operations.
+pub fn to_json_patch(profile: &Profile, keys: &Keys, mutations: &[Mutation]) -> json_patch::Patch {
+    use json_patch::{AddOperation, PatchOperation, RemoveOperation};
+    use json_patch::jsonptr::PointerBuf;
+    use serde_json::{Value, json};
+    let annotation_path = |key: &str| PointerBuf::from_tokens(["metadata", "annotations", key]);
+    let mut ops = Vec::new();
+    for m in mutations {
+        match m {
+            Mutation::AddFinalizer { create_list: true } => ops.push(PatchOperation::Add(AddOperation {
+                path: PointerBuf::from_tokens(["metadata", "finalizers"]),
+                value: json!([profile.custody_finalizer]),
+            })),
+            Mutation::AddFinalizer { create_list: false } => ops.push(PatchOperation::Add(AddOperation {
+                path: PointerBuf::from_tokens(["metadata", "finalizers", "-"]),
+                value: Value::String(profile.custody_finalizer.clone()),
+            })),
+            Mutation::Stamp { by, at } => {
+                // The override annotation exists, so the map does too.
+                ops.push(PatchOperation::Add(AddOperation { path: annotation_path(&keys.override_by), value: json!(by) }));
+                ops.push(PatchOperation::Add(AddOperation { path: annotation_path(&keys.override_at), value: json!(at) }));
+            }
+            Mutation::Unstamp { keys } => {
+                for k in keys {
+                    ops.push(PatchOperation::Remove(RemoveOperation { path: annotation_path(k) }));
+                }
+            }
+        }
+    }
+    json_patch::Patch(ops)
+}
