@@ -77,6 +77,14 @@ pub struct WorkerArgs {
     pub namespace: Option<String>,
 }
 
+/// `volume-gate profile`: print the effective profile.
+#[derive(clap::Args, Debug, Clone)]
+pub struct ProfileArgs {
+    /// A profile file to check and print; Cozystack's when absent.
+    #[arg(long, env = "VOLUME_GATE_PROFILE")]
+    pub profile: Option<PathBuf>,
+}
+
 /// A duration as operators write it: `500ms`, `10s`, `5m`, `1h30m`, or a bare
 /// number of seconds. Parsed by jiff's friendly format, so an absurd value
 /// (`99999999999999999999h`) is an error naming the input, never a panic.

@@ -20,6 +20,9 @@ enum Command {
     Certs(CertsCommand),
     /// Show every tenant and its release state.
     Status(volume_gate::worker::status::StatusArgs),
+    /// Print the profile in effect (Cozystack's, or --profile checked) as JSON,
+    /// a starting point for another platform's profile file.
+    Profile(volume_gate::args::ProfileArgs),
     /// Add or remove the custody finalizer on tenants (install and uninstall).
     #[command(subcommand)]
     Custody(volume_gate::worker::custody::CustodyCommand),
@@ -52,6 +55,10 @@ fn main() -> ExitCode {
             }
             Command::Certs(CertsCommand::Generate(args)) => volume_gate::certs::run_generate(args).map_err(|e| e.to_string()),
             Command::Status(args) => volume_gate::worker::status::run(args).await.map_err(|e| e.to_string()),
+            Command::Profile(args) => volume_gate::profile::Profile::load_or_default(args.profile.as_deref())
+                .map_err(|e| e.to_string())
+                .and_then(|p| serde_json::to_string_pretty(&p).map_err(|e| e.to_string()))
+                .map(|json| println!("{json}")),
             Command::Custody(cmd) => volume_gate::worker::custody::run_command(cmd).await.map_err(|e| e.to_string()),
         }
     });

@@ -20,8 +20,14 @@ impl Simulator {
         std::fs::create_dir_all(&storage).expect("storage dir");
         let control = std::fs::read_to_string(cp.state.join("control.addr")).expect("control.addr").trim().to_string();
         let control = if control.starts_with("http") { control } else { format!("http://{control}") };
+        // The platform's names, from the profile the product uses.
+        let profile = cp.state.join(cp.unique("profile.json"));
+        let json = serde_json::to_string(&volume_gate::profile::Profile::cozystack()).expect("profile serializes");
+        std::fs::write(&profile, json).expect("write the profile");
         let mut cmd = Command::new(&cp.harness);
         cmd.arg("sim")
+            .arg("--profile")
+            .arg(&profile)
             .arg("--management")
             .arg(&cp.management.kubeconfig)
             .arg("--storage")

@@ -47,16 +47,11 @@ import (
 	"k8s.io/client-go/tools/clientcmd"
 )
 
-// Cozystack names (`docs/design.md` §1).
+// Names of the components the simulator plays (Flux, Kamaji) and of the
+// harness; the platform's names come from the profile (sim_profile.go).
 const (
-	labelAppKind       = "apps.cozystack.io/application.kind"
-	labelAppGroup      = "apps.cozystack.io/application.group"
-	labelTargetCluster = "cozystack.io/target-cluster-name"
-	labelCAPICluster   = "cluster.x-k8s.io/cluster-name"
-	labelFluxName      = "helm.toolkit.fluxcd.io/name"
-	labelFluxNamespace = "helm.toolkit.fluxcd.io/namespace"
-	fluxFinalizer      = "finalizers.fluxcd.io"
-	kamajiFinalizer    = "finalizer.kamaji.clastix.io"
+	fluxFinalizer   = "finalizers.fluxcd.io"
+	kamajiFinalizer = "finalizer.kamaji.clastix.io"
 	// annHarnessCluster on a TenantControlPlane names the harness cluster
 	// that serves as that tenant's API server.
 	annHarnessCluster = "harness.volume-gate.test/cluster"
@@ -72,6 +67,7 @@ var (
 )
 
 type simConfig struct {
+	profile       string
 	management    string
 	storage       string
 	control       string
@@ -111,6 +107,7 @@ func parseSimFlags(args []string) (simConfig, error) {
 	fs := flag.NewFlagSet("sim", flag.ContinueOnError)
 	var cfg simConfig
 	var nss names
+	fs.StringVar(&cfg.profile, "profile", "", "volume-gate's profile as JSON (`volume-gate profile` prints it): the platform's names (required)")
 	fs.StringVar(&cfg.management, "management", "", "kubeconfig of the management cluster (required)")
 	fs.StringVar(&cfg.storage, "storage", "", "directory of the storage ledger: one file per volume (required)")
 	fs.StringVar(&cfg.control, "control", "", "URL of the harness control API, to stop a tenant API server when its TenantControlPlane is deleted (required)")
@@ -125,7 +122,7 @@ func parseSimFlags(args []string) (simConfig, error) {
 	if _, err := parseArgs(fs, args, 0); err != nil {
 		return cfg, err
 	}
-	for flagName, v := range map[string]string{"--management": cfg.management, "--storage": cfg.storage, "--control": cfg.control} {
+	for flagName, v := range map[string]string{"--profile": cfg.profile, "--management": cfg.management, "--storage": cfg.storage, "--control": cfg.control} {
 		if v == "" {
 			return cfg, fmt.Errorf("%s is required", flagName)
 		}
@@ -190,6 +187,10 @@ type sim struct {
 
 // simMain runs the simulator until ctx ends.
 func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
+	var err error
+	if prof, err = loadProfile(cfg.profile); err != nil {
+		return err
+	}
 	restCfg, err := clientcmd.BuildConfigFromFlags("", cfg.management)
 	if err != nil {
 		return fmt.Errorf("management kubeconfig: %w", err)
@@ -255,7 +256,12 @@ func (s *sim) inScope(ns string) bool {
 // isParent reports whether a HelmRelease is a tenant Kubernetes cluster.
 func isParent(hr *unstructured.Unstructured) bool {
 	l := hr.GetLabels()
-	return l[labelAppKind] == "Kubernetes" && l[labelAppGroup] == "apps.cozystack.io"
+	for k, v := range prof.parentLabels {
+		if l[k] != v {
+			return false
+		}
+	}
+	return true
 }
 
 func (s *sim) onHelmRelease(obj any) {
@@ -268,10 +274,10 @@ func (s *sim) onHelmRelease(obj any) {
 		s.ensureTenant(ns, hr.GetName())
 	}
 	// A child release (R-csi above all) decides whether R's driver runs.
-	if target := hr.GetLabels()[labelTargetCluster]; target != "" {
+	if target := hr.GetLabels()[prof.childLabel]; target != "" {
 		s.kickTenant(ns, target)
 	}
-	if r, ok := strings.CutSuffix(hr.GetName(), "-csi"); ok {
+	if r, ok := strings.CutSuffix(hr.GetName(), prof.csiSuffix); ok {
 		s.kickTenant(ns, r)
 	}
 	s.flux.onUpdate(hr)

@@ -104,7 +104,7 @@ func (f *flux) processNext(ctx context.Context) bool {
 // tenantOf names the tenant a release belongs to, for the log.
 func (f *flux) tenantOf(ns, name string) string {
 	if hr, ok, _ := f.s.hrs.get(ns, name); ok {
-		if t := hr.GetLabels()[labelTargetCluster]; t != "" {
+		if t := hr.GetLabels()[prof.childLabel]; t != "" {
 			return t
 		}
 	}
@@ -171,7 +171,7 @@ func (h *hookRun) abort(step string, err error) error {
 func (h *hookRun) run(ctx context.Context) error {
 	s := h.f.s
 	hrs := s.dyn.Resource(gvrHelmRelease).Namespace(h.ns)
-	children := metav1.ListOptions{LabelSelector: labelTargetCluster + "=" + h.r}
+	children := metav1.ListOptions{LabelSelector: prof.childLabel + "=" + h.r}
 
 	// Step 1: suspend every child, so Flux skips their uninstall.
 	list, err := hrs.List(ctx, children)
@@ -246,7 +246,7 @@ func (h *hookRun) run(ctx context.Context) error {
 func (h *hookRun) deleteChildren(ctx context.Context) error {
 	s := h.f.s
 	hrs := s.dyn.Resource(gvrHelmRelease).Namespace(h.ns)
-	list, err := hrs.List(ctx, metav1.ListOptions{LabelSelector: labelTargetCluster + "=" + h.r})
+	list, err := hrs.List(ctx, metav1.ListOptions{LabelSelector: prof.childLabel + "=" + h.r})
 	if err != nil {
 		return fmt.Errorf("list child HelmReleases: %w", err)
 	}
@@ -346,7 +346,7 @@ func (h *hookRun) deleteDataVolumes(ctx context.Context) error {
 		return nil
 	}
 	dvs := s.dyn.Resource(gvrDataVolume).Namespace(h.ns)
-	list, err := dvs.List(ctx, metav1.ListOptions{LabelSelector: labelCAPICluster + "=" + h.r})
+	list, err := dvs.List(ctx, metav1.ListOptions{LabelSelector: prof.clusterLabel + "=" + h.r})
 	if err != nil {
 		return fmt.Errorf("list DataVolumes: %w", err)
 	}
@@ -363,7 +363,7 @@ func (h *hookRun) deleteDataVolumes(ctx context.Context) error {
 
 func (h *hookRun) deleteLoadBalancers(ctx context.Context) error {
 	svcs := h.f.s.mgmt.CoreV1().Services(h.ns)
-	list, err := svcs.List(ctx, metav1.ListOptions{LabelSelector: labelCAPICluster + "=" + h.r})
+	list, err := svcs.List(ctx, metav1.ListOptions{LabelSelector: prof.clusterLabel + "=" + h.r})
 	if err != nil {
 		return fmt.Errorf("list Services: %w", err)
 	}
@@ -419,11 +419,11 @@ func (h *hookRun) deleteChartObjects(ctx context.Context) error {
 	for _, k := range kinds {
 		gvr := k.gvr
 		var c dynamic.ResourceInterface = h.f.s.dyn.Resource(gvr)
-		selector := labelFluxName + "=" + h.r
+		selector := prof.fluxNameLabel + "=" + h.r
 		if k.namespaced {
 			c = h.f.s.dyn.Resource(gvr).Namespace(h.ns)
 		} else {
-			selector += "," + labelFluxNamespace + "=" + h.ns
+			selector += "," + prof.fluxNamespaceLabel + "=" + h.ns
 		}
 		list, err := c.List(ctx, metav1.ListOptions{LabelSelector: selector})
 		if err != nil {

@@ -3,6 +3,7 @@ package main
 import (
 	"context"
 	"fmt"
+	"strings"
 	"sync/atomic"
 	"time"
 
@@ -138,7 +139,7 @@ func (t *tenant) setWorkers(kubeletOn, driverOn bool, kubeletWhy, driverWhy stri
 // csiRelease reports whether the CSI driver release R-csi is installed:
 // present and not being deleted.
 func (t *tenant) csiRelease() (bool, string) {
-	name := t.name + "-csi"
+	name := t.name + prof.csiSuffix
 	hr, ok, running := t.s.hrs.get(t.ns, name)
 	switch {
 	case !running:
@@ -177,7 +178,7 @@ func (t *tenant) probe(ctx context.Context) (bool, string) {
 }
 
 func (t *tenant) connect(ctx context.Context) string {
-	name := t.name + "-admin-kubeconfig"
+	name := t.name + prof.kubeconfigSuffix
 	gctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	secret, err := t.s.mgmt.CoreV1().Secrets(t.ns).Get(gctx, name, metav1.GetOptions{})
@@ -187,12 +188,15 @@ func (t *tenant) connect(ctx context.Context) string {
 	case err != nil:
 		return fmt.Sprintf("read Secret %s: %v", name, err)
 	}
-	data, key := secret.Data["super-admin.svc"], "super-admin.svc"
-	if len(data) == 0 {
-		data, key = secret.Data["super-admin.conf"], "super-admin.conf"
+	var data []byte
+	var key string
+	for _, k := range prof.kubeconfigKeys {
+		if data, key = secret.Data[k], k; len(data) > 0 {
+			break
+		}
 	}
 	if len(data) == 0 {
-		return fmt.Sprintf("Secret %s has no key super-admin.svc or super-admin.conf", name)
+		return fmt.Sprintf("Secret %s has none of the keys %s", name, strings.Join(prof.kubeconfigKeys, ", "))
 	}
 	cfg, err := tenantRESTConfig(data)
 	if err != nil {
