@@ -163,13 +163,7 @@ impl BenchGate {
         crate::common::gate::apply_crds(cp).await;
 
         let certs = cp.state.join(format!("bench-certs-{tag}"));
-        let out = Command::new(binary())
-            .args(["certs", "generate", "--san", "127.0.0.1", "--out"])
-            .arg(&certs)
-            .output()
-            .expect("run volume-gate certs generate");
-        assert!(out.status.success(), "certs generate: {}", String::from_utf8_lossy(&out.stderr));
-        let ca_bundle = std::fs::read_to_string(certs.join("ca-bundle.b64")).expect("ca-bundle.b64").trim().to_string();
+        let ca_bundle = crate::common::gate::generate_certs(&certs);
 
         let log_dir = cp.state.join("logs");
         let webhook_port = free_port();

@@ -97,13 +97,7 @@ impl Gate {
         apply_crds(cp).await;
 
         let certs = cp.state.join("gate-certs");
-        let out = Command::new(binary())
-            .args(["certs", "generate", "--san", "127.0.0.1", "--out"])
-            .arg(&certs)
-            .output()
-            .expect("run volume-gate certs generate");
-        assert!(out.status.success(), "certs generate: {}", String::from_utf8_lossy(&out.stderr));
-        let ca_bundle = std::fs::read_to_string(certs.join("ca-bundle.b64")).expect("ca-bundle.b64").trim().to_string();
+        let ca_bundle = generate_certs(&certs);
 
         let log_dir = cp.state.join("logs");
         let webhook_port = free_port();
@@ -307,4 +301,16 @@ async fn wait_webhooks_active(cp: &ControlPlane) {
 
 pub async fn client_for_kubeconfig(path: &std::path::Path) -> kube::Client {
     client_from(path).await
+}
+
+/// A CA and a loopback serving certificate in `dir`, made by the binary's
+/// own `certs generate`; returns the base64 CA bundle.
+pub fn generate_certs(dir: &std::path::Path) -> String {
+    let out = Command::new(binary())
+        .args(["certs", "generate", "--san", "127.0.0.1", "--out"])
+        .arg(dir)
+        .output()
+        .expect("run volume-gate certs generate");
+    assert!(out.status.success(), "certs generate: {}", String::from_utf8_lossy(&out.stderr));
+    std::fs::read_to_string(dir.join("ca-bundle.b64")).expect("ca-bundle.b64").trim().to_string()
 }

@@ -1,7 +1,8 @@
 //! Target 1b: the same AdmissionReview bodies through the real HTTP layer
 //! (`admission::server::router`: body limit, decode, `Gate::validate` with
 //! its fresh reads, `Gate::mutate`, `respond`), against an in-process
-//! stand-in for the API server whose answers the fuzzer chooses.
+//! stand-in for the API server whose answers the fuzzer chooses (the
+//! crate's scripted server, `volume_gate::testing`).
 //!
 //! Input layout as in `admission_review`: byte 0 = length L of the facts
 //! region, bytes 1..=L feed `arbitrary` for [`Facts`], the rest is the body.
@@ -25,14 +26,12 @@
 #[path = "../common/mod.rs"]
 mod common;
 
-use std::convert::Infallible;
-use std::sync::{Arc, LazyLock, Mutex};
+use std::sync::{Arc, LazyLock};
 
 use arbitrary::{Arbitrary, Unstructured};
 use base64::Engine;
-use bytes::Bytes;
 use common::{AnnKey, AnnVal, WORKER};
-use http_body_util::{BodyExt, Full};
+use http_body_util::BodyExt;
 use kube::core::admission::{AdmissionRequest, Operation};
 use volume_gate::admission::review::Object as DynamicObject;
 use libfuzzer_sys::fuzz_target;
@@ -45,6 +44,7 @@ use volume_gate::args::DEFAULT_MAX_BODY_BYTES;
 use volume_gate::metrics::Metrics;
 use volume_gate::profile::Profile;
 use volume_gate::record::{Keys, Record};
+use volume_gate::testing::{FakeApi, partial_metadata, status_body};
 
 #[derive(Debug, Clone, Default, Arbitrary)]
 enum ParentState {
@@ -85,13 +85,9 @@ struct Facts {
     tiny_limit: bool,
 }
 
-#[derive(Debug, Default)]
-struct ApiState {
-    facts: Facts,
-    reads: Vec<&'static str>,
-}
-
-static API: LazyLock<Mutex<ApiState>> = LazyLock::new(Default::default);
+/// The scripted API server (`volume_gate::testing`), shared with the
+/// crate's in-process tests; each input scripts it from its facts.
+static API: LazyLock<Arc<FakeApi>> = LazyLock::new(FakeApi::new);
 
 static RT: LazyLock<tokio::runtime::Runtime> =
     LazyLock::new(|| tokio::runtime::Builder::new_current_thread().enable_time().build().expect("runtime"));
@@ -109,90 +105,82 @@ struct Routers {
 static ROUTERS: LazyLock<Routers> = LazyLock::new(|| {
     // Client::new spawns its buffer task: inside the runtime.
     RT.block_on(async {
-        let service = tower::service_fn(|req: http::Request<kube::client::Body>| async move {
-            Ok::<_, Infallible>(answer_api(&req))
-        });
-        let client = kube::Client::new(service, "default");
+        let client = API.client();
         let gate = Arc::new(Gate::new(PROFILE.clone(), WORKER.to_string(), client, Metrics::new()));
         Routers { normal: router(gate.clone(), DEFAULT_MAX_BODY_BYTES), tiny: router(gate, TINY_LIMIT) }
     })
 });
 
-fn status(code: u16, reason: &str) -> http::Response<Full<Bytes>> {
-    let body = json!({"kind": "Status", "apiVersion": "v1", "metadata": {}, "status": "Failure",
-                      "message": reason, "reason": reason, "code": code});
-    http::Response::builder()
-        .status(code)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap()
-}
+const PARENTS: &str = "/apis/helm.toolkit.fluxcd.io/v2/namespaces/";
+const NAMESPACES: &str = "/api/v1/namespaces/";
+const SAR: &str = "/apis/authorization.k8s.io/v1/subjectaccessreviews";
 
-fn ok(body: Value) -> http::Response<Full<Bytes>> {
-    http::Response::builder()
-        .status(200)
-        .header("content-type", "application/json")
-        .body(Full::new(Bytes::from(body.to_string())))
-        .unwrap()
-}
-
-/// The API server stand-in: the parent's metadata, the namespace's, and
-/// SubjectAccessReviews, as the facts say.
-fn answer_api(req: &http::Request<kube::client::Body>) -> http::Response<Full<Bytes>> {
-    let path = req.uri().path().to_string();
-    let mut api = API.lock().unwrap();
-    // Matched by prefix: a name the API server would never have admitted
-    // (a slash, say) still reaches the stand-in as a read of that kind.
-    let segments: Vec<&str> = path.trim_start_matches('/').split('/').collect();
-    match segments.as_slice() {
-        ["apis", "helm.toolkit.fluxcd.io", "v2", "namespaces", ns, "helmreleases", name, ..] => {
-            api.reads.push("parent");
-            let keys = &*KEYS;
-            let annotations = common::annotations(&api.facts.annotations, keys, "", 0);
-            let mut meta = json!({"name": name, "namespace": ns, "annotations": annotations});
-            match &api.facts.parent {
-                ParentState::Absent => return status(404, "NotFound"),
-                ParentState::Error => return status(500, "InternalError"),
-                ParentState::NotParent => meta["labels"] = json!({"apps.cozystack.io/application.kind": "Postgres"}),
-                ParentState::Present { deleting, in_custody } => {
-                    meta["labels"] = json!(PROFILE.parent.match_labels);
-                    if *deleting {
-                        meta["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
-                    }
-                    if *in_custody {
-                        meta["finalizers"] = json!([PROFILE.custody_finalizer]);
-                    }
+/// Scripts the API server as the facts say: the parent's metadata, the
+/// namespace's, and SubjectAccessReviews. Routes match by prefix: a name the
+/// API server would never have admitted (a slash, say) still reaches it as
+/// a read of that kind.
+fn script_api(facts: &Facts) {
+    API.reset();
+    let keys = &*KEYS;
+    let annotations = common::annotations(&facts.annotations, keys, "", 0);
+    let mut meta = json!({"name": "parent", "namespace": "tenant", "annotations": annotations});
+    match &facts.parent {
+        ParentState::Absent => {}
+        ParentState::Error => {
+            API.on_prefix("GET", PARENTS, 500, status_body(500));
+        }
+        ParentState::NotParent | ParentState::Present { .. } => {
+            if let ParentState::Present { deleting, in_custody } = &facts.parent {
+                meta["labels"] = json!(PROFILE.parent.match_labels);
+                if *deleting {
+                    meta["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
                 }
+                if *in_custody {
+                    meta["finalizers"] = json!([PROFILE.custody_finalizer]);
+                }
+            } else {
+                meta["labels"] = json!({"apps.cozystack.io/application.kind": "Postgres"});
             }
-            ok(json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": meta}))
-        }
-        ["api", "v1", "namespaces", ns, ..] => {
-            api.reads.push("namespace");
-            let mut meta = json!({"name": ns});
-            match api.facts.namespace {
-                NsState::Absent => return status(404, "NotFound"),
-                NsState::Error => return status(503, "ServiceUnavailable"),
-                NsState::Live => {}
-                NsState::Deleting => meta["deletionTimestamp"] = json!("2026-01-01T00:00:00Z"),
-            }
-            ok(json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata", "metadata": meta}))
-        }
-        ["apis", "authorization.k8s.io", "v1", "subjectaccessreviews"] => {
-            api.reads.push("sar");
-            let (allowed, denied) = match api.facts.sar {
-                SarState::Allowed => (true, false),
-                SarState::Denied => (false, false),
-                SarState::AllowedAndDenied => (true, true),
-                SarState::Error => return status(500, "InternalError"),
-            };
-            ok(json!({"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
-                      "spec": {}, "status": {"allowed": allowed, "denied": denied}}))
-        }
-        _ => {
-            api.reads.push("unexpected");
-            status(404, "NotFound")
+            API.on_prefix("GET", PARENTS, 200, partial_metadata(meta));
         }
     }
+    let mut ns = json!({"name": "tenant"});
+    match facts.namespace {
+        NsState::Absent => {}
+        NsState::Error => {
+            API.on_prefix("GET", NAMESPACES, 503, status_body(503));
+        }
+        NsState::Live | NsState::Deleting => {
+            if matches!(facts.namespace, NsState::Deleting) {
+                ns["deletionTimestamp"] = json!("2026-01-01T00:00:00Z");
+            }
+            API.on_prefix("GET", NAMESPACES, 200, partial_metadata(ns));
+        }
+    }
+    let (allowed, denied) = match facts.sar {
+        SarState::Allowed => (true, false),
+        SarState::Denied => (false, false),
+        SarState::AllowedAndDenied => (true, true),
+        SarState::Error => {
+            API.on("POST", SAR, 500, status_body(500));
+            return;
+        }
+    };
+    API.on("POST", SAR, 201, json!({"apiVersion": "authorization.k8s.io/v1", "kind": "SubjectAccessReview",
+                                    "spec": {}, "status": {"allowed": allowed, "denied": denied}}));
+}
+
+/// What the gate read, by kind, in order.
+fn reads() -> Vec<&'static str> {
+    API.calls()
+        .iter()
+        .map(|c| match (c.method.as_str(), c.path.as_str()) {
+            ("GET", p) if p.starts_with(PARENTS) && p.contains("/helmreleases/") => "parent",
+            ("GET", p) if p.starts_with(NAMESPACES) => "namespace",
+            ("POST", SAR) => "sar",
+            _ => "unexpected",
+        })
+        .collect()
 }
 
 fuzz_target!(|data: &[u8]| {
@@ -223,11 +211,7 @@ fn replace_all(hay: &[u8], from: &[u8], to: &[u8]) -> Vec<u8> {
 }
 
 fn run(facts: &Facts, body: &[u8], endpoint: &str) {
-    {
-        let mut api = API.lock().unwrap();
-        api.facts = facts.clone();
-        api.reads.clear();
-    }
+    script_api(facts);
     let routers = &*ROUTERS;
     let router = if facts.tiny_limit { routers.tiny.clone() } else { routers.normal.clone() };
     let request = http::Request::post(endpoint)
@@ -241,7 +225,7 @@ fn run(facts: &Facts, body: &[u8], endpoint: &str) {
         let bytes = response.into_body().collect().await.expect("body").to_bytes();
         (code, bytes)
     });
-    let reads = std::mem::take(&mut API.lock().unwrap().reads);
+    let reads = reads();
     if std::env::var_os("VG_FUZZ_DEBUG").is_some() {
         eprintln!("{endpoint} with {facts:?}: HTTP {code}, reads {reads:?}: {}", String::from_utf8_lossy(&answer));
     }
@@ -304,15 +288,14 @@ fn check_validate(
 ) {
     let kind = review::group_kind(req);
     let namespace = req.namespace.as_deref().unwrap_or("");
-    let dependent = |target: &Target| {
-        let record = Record::from_annotations(&KEYS, &common::annotations(&facts.annotations, &KEYS, "", 0));
+    let record = Record::from_annotations(&KEYS, &common::annotations(&facts.annotations, &KEYS, "", 0));
+    // The answer `docs/design.md` §4 gives a dependent, from the stand-in's
+    // state; a parent that was not read (a name no URI can carry) is a refusal.
+    let dependent_expected = |target: &Target| -> bool {
         if !reads.contains(&"parent") {
-            // The read could not even be sent (a name no URI can carry):
-            // refused, which is the safe answer.
-            assert!(!allowed, "a dependent allowed without reading its parent: {reads:?}: {out}");
-            return;
+            return false;
         }
-        let expected = match &facts.parent {
+        match &facts.parent {
             ParentState::Error => false,
             ParentState::Absent | ParentState::NotParent => true,
             ParentState::Present { .. } if record.is_done() => true,
@@ -321,13 +304,18 @@ fn check_validate(
                 _ if *deleting => false,
                 _ => matches!(facts.namespace, NsState::Live) && reads.contains(&"namespace"),
             },
-        };
-        assert_eq!(allowed, expected, "{target:?} with {facts:?}: reads {reads:?}: {out}");
-        assert_eq!(reads.first(), Some(&"parent"), "a dependent judged without reading its parent: {reads:?}");
-        if allowed && matches!(facts.parent, ParentState::Absent | ParentState::NotParent) {
+        }
+    };
+    // What any allow of a dependent must rest on.
+    let allow_rests_on_reads = || {
+        if !allowed {
+            return;
+        }
+        assert_eq!(reads.first(), Some(&"parent"), "a dependent allowed without reading its parent: {reads:?}");
+        if matches!(facts.parent, ParentState::Absent | ParentState::NotParent) {
             assert!(!warnings.is_empty(), "an allow without a parent carries a warning: {out}");
         }
-        if allowed && matches!(facts.parent, ParentState::Present { .. }) && !record.is_done() {
+        if matches!(facts.parent, ParentState::Present { .. }) && !record.is_done() {
             assert!(reads.contains(&"namespace"), "allowed 'not in teardown' without reading the namespace: {reads:?}");
         }
     };
@@ -343,17 +331,24 @@ fn check_validate(
                 assert!(!allowed, "a DELETE without oldObject was allowed: {out}");
                 return;
             };
-            let target = decide::classify(&PROFILE, &kind, name, &review::labels_of(Some(old)));
-            match &target {
-                Target::Unrelated => assert!(allowed, "an unrelated DELETE was denied: {out}"),
-                Target::Parent { .. } => {
-                    let view = review::meta_view(old, namespace, name);
-                    let done = Record::from_annotations(&KEYS, &view.annotations).is_done();
-                    let custody = view.finalizers.contains(&PROFILE.custody_finalizer);
-                    assert_eq!(allowed, done || custody, "parent DELETE: {out}");
-                    assert!(reads.is_empty(), "a parent DELETE is judged from its own object: {reads:?}");
-                }
-                _ => dependent(&target),
+            // Every identity is judged and the strictest answer wins.
+            let labels = review::labels_of(Some(old));
+            let view = review::meta_view(old, namespace, name);
+            let ids = decide::identities(&PROFILE, &kind, name, &labels);
+            let release = decide::release_of(&PROFILE, namespace, &view.labels, &view.annotations);
+            let ids = decide::with_release_identity(ids, namespace, release);
+            let parent_ok = Record::from_annotations(&KEYS, &view.annotations).is_done()
+                || view.finalizers.contains(&PROFILE.custody_finalizer);
+            let dependents: Vec<&Target> = ids.iter().filter(|t| !matches!(t, Target::Parent { .. } | Target::Unrelated)).collect();
+            let is_parent = ids.iter().any(|t| matches!(t, Target::Parent { .. }));
+            if dependents.is_empty() {
+                let expected = !is_parent || parent_ok;
+                assert_eq!(allowed, expected, "DELETE as {ids:?}: {out}");
+                assert!(reads.is_empty(), "a parent or unrelated DELETE is judged from its own object: {reads:?}");
+            } else {
+                let expected = (!is_parent || parent_ok) && dependents.iter().all(|t| dependent_expected(t));
+                assert_eq!(allowed, expected, "DELETE as {ids:?} with {facts:?}: reads {reads:?}: {out}");
+                allow_rests_on_reads();
             }
         }
         Operation::Update
@@ -366,17 +361,24 @@ fn check_validate(
             )
             .is_empty() =>
         {
-            // The oracle follows the first identity a relabel concerns (the
-            // gate judges every one and keeps the strictest answer).
-            let target = decide::relabel_targets(
+            // Each identity the relabel takes away is judged; the gate may
+            // also refuse for the parent guards or a release membership
+            // change, so an allow must be earned by every relabel target.
+            let targets = decide::relabel_targets(
                 &PROFILE,
                 &kind,
                 name,
                 &review::labels_of(req.old_object.as_ref()),
                 &review::labels_of(req.object.as_ref()),
-            )
-            .remove(0);
-            dependent(&target);
+            );
+            let expected = targets.iter().all(&dependent_expected);
+            if allowed {
+                assert!(expected, "relabel as {targets:?} allowed with {facts:?}: reads {reads:?}: {out}");
+            }
+            if kind != PROFILE.parent_kind() && review_release_unchanged(req, namespace) {
+                assert_eq!(allowed, expected, "relabel as {targets:?} with {facts:?}: reads {reads:?}: {out}");
+            }
+            allow_rests_on_reads();
         }
         Operation::Create | Operation::Update if kind == PROFILE.parent_kind() => {
             let Some(new) = req.object.as_ref() else {
@@ -432,4 +434,12 @@ fn check_mutate(req: &AdmissionRequest<DynamicObject>, body: &[u8], allowed: boo
             panic!("the served patch does not apply: {e}\npatch: {}\nobject: {object}", String::from_utf8_lossy(&patch_bytes));
         }
     }
+}
+
+/// The object stays in the same parent release (or in none).
+fn review_release_unchanged(req: &AdmissionRequest<DynamicObject>, namespace: &str) -> bool {
+    let release = |o: Option<&DynamicObject>| {
+        o.map(|o| review::meta_view(o, namespace, "")).and_then(|v| decide::release_of(&PROFILE, namespace, &v.labels, &v.annotations))
+    };
+    release(req.old_object.as_ref()) == release(req.object.as_ref())
 }
