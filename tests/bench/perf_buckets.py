@@ -1,5 +1,5 @@
 #!/usr/bin/env python3
-"""Where a bench-admission server thread spends its CPU (BENCHMARKS.md).
+"""Where a bench-admission server thread spends its CPU (docs/benchmarks.md).
 
 Reads `perf script` output on stdin and counts the samples of one thread
 name (comm, e.g. bench-server) into buckets: each sample goes to the first
