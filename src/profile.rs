@@ -51,6 +51,17 @@ pub struct ParentSpec {
     /// conditions use this to send it only objects of tenant releases.
     #[serde(default)]
     pub name_prefix: String,
+    /// The annotation that asks the parent's controller to reconcile now
+    /// (Flux: `reconcile.fluxcd.io/requestedAt`, what `flux reconcile`
+    /// writes). The worker sets it with `Released` and `Overridden`, so the
+    /// uninstall the gate made fail is retried at once instead of after
+    /// Flux's backoff (up to 15 minutes). Empty: never written.
+    #[serde(default = "flux_reconcile_request")]
+    pub reconcile_request_annotation: String,
+}
+
+fn flux_reconcile_request() -> String {
+    "reconcile.fluxcd.io/requestedAt".into()
 }
 
 /// How a guarded dependency names the tenant it belongs to.
@@ -169,6 +180,7 @@ impl Profile {
                     ("apps.cozystack.io/application.group".into(), "apps.cozystack.io".into()),
                 ]),
                 name_prefix: "kubernetes-".into(),
+                reconcile_request_annotation: flux_reconcile_request(),
             },
             child_label: "cozystack.io/target-cluster-name".into(),
             csi_release: "{tenant}-csi".into(),

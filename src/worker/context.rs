@@ -104,8 +104,15 @@ impl Context {
 
     /// Writes worker-owned record keys with a merge patch that names only
     /// them: other annotations, and anything a person set, stay untouched.
+    /// An outcome that ends the phase (`Released`, `Overridden`) also asks
+    /// the parent's controller to reconcile now, in the same write.
     pub async fn write_record(&self, t: &TenantRef, update: &Update) -> Result<(), kube::Error> {
-        let patch = serde_json::json!({"metadata": {"annotations": update.annotations(&self.keys)}});
+        let mut annotations = update.annotations(&self.keys);
+        let request = &self.profile.parent.reconcile_request_annotation;
+        if matches!(update.phase, Some(Phase::Released | Phase::Overridden)) && !request.is_empty() {
+            annotations.insert(request.clone(), serde_json::Value::String(now_rfc3339()));
+        }
+        let patch = serde_json::json!({"metadata": {"annotations": annotations}});
         self.parent_api(&t.namespace).patch_metadata(&t.name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
         Ok(())
     }

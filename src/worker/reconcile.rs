@@ -333,6 +333,7 @@ mod tests {
         assert_eq!(ann["volumes.cozystack.io/phase"], "Overridden");
         assert!(ann["volumes.cozystack.io/message"].as_str().unwrap().starts_with("override by alice (tenant abandoned)"), "{ann}");
         assert!(ann.get("volumes.cozystack.io/override").is_none(), "the person's keys are not rewritten: {ann}");
+        assert!(ann["reconcile.fluxcd.io/requestedAt"].is_string(), "Flux is asked to retry in the same write: {ann}");
         assert_eq!(sent[1].1[1], json!({"op": "remove", "path": "/metadata/finalizers/0"}));
         assert_eq!(event_reasons(&w.api), [("Warning".to_string(), "Overridden".to_string())]);
     }
@@ -355,6 +356,7 @@ mod tests {
         let phases: Vec<Value> = patches(&w.api).iter().map(|p| p.1["metadata"]["annotations"].clone()).collect();
         assert_eq!(phases.len(), 2, "{phases:?}");
         assert_eq!(phases[0]["volumes.cozystack.io/phase"], "Releasing");
+        assert!(phases.iter().all(|a| a.get("reconcile.fluxcd.io/requestedAt").is_none()), "no retry request before an outcome: {phases:?}");
         assert_eq!(phases[1]["volumes.cozystack.io/phase"], "Blocked");
         let message = phases[1]["volumes.cozystack.io/message"].as_str().unwrap();
         assert!(message.contains("tenant-a/kubernetes-a-admin-kubeconfig") && message.contains("(attempt 1; retrying in 30s)"), "{message}");
