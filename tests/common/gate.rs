@@ -209,6 +209,11 @@ pub async fn apply_crds(cp: &ControlPlane) {
     for f in files {
         manifests::apply_file(&client, &f).await;
     }
+    wait_crd_established(&client, "helmreleases.helm.toolkit.fluxcd.io").await;
+}
+
+/// Waits until the API server serves CRD `name` (`Established`).
+pub async fn wait_crd_established(client: &kube::Client, name: &str) {
     let crds: Api<DynamicObject> = Api::all_with(
         client.clone(),
         &ApiResource::from_gvk_with_plural(
@@ -216,10 +221,10 @@ pub async fn apply_crds(cp: &ControlPlane) {
             "customresourcedefinitions",
         ),
     );
-    eventually("HelmRelease CRD established", Duration::from_secs(30), || {
+    eventually(&format!("CRD {name} established"), Duration::from_secs(30), || {
         let crds = crds.clone();
         async move {
-            let crd = crds.get("helmreleases.helm.toolkit.fluxcd.io").await.map_err(|e| e.to_string())?;
+            let crd = crds.get(name).await.map_err(|e| e.to_string())?;
             let established = crd.data["status"]["conditions"]
                 .as_array()
                 .is_some_and(|c| c.iter().any(|c| c["type"] == "Established" && c["status"] == "True"));

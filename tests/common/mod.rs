@@ -3,6 +3,7 @@
 #![allow(dead_code)]
 
 pub mod cluster;
+pub mod flux;
 pub mod gate;
 pub mod history;
 pub mod manifests;

@@ -1,0 +1,165 @@
+//! The real Flux helm-controller (built by `tests/flux/build.sh`) against the
+//! management API server, with charts delivered the way Cozystack delivers
+//! them: a HelmRelease's `chartRef` of kind `ExternalArtifact`, whose status
+//! points at a chart tarball served on loopback.
+
+use std::path::{Path, PathBuf};
+use std::process::{Command, Stdio};
+use std::sync::OnceLock;
+use std::time::Duration;
+
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
+use serde_json::json;
+
+use super::cluster::{ControlPlane, repo_root};
+use super::gate::{free_port, http_get};
+use super::manifests;
+use super::process::Process;
+use super::wait::eventually;
+
+/// The directory `tests/flux/build.sh` prints: `helm-controller`, `crds/`.
+pub fn flux_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| {
+        let out = Command::new("bash")
+            .arg(repo_root().join("tests/flux/build.sh"))
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run tests/flux/build.sh");
+        assert!(out.status.success(), "tests/flux/build.sh failed (see its messages above)");
+        PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
+    })
+    .clone()
+}
+
+pub fn external_artifact_resource() -> ApiResource {
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("source.toolkit.fluxcd.io", "v1", "ExternalArtifact"), "externalartifacts")
+}
+
+/// helm-controller running against the management cluster, and the server
+/// its charts come from.
+pub struct Flux {
+    pub process: Process,
+    pub charts: ChartServer,
+}
+
+impl Flux {
+    /// Installs Flux's real CRDs (replacing the fixture's HelmRelease CRD)
+    /// and starts helm-controller with the ExternalArtifact feature gate.
+    pub async fn start(cp: &ControlPlane) -> Flux {
+        let dir = flux_dir();
+        let client = cp.management_client().await;
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir.join("crds")).expect("crds").map(|e| e.expect("entry").path()).collect();
+        files.sort();
+        for f in &files {
+            manifests::apply_file(&client, f).await;
+        }
+        for name in ["helmreleases.helm.toolkit.fluxcd.io", "externalartifacts.source.toolkit.fluxcd.io", "helmcharts.source.toolkit.fluxcd.io", "ocirepositories.source.toolkit.fluxcd.io"] {
+            super::gate::wait_crd_established(&client, name).await;
+        }
+        let health = free_port();
+        let mut cmd = Command::new(dir.join("helm-controller"));
+        cmd.env("KUBECONFIG", &cp.management.kubeconfig).args([
+            "--watch-all-namespaces=true",
+            "--enable-leader-election=false",
+            "--feature-gates=ExternalArtifact=true",
+            "--events-addr=",
+            "--log-encoding=json",
+            "--log-level=debug",
+            &format!("--metrics-addr=127.0.0.1:{}", free_port()),
+            &format!("--health-addr=127.0.0.1:{health}"),
+        ]);
+        let log = cp.state.join("logs").join(format!("{}.log", cp.unique("helm-controller")));
+        let process = Process::start("helm-controller", cmd, log);
+        eventually("helm-controller /readyz", Duration::from_secs(60), || async {
+            if !process.alive() {
+                panic!("helm-controller exited; its log:\n{}", process.log_text());
+            }
+            match http_get(health, "/readyz").await {
+                Ok((200, _)) => Ok(()),
+                Ok((code, body)) => Err(format!("{code} {body}")),
+                Err(e) => Err(e),
+            }
+        })
+        .await;
+        Flux { process, charts: ChartServer::start(cp.state.join(cp.unique("charts"))).await }
+    }
+
+    /// Packages the chart at `tests/fixtures/charts/<chart>` and publishes it
+    /// as ExternalArtifact `name` in `namespace`, status and all, as a
+    /// source producer would.
+    pub async fn publish_chart(&self, client: &kube::Client, namespace: &str, name: &str, chart: &str) {
+        let (file, digest) = self.charts.package(&repo_root().join("tests/fixtures/charts").join(chart));
+        let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &external_artifact_resource());
+        let mut obj = DynamicObject::new(name, &external_artifact_resource()).within(namespace);
+        obj.data = json!({"spec": {"sourceRef": {"apiVersion": "volume-gate.test/v1", "kind": "ChartServer", "name": "charts"}}});
+        api.create(&PostParams::default(), &obj).await.expect("create ExternalArtifact");
+        let now = jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string();
+        let status = json!({"status": {"artifact": {
+            "path": file, "url": format!("http://127.0.0.1:{}/{file}", self.charts.port),
+            "revision": format!("1.0.0@{digest}"), "digest": digest, "lastUpdateTime": now,
+        }}});
+        api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status)).await.expect("ExternalArtifact status");
+    }
+
+    pub fn log(&self) -> String {
+        self.process.log_text()
+    }
+}
+
+/// Files from one directory over plain HTTP on loopback: `GET /<file>`.
+pub struct ChartServer {
+    pub port: u16,
+    dir: PathBuf,
+    _task: tokio::task::JoinHandle<()>,
+}
+
+impl ChartServer {
+    async fn start(dir: PathBuf) -> ChartServer {
+        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+        std::fs::create_dir_all(&dir).expect("chart dir");
+        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the chart server");
+        let port = listener.local_addr().expect("local addr").port();
+        let root = dir.clone();
+        let task = tokio::spawn(async move {
+            while let Ok((mut conn, _)) = listener.accept().await {
+                let root = root.clone();
+                tokio::spawn(async move {
+                    let mut buf = vec![0u8; 8192];
+                    let n = conn.read(&mut buf).await.unwrap_or(0);
+                    let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                    let path = head.split_whitespace().nth(1).unwrap_or("/").trim_start_matches('/').to_string();
+                    // One flat directory: no separators, no parent references.
+                    let body = (!path.is_empty() && !path.contains('/') && !path.contains(".."))
+                        .then(|| std::fs::read(root.join(&path)).ok())
+                        .flatten();
+                    let response = match body {
+                        Some(b) => [format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", b.len()).into_bytes(), b].concat(),
+                        None => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec(),
+                    };
+                    let _ = conn.write_all(&response).await;
+                });
+            }
+        });
+        ChartServer { port, dir, _task: task }
+    }
+
+    /// `helm package`'s layout with the system `tar`: a gzipped tarball
+    /// whose top folder is the chart. Returns its file name and digest.
+    fn package(&self, chart: &Path) -> (String, String) {
+        let name = chart.file_name().expect("chart folder").to_string_lossy().to_string();
+        let file = format!("{name}-1.0.0.tgz");
+        let status = Command::new("tar")
+            .arg("-C")
+            .arg(chart.parent().expect("charts folder"))
+            .arg("-czf")
+            .arg(self.dir.join(&file))
+            .arg(&name)
+            .status()
+            .expect("run tar");
+        assert!(status.success(), "tar of {}", chart.display());
+        let out = Command::new("sha256sum").arg(self.dir.join(&file)).output().expect("run sha256sum");
+        let hex = String::from_utf8_lossy(&out.stdout).split_whitespace().next().expect("a digest").to_string();
+        (file, format!("sha256:{hex}"))
+    }
+}
