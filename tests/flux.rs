@@ -8,11 +8,12 @@ mod common;
 
 use std::time::Duration;
 
-use common::flux::Flux;
+use common::flux::MIN_RETRY_DELAY;
+use common::history::{ParentHistory, Seen};
 use common::gate::helmrelease_resource;
 use common::wait::eventually;
-use k8s_openapi::api::core::v1::{ConfigMap, Secret};
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams};
+use k8s_openapi::api::core::v1::{ConfigMap, Event, Secret};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 
 /// The Ready condition of a HelmRelease: (status, reason, message).
@@ -25,7 +26,7 @@ fn ready(hr: &DynamicObject) -> Option<(String, String, String)> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn the_real_helm_controller_installs_and_uninstalls_a_chart_from_an_external_artifact() {
     let cp = common::cluster::control_plane();
-    let flux = Flux::start(cp).await;
+    let flux = common::flux::flux(cp).await;
     let client = cp.management_client().await;
     let ns = cp.unique("flux-demo");
     cp.namespace(&ns).await;
@@ -33,6 +34,7 @@ async fn the_real_helm_controller_installs_and_uninstalls_a_chart_from_an_extern
 
     let hrs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &helmrelease_resource());
     let mut hr = DynamicObject::new("demo", &helmrelease_resource()).within(&ns);
+    hr.metadata.finalizers = Some(vec![common::flux::FLUX_FINALIZER.into()]);
     hr.data = json!({"spec": {"interval": "10m", "chartRef": {"kind": "ExternalArtifact", "name": "demo-chart"},
                                "values": {"greeting": "from flux"}}});
     hrs.create(&PostParams::default(), &hr).await.expect("create the HelmRelease");
@@ -75,4 +77,104 @@ async fn the_real_helm_controller_installs_and_uninstalls_a_chart_from_an_extern
     assert!(configs.get_opt("demo-config").await.unwrap().is_none(), "the uninstall removed the chart's objects");
     assert!(secrets.list(&ListParams::default().labels("owner=helm")).await.unwrap().items.is_empty(), "and Helm's record");
     assert!(flux.process.alive(), "helm-controller still running; its log:\n{}", flux.log());
+}
+
+/// What the gate does to an uninstall, played by an in-API-server policy so
+/// that only Flux is under test: a DELETE of the release's ConfigMap is
+/// refused while the hold lasts. Helm's uninstall then fails, helm-controller
+/// records `UninstallFailed` with the refusal's message (what an operator sees
+/// in `kubectl get hr`) and backs off, here for at least `MIN_RETRY_DELAY`
+/// (10 minutes). After the hold ends, `reconcile.fluxcd.io/requestedAt` (what
+/// the worker writes with `Released`) makes it retry at once: the HelmRelease
+/// is gone within a bound far below that delay.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_refused_delete_fails_the_uninstall_and_a_reconcile_request_retries_it_during_deletion() {
+    let cp = common::cluster::control_plane();
+    let flux = common::flux::flux(cp).await;
+    let client = cp.management_client().await;
+    let ns = cp.unique("flux-held");
+    cp.namespace(&ns).await;
+    flux.publish_chart(&client, &ns, "demo-chart", "demo").await;
+    let policy = format!("hold-{ns}");
+    common::manifests::apply(&client, &json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
+        "metadata": {"name": policy},
+        "spec": {"failurePolicy": "Fail",
+                 "matchConstraints": {"resourceRules": [{"apiGroups": [""], "apiVersions": ["v1"], "operations": ["DELETE"], "resources": ["configmaps"]}]},
+                 "validations": [{"expression": "oldObject.metadata.name != 'held-config'", "message": "held: the volumes are not released yet"}]}})).await;
+    common::manifests::apply(&client, &json!({
+        "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicyBinding",
+        "metadata": {"name": policy},
+        "spec": {"policyName": policy, "validationActions": ["Deny"],
+                 "matchResources": {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": ns}}}}})).await;
+
+    let hrs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &helmrelease_resource());
+    let history = ParentHistory::open(hrs.clone(), "held").await;
+    let mut hr = DynamicObject::new("held", &helmrelease_resource()).within(&ns);
+    hr.metadata.finalizers = Some(vec![common::flux::FLUX_FINALIZER.into()]);
+    hr.data = json!({"spec": {"interval": "10m", "chartRef": {"kind": "ExternalArtifact", "name": "demo-chart"}}});
+    hrs.create(&PostParams::default(), &hr).await.expect("create the HelmRelease");
+    let ready_true = |s: &Seen| match s {
+        Seen::Parent(p) => ready(p).filter(|(status, _, _)| status == "True").map(|_| ()),
+        Seen::Gone => None,
+    };
+    history.next_matching("Ready=True", Duration::from_secs(120), ready_true).await;
+    // The policy is live once it refuses a dry-run delete of what it holds.
+    let configs: Api<ConfigMap> = Api::namespaced(client.clone(), &ns);
+    eventually("the hold refuses", Duration::from_secs(30), || {
+        let configs = configs.clone();
+        async move {
+            match configs.delete("held-config", &DeleteParams { dry_run: true, ..Default::default() }).await {
+                Err(e) if e.to_string().contains("held") => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        }
+    })
+    .await;
+
+    hrs.delete("held", &DeleteParams::default()).await.expect("delete the HelmRelease");
+    let failed = history
+        .next_matching("Ready=False UninstallFailed", Duration::from_secs(120), |s| match s {
+            Seen::Parent(p) => ready(p).filter(|(status, reason, _)| status == "False" && reason == "UninstallFailed"),
+            Seen::Gone => None,
+        })
+        .await;
+    assert!(failed.2.contains("Helm uninstall failed for release") && failed.2.contains("held"), "{failed:?}");
+    // The refusal's own words reach the operator in the Warning Event
+    // (`kubectl describe hr`), which quotes Helm's log.
+    let events: Api<Event> = Api::namespaced(client.clone(), &ns);
+    eventually("an UninstallFailed Event quoting the refusal", Duration::from_secs(60), || {
+        let events = events.clone();
+        async move {
+            let list = events.list(&ListParams::default().fields("involvedObject.name=held")).await.map_err(|e| e.to_string())?;
+            let found = list.items.iter().any(|e| {
+                e.reason.as_deref() == Some("UninstallFailed")
+                    && e.type_.as_deref() == Some("Warning")
+                    && e.message.as_deref().is_some_and(|m| m.contains("held: the volumes are not released yet"))
+            });
+            if found { Ok(()) } else { Err(format!("{:?}", list.items.iter().map(|e| (&e.reason, &e.message)).collect::<Vec<_>>())) }
+        }
+    })
+    .await;
+    assert!(configs.get_opt("held-config").await.unwrap().is_some(), "the held object stayed");
+    assert!(hrs.get_opt("held").await.unwrap().is_some(), "the HelmRelease waits for its uninstall");
+
+    // The hold ends (the phase recorded the volumes gone) and the retry is
+    // asked for, as the worker asks in its Released write.
+    let bindings: Api<DynamicObject> = Api::all_with(client.clone(), &kube::api::ApiResource::from_gvk_with_plural(
+        &kube::api::GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", "ValidatingAdmissionPolicyBinding"),
+        "validatingadmissionpolicybindings",
+    ));
+    bindings.delete(&policy, &DeleteParams::default()).await.expect("end the hold");
+    eventually("the hold ended", Duration::from_secs(30), || {
+        let configs = configs.clone();
+        async move { configs.delete("held-config", &DeleteParams { dry_run: true, ..Default::default() }).await.map(|_| ()).map_err(|e| e.to_string()) }
+    })
+    .await;
+    let request = json!({"metadata": {"annotations": {"reconcile.fluxcd.io/requestedAt": jiff::Timestamp::now().to_string()}}});
+    hrs.patch("held", &PatchParams::default(), &Patch::Merge(&request)).await.expect("request a reconcile");
+    // Bounded well below the first scheduled retry (MIN_RETRY_DELAY): only
+    // the request can have brought this uninstall.
+    history.next_matching(&format!("HelmRelease gone (its next scheduled retry is {MIN_RETRY_DELAY} away)"), Duration::from_secs(120), |s| matches!(s, Seen::Gone).then_some(())).await;
+    assert!(configs.get_opt("held-config").await.unwrap().is_none(), "the retried uninstall removed the chart's objects");
 }

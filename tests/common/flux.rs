@@ -43,6 +43,24 @@ pub struct Flux {
     pub charts: ChartServer,
 }
 
+/// This test binary's helm-controller, started on first use.
+pub async fn flux(cp: &ControlPlane) -> &'static Flux {
+    static FLUX: tokio::sync::OnceCell<Flux> = tokio::sync::OnceCell::const_new();
+    FLUX.get_or_init(|| Flux::start(cp)).await
+}
+
+/// helm-controller's first retry of a failed reconcile (an uninstall refused
+/// by the gate) comes this long after the failure, growing to
+/// `MAX_RETRY_DELAY`: a retry within a test's bounds can only be one that
+/// was asked for (`reconcile.fluxcd.io/requestedAt`).
+///
+/// helm-controller adds its finalizer and then requeues through the same
+/// rate limiter; the tests create HelmReleases with `FLUX_FINALIZER` already
+/// on, as Cozystack's objects have it after their first reconcile.
+pub const MIN_RETRY_DELAY: &str = "10m";
+pub const FLUX_FINALIZER: &str = "finalizers.fluxcd.io";
+pub const MAX_RETRY_DELAY: &str = "15m";
+
 impl Flux {
     /// Installs Flux's real CRDs (replacing the fixture's HelmRelease CRD)
     /// and starts helm-controller with the ExternalArtifact feature gate.
@@ -66,6 +84,8 @@ impl Flux {
             "--events-addr=",
             "--log-encoding=json",
             "--log-level=debug",
+            &format!("--min-retry-delay={MIN_RETRY_DELAY}"),
+            &format!("--max-retry-delay={MAX_RETRY_DELAY}"),
             &format!("--metrics-addr=127.0.0.1:{}", free_port()),
             &format!("--health-addr=127.0.0.1:{health}"),
         ]);
@@ -82,14 +102,14 @@ impl Flux {
             }
         })
         .await;
-        Flux { process, charts: ChartServer::start(cp.state.join(cp.unique("charts"))).await }
+        Flux { process, charts: ChartServer::start(cp.state.join(cp.unique("charts"))) }
     }
 
     /// Packages the chart at `tests/fixtures/charts/<chart>` and publishes it
     /// as ExternalArtifact `name` in `namespace`, status and all, as a
     /// source producer would.
     pub async fn publish_chart(&self, client: &kube::Client, namespace: &str, name: &str, chart: &str) {
-        let (file, digest) = self.charts.package(&repo_root().join("tests/fixtures/charts").join(chart));
+        let (file, digest) = self.charts.package(&repo_root().join("tests/fixtures/charts").join(chart), &format!("{namespace}-{name}"));
         let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &external_artifact_resource());
         let mut obj = DynamicObject::new(name, &external_artifact_resource()).within(namespace);
         obj.data = json!({"spec": {"sourceRef": {"apiVersion": "volume-gate.test/v1", "kind": "ChartServer", "name": "charts"}}});
@@ -108,47 +128,43 @@ impl Flux {
 }
 
 /// Files from one directory over plain HTTP on loopback: `GET /<file>`.
+/// A thread of its own, so it outlives any one test's runtime.
 pub struct ChartServer {
     pub port: u16,
     dir: PathBuf,
-    _task: tokio::task::JoinHandle<()>,
 }
 
 impl ChartServer {
-    async fn start(dir: PathBuf) -> ChartServer {
-        use tokio::io::{AsyncReadExt, AsyncWriteExt};
+    fn start(dir: PathBuf) -> ChartServer {
+        use std::io::{Read, Write};
         std::fs::create_dir_all(&dir).expect("chart dir");
-        let listener = tokio::net::TcpListener::bind("127.0.0.1:0").await.expect("bind the chart server");
+        let listener = std::net::TcpListener::bind("127.0.0.1:0").expect("bind the chart server");
         let port = listener.local_addr().expect("local addr").port();
         let root = dir.clone();
-        let task = tokio::spawn(async move {
-            while let Ok((mut conn, _)) = listener.accept().await {
-                let root = root.clone();
-                tokio::spawn(async move {
-                    let mut buf = vec![0u8; 8192];
-                    let n = conn.read(&mut buf).await.unwrap_or(0);
-                    let head = String::from_utf8_lossy(&buf[..n]).to_string();
-                    let path = head.split_whitespace().nth(1).unwrap_or("/").trim_start_matches('/').to_string();
-                    // One flat directory: no separators, no parent references.
-                    let body = (!path.is_empty() && !path.contains('/') && !path.contains(".."))
-                        .then(|| std::fs::read(root.join(&path)).ok())
-                        .flatten();
-                    let response = match body {
-                        Some(b) => [format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", b.len()).into_bytes(), b].concat(),
-                        None => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec(),
-                    };
-                    let _ = conn.write_all(&response).await;
-                });
+        std::thread::spawn(move || {
+            for mut conn in listener.incoming().flatten() {
+                let mut buf = vec![0u8; 8192];
+                let n = conn.read(&mut buf).unwrap_or(0);
+                let head = String::from_utf8_lossy(&buf[..n]).to_string();
+                let path = head.split_whitespace().nth(1).unwrap_or("/").trim_start_matches('/').to_string();
+                // One flat directory: no separators, no parent references.
+                let body = (!path.is_empty() && !path.contains('/') && !path.contains("..")).then(|| std::fs::read(root.join(&path)).ok()).flatten();
+                let response = match body {
+                    Some(b) => [format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", b.len()).into_bytes(), b].concat(),
+                    None => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec(),
+                };
+                let _ = conn.write_all(&response);
             }
         });
-        ChartServer { port, dir, _task: task }
+        ChartServer { port, dir }
     }
 
     /// `helm package`'s layout with the system `tar`: a gzipped tarball
-    /// whose top folder is the chart. Returns its file name and digest.
-    fn package(&self, chart: &Path) -> (String, String) {
+    /// whose top folder is the chart, one file per artifact (tests publish
+    /// at once). Returns its file name and digest.
+    fn package(&self, chart: &Path, artifact: &str) -> (String, String) {
         let name = chart.file_name().expect("chart folder").to_string_lossy().to_string();
-        let file = format!("{name}-1.0.0.tgz");
+        let file = format!("{artifact}.tgz");
         let status = Command::new("tar")
             .arg("-C")
             .arg(chart.parent().expect("charts folder"))
