@@ -44,16 +44,19 @@ static CONTROL_PLANE: OnceLock<ControlPlane> = OnceLock::new();
 /// The harness binary, built on first use into a cache keyed by its sources.
 pub fn harness_binary() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| {
-        let out = Command::new("bash")
-            .arg(repo_root().join("tests/harness/build.sh"))
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("run tests/harness/build.sh");
-        assert!(out.status.success(), "tests/harness/build.sh failed (see its messages above)");
-        PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
-    })
-    .clone()
+    BIN.get_or_init(|| run_build_script("tests/harness/build.sh")).clone()
+}
+
+/// Runs a build script of the repository (its messages go to the test's
+/// stderr) and returns the path it prints.
+pub fn run_build_script(script: &str) -> PathBuf {
+    let out = Command::new("bash")
+        .arg(repo_root().join(script))
+        .stderr(Stdio::inherit())
+        .output()
+        .unwrap_or_else(|e| panic!("run {script}: {e}"));
+    assert!(out.status.success(), "{script} failed (see its messages above)");
+    PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
 }
 
 /// The shared control plane of this test binary, started on first use.

@@ -4,14 +4,14 @@
 //! points at a chart tarball served on loopback.
 
 use std::path::{Path, PathBuf};
-use std::process::{Command, Stdio};
+use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
 use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
 use serde_json::json;
 
-use super::cluster::{ControlPlane, repo_root};
+use super::cluster::{ControlPlane, repo_root, run_build_script};
 use super::gate::{free_port, http_get};
 use super::manifests;
 use super::process::Process;
@@ -20,16 +20,7 @@ use super::wait::eventually;
 /// The directory `tests/flux/build.sh` prints: `helm-controller`, `crds/`.
 pub fn flux_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| {
-        let out = Command::new("bash")
-            .arg(repo_root().join("tests/flux/build.sh"))
-            .stderr(Stdio::inherit())
-            .output()
-            .expect("run tests/flux/build.sh");
-        assert!(out.status.success(), "tests/flux/build.sh failed (see its messages above)");
-        PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
-    })
-    .clone()
+    DIR.get_or_init(|| run_build_script("tests/flux/build.sh")).clone()
 }
 
 pub fn external_artifact_resource() -> ApiResource {
