@@ -68,6 +68,7 @@ var (
 
 type simConfig struct {
 	profile       string
+	flux          bool // emulate Flux and the tenant chart's hook (off when the real helm-controller runs)
 	management    string
 	storage       string
 	control       string
@@ -108,6 +109,7 @@ func parseSimFlags(args []string) (simConfig, error) {
 	var cfg simConfig
 	var nss names
 	fs.StringVar(&cfg.profile, "profile", "", "volume-gate's profile as JSON (`volume-gate profile` prints it): the platform's names (required)")
+	fs.BoolVar(&cfg.flux, "flux", true, "emulate Flux's helm-controller and the tenant chart's pre-delete hook; false when the real helm-controller runs")
 	fs.StringVar(&cfg.management, "management", "", "kubeconfig of the management cluster (required)")
 	fs.StringVar(&cfg.storage, "storage", "", "directory of the storage ledger: one file per volume (required)")
 	fs.StringVar(&cfg.control, "control", "", "URL of the harness control API, to stop a tenant API server when its TenantControlPlane is deleted (required)")
@@ -215,7 +217,9 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 		cfg: cfg, log: l, store: store, mgmt: mgmt, dyn: dyn, restCfg: restCfg, disc: mgmt.Discovery(),
 		ctx: ctx, tenants: map[string]*tenant{},
 	}
-	s.flux = newFlux(s)
+	if s.cfg.flux {
+		s.flux = newFlux(s)
+	}
 	s.kamaji = newKamaji(s)
 	scope := "every namespace"
 	if len(cfg.namespaces) > 0 {
@@ -239,7 +243,9 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 	// both caches on every round, so the order they start in does not matter.
 	s.wg.Go(func() { s.tcps.run(ctx) })
 	s.wg.Go(func() { s.hrs.run(ctx) })
-	s.wg.Go(func() { s.flux.run(ctx) })
+	if s.flux != nil {
+		s.wg.Go(func() { s.flux.run(ctx) })
+	}
 
 	<-ctx.Done()
 	s.log.printf("sim", "", "stop", "signal received; stopping tenant workers")
@@ -280,7 +286,9 @@ func (s *sim) onHelmRelease(obj any) {
 	if r, ok := strings.CutSuffix(hr.GetName(), prof.csiSuffix); ok {
 		s.kickTenant(ns, r)
 	}
-	s.flux.onUpdate(hr)
+	if s.flux != nil {
+		s.flux.onUpdate(hr)
+	}
 }
 
 func (s *sim) onTCP(obj any, deleted bool) {
