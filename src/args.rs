@@ -86,11 +86,12 @@ pub struct ProfileArgs {
 }
 
 /// A duration as operators write it: `500ms`, `10s`, `5m`, `1h30m`, or a bare
-/// number of seconds. Parsed by jiff's friendly format, so an absurd value
+/// number of seconds (`1.5`). Parsed by jiff's friendly format, so an absurd value
 /// (`99999999999999999999h`) is an error naming the input, never a panic.
 pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
-    let text = if !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit()) { format!("{s}s") } else { s.to_string() };
+    let bare = !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit() || b == b'.');
+    let text = if bare { format!("{s}s") } else { s.to_string() };
     let signed: jiff::SignedDuration =
         text.parse().map_err(|e| format!("{s:?} is not a duration like 500ms, 10s, 5m or 1h30m: {e}"))?;
     Duration::try_from(signed).map_err(|_| format!("{s:?}: a duration must not be negative"))
@@ -107,6 +108,7 @@ mod tests {
         assert_eq!(parse_duration("2m").unwrap(), Duration::from_secs(120));
         assert_eq!(parse_duration("1h30m").unwrap(), Duration::from_secs(5400));
         assert_eq!(parse_duration("3").unwrap(), Duration::from_secs(3));
+        assert_eq!(parse_duration("1.5").unwrap(), Duration::from_millis(1500));
         assert!(parse_duration("ten").unwrap_err().contains("ten"));
         assert!(parse_duration("").is_err());
         assert!(parse_duration("5d").is_err(), "days are not a fixed length");

@@ -165,11 +165,12 @@ pub struct ParentFacts {
 }
 
 impl ParentFacts {
-    /// The facts of a parent release `tenant` seen as `view` (its namespace
-    /// not read yet).
-    pub fn of(profile: &Profile, keys: &Keys, tenant: &str, view: &ObjectMetaView) -> Self {
+    /// The facts of parent release `namespace`/`tenant` seen as `view` (its
+    /// namespace not read yet). The namespace is the request's, never one
+    /// the object's body claims.
+    pub fn of(profile: &Profile, keys: &Keys, namespace: &str, tenant: &str, view: &ObjectMetaView) -> Self {
         ParentFacts {
-            namespace: view.namespace.clone(),
+            namespace: namespace.to_string(),
             name: tenant.to_string(),
             deleting: view.deleting,
             namespace_deleting: None,

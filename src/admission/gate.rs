@@ -61,7 +61,7 @@ impl Gate {
             finalizers: m.finalizers.clone().unwrap_or_default(),
             deleting: m.deletion_timestamp.is_some(),
         };
-        self.profile.is_parent(&view.labels).then(|| ParentFacts::of(&self.profile, &self.keys, tenant, &view))
+        self.profile.is_parent(&view.labels).then(|| ParentFacts::of(&self.profile, &self.keys, namespace, tenant, &view))
     }
 
     async fn namespace_deleting(&self, namespace: &str) -> Result<bool, kube::Error> {
@@ -93,7 +93,7 @@ impl Gate {
                     let verdict = match &target {
                         Target::Parent { tenant } => {
                             let view = review::meta_view(old, namespace, name);
-                            let facts = ParentFacts::of(&self.profile, &self.keys, tenant, &view);
+                            let facts = ParentFacts::of(&self.profile, &self.keys, namespace, tenant, &view);
                             decide::decide_parent_delete(&self.profile, subject, &facts)
                         }
                         Target::CsiRelease { tenant } | Target::Child { tenant } | Target::Guarded { tenant, .. } => {

@@ -5,7 +5,7 @@
 //! HelmReleases stay cheap). What to do next is decided by a pure function
 //! ([`next`]); [`reconcile`] carries it out; the long-running phase runs in its
 //! own task, at most N at once, so custody of new tenants never waits behind
-//! a slow driver. [`run`] is leader election and the controller's wiring.
+//! a slow driver. [`run()`](run::run) is leader election and the controller's wiring.
 //!
 //! - [`context`]: the shared state and the worker's writes to the management API
 //! - [`release`], [`claims`]: the phase's steps

@@ -39,7 +39,6 @@ fn blocked(reason: ErrorKind, message: String, inventory: Option<Inventory>) -> 
     Outcome::Blocked { reason, message, inventory }
 }
 
-
 /// Runs steps 1–7 once. `Err` is a management-API failure (requeue);
 /// everything about the tenant is an [`Outcome`].
 pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcome, kube::Error> {
