@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::flux::MIN_RETRY_DELAY;
+use common::flux::{Flux, MIN_RETRY_DELAY};
 use common::history::{ParentHistory, Seen};
 use common::gate::helmrelease_resource;
 use common::wait::eventually;
@@ -23,21 +23,33 @@ fn ready(hr: &DynamicObject) -> Option<(String, String, String)> {
     Some((s("status"), s("reason"), s("message")))
 }
 
-#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_real_helm_controller_installs_and_uninstalls_a_chart_from_an_external_artifact() {
+/// This binary's helm-controller, a fresh namespace `prefix-N`, and the
+/// demo chart published there as ExternalArtifact `demo-chart`.
+async fn with_chart(prefix: &str) -> (&'static Flux, kube::Client, String) {
     let cp = common::cluster::control_plane();
     let flux = common::flux::flux(cp).await;
     let client = cp.management_client().await;
-    let ns = cp.unique("flux-demo");
+    let ns = cp.unique(prefix);
     cp.namespace(&ns).await;
     flux.publish_chart(&client, &ns, "demo-chart", "demo").await;
+    (flux, client, ns)
+}
+
+/// HelmRelease `name` of the demo chart with `values`, carrying Flux's
+/// finalizer already (see `common::flux::MIN_RETRY_DELAY`).
+async fn create_release(hrs: &Api<DynamicObject>, name: &str, values: serde_json::Value) {
+    let mut hr = DynamicObject::new(name, &helmrelease_resource()).within(hrs.namespace().unwrap_or_default());
+    hr.metadata.finalizers = Some(vec![common::flux::FLUX_FINALIZER.into()]);
+    hr.data = json!({"spec": {"interval": "10m", "chartRef": {"kind": "ExternalArtifact", "name": "demo-chart"}, "values": values}});
+    hrs.create(&PostParams::default(), &hr).await.expect("create the HelmRelease");
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_real_helm_controller_installs_and_uninstalls_a_chart_from_an_external_artifact() {
+    let (flux, client, ns) = with_chart("flux-demo").await;
 
     let hrs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &helmrelease_resource());
-    let mut hr = DynamicObject::new("demo", &helmrelease_resource()).within(&ns);
-    hr.metadata.finalizers = Some(vec![common::flux::FLUX_FINALIZER.into()]);
-    hr.data = json!({"spec": {"interval": "10m", "chartRef": {"kind": "ExternalArtifact", "name": "demo-chart"},
-                               "values": {"greeting": "from flux"}}});
-    hrs.create(&PostParams::default(), &hr).await.expect("create the HelmRelease");
+    create_release(&hrs, "demo", json!({"greeting": "from flux"})).await;
 
     // Installed: Ready=True is where an installed release stays.
     eventually("HelmRelease demo Ready=True", Duration::from_secs(120), || {
@@ -89,12 +101,7 @@ async fn the_real_helm_controller_installs_and_uninstalls_a_chart_from_an_extern
 /// is gone within a bound far below that delay.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_refused_delete_fails_the_uninstall_and_a_reconcile_request_retries_it_during_deletion() {
-    let cp = common::cluster::control_plane();
-    let flux = common::flux::flux(cp).await;
-    let client = cp.management_client().await;
-    let ns = cp.unique("flux-held");
-    cp.namespace(&ns).await;
-    flux.publish_chart(&client, &ns, "demo-chart", "demo").await;
+    let (_, client, ns) = with_chart("flux-held").await;
     let policy = format!("hold-{ns}");
     common::manifests::apply(&client, &json!({
         "apiVersion": "admissionregistration.k8s.io/v1", "kind": "ValidatingAdmissionPolicy",
@@ -110,10 +117,7 @@ async fn a_refused_delete_fails_the_uninstall_and_a_reconcile_request_retries_it
 
     let hrs: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &helmrelease_resource());
     let history = ParentHistory::open(hrs.clone(), "held").await;
-    let mut hr = DynamicObject::new("held", &helmrelease_resource()).within(&ns);
-    hr.metadata.finalizers = Some(vec![common::flux::FLUX_FINALIZER.into()]);
-    hr.data = json!({"spec": {"interval": "10m", "chartRef": {"kind": "ExternalArtifact", "name": "demo-chart"}}});
-    hrs.create(&PostParams::default(), &hr).await.expect("create the HelmRelease");
+    create_release(&hrs, "held", json!({})).await;
     let ready_true = |s: &Seen| match s {
         Seen::Parent(p) => ready(p).filter(|(status, _, _)| status == "True").map(|_| ()),
         Seen::Gone => None,
