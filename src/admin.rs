@@ -19,7 +19,8 @@ use tokio_util::sync::CancellationToken;
 use crate::metrics::Metrics;
 
 /// The OpenMetrics text format that `prometheus-client` writes.
-pub const OPENMETRICS_CONTENT_TYPE: &str = "application/openmetrics-text; version=1.0.0; charset=utf-8";
+pub const OPENMETRICS_CONTENT_TYPE: &str =
+    "application/openmetrics-text; version=1.0.0; charset=utf-8";
 
 /// A readiness probe answered within this, even when the API server hangs.
 const API_SERVER_TIMEOUT: Duration = Duration::from_secs(2);
@@ -47,7 +48,9 @@ impl Readiness for ApiServerReadiness {
             match tokio::time::timeout(API_SERVER_TIMEOUT, self.client.apiserver_version()).await {
                 Ok(Ok(_)) => Ok(()),
                 Ok(Err(e)) => Err(format!("Kubernetes API server unreachable: {e}")),
-                Err(_) => Err(format!("Kubernetes API server unreachable: no answer to /version within {API_SERVER_TIMEOUT:?}")),
+                Err(_) => Err(format!(
+                    "Kubernetes API server unreachable: no answer to /version within {API_SERVER_TIMEOUT:?}"
+                )),
             }
         })
     }
@@ -75,7 +78,9 @@ pub async fn serve_admin(
     readiness: Arc<dyn Readiness>,
     shutdown: CancellationToken,
 ) -> std::io::Result<()> {
-    axum::serve(listener, router(metrics, readiness)).with_graceful_shutdown(shutdown.cancelled_owned()).await
+    axum::serve(listener, router(metrics, readiness))
+        .with_graceful_shutdown(shutdown.cancelled_owned())
+        .await
 }
 
 fn router(metrics: Arc<Metrics>, readiness: Arc<dyn Readiness>) -> Router {
@@ -94,7 +99,11 @@ async fn readyz(State(admin): State<Admin>) -> Response {
 }
 
 async fn metrics_text(State(admin): State<Admin>) -> Response {
-    ([(header::CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)], admin.metrics.encode()).into_response()
+    (
+        [(header::CONTENT_TYPE, OPENMETRICS_CONTENT_TYPE)],
+        admin.metrics.encode(),
+    )
+        .into_response()
 }
 
 #[cfg(test)]
@@ -109,16 +118,31 @@ mod tests {
 
     impl Readiness for Unready {
         fn check(&self) -> Pin<Box<dyn Future<Output = Result<(), String>> + Send + '_>> {
-            Box::pin(async { Err("Kubernetes API server unreachable: connection refused".to_string()) })
+            Box::pin(async {
+                Err("Kubernetes API server unreachable: connection refused".to_string())
+            })
         }
     }
 
-    async fn get(readiness: Arc<dyn Readiness>, path: &str) -> (StatusCode, Option<String>, String) {
-        let response = router(Metrics::new(), readiness).oneshot(Request::get(path).body(Body::empty()).unwrap()).await.unwrap();
-        let content_type = response.headers().get(header::CONTENT_TYPE).map(|v| v.to_str().unwrap().to_string());
+    async fn get(
+        readiness: Arc<dyn Readiness>,
+        path: &str,
+    ) -> (StatusCode, Option<String>, String) {
+        let response = router(Metrics::new(), readiness)
+            .oneshot(Request::get(path).body(Body::empty()).unwrap())
+            .await
+            .unwrap();
+        let content_type = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_string());
         let status = response.status();
         let body = response.into_body().collect().await.unwrap().to_bytes();
-        (status, content_type, String::from_utf8(body.to_vec()).unwrap())
+        (
+            status,
+            content_type,
+            String::from_utf8(body.to_vec()).unwrap(),
+        )
     }
 
     #[tokio::test]
@@ -151,10 +175,17 @@ mod tests {
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
         let shutdown = CancellationToken::new();
-        let server = tokio::spawn(serve_admin(listener, Metrics::new(), Arc::new(AlwaysReady), shutdown.clone()));
+        let server = tokio::spawn(serve_admin(
+            listener,
+            Metrics::new(),
+            Arc::new(AlwaysReady),
+            shutdown.clone(),
+        ));
 
         let mut tcp = tokio::net::TcpStream::connect(addr).await.unwrap();
-        tcp.write_all(b"GET /healthz HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n").await.unwrap();
+        tcp.write_all(b"GET /healthz HTTP/1.1\r\nHost: admin\r\nConnection: close\r\n\r\n")
+            .await
+            .unwrap();
         let mut response = String::new();
         tcp.read_to_string(&mut response).await.unwrap();
         assert!(response.starts_with("HTTP/1.1 200"), "{response}");

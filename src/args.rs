@@ -92,8 +92,9 @@ pub fn parse_duration(s: &str) -> Result<Duration, String> {
     let s = s.trim();
     let bare = !s.is_empty() && s.bytes().all(|b| b.is_ascii_digit() || b == b'.');
     let text = if bare { format!("{s}s") } else { s.to_string() };
-    let signed: jiff::SignedDuration =
-        text.parse().map_err(|e| format!("{s:?} is not a duration like 500ms, 10s, 5m or 1h30m: {e}"))?;
+    let signed: jiff::SignedDuration = text
+        .parse()
+        .map_err(|e| format!("{s:?} is not a duration like 500ms, 10s, 5m or 1h30m: {e}"))?;
     Duration::try_from(signed).map_err(|_| format!("{s:?}: a duration must not be negative"))
 }
 

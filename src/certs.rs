@@ -14,8 +14,8 @@ use std::path::{Path, PathBuf};
 use base64::Engine as _;
 use jiff::{SignedDuration, Timestamp};
 use rcgen::{
-    BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType, ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair,
-    KeyUsagePurpose, SanType,
+    BasicConstraints, CertificateParams, CertifiedIssuer, DistinguishedName, DnType,
+    ExtendedKeyUsagePurpose, IsCa, Issuer, KeyPair, KeyUsagePurpose, SanType,
 };
 use rustls::pki_types::CertificateDer;
 use rustls::pki_types::pem::PemObject;
@@ -83,13 +83,24 @@ pub struct ServingSpec {
 
 impl ServingSpec {
     pub fn new(service: impl Into<String>, namespace: impl Into<String>) -> Self {
-        Self { service: service.into(), namespace: namespace.into(), extra_sans: Vec::new(), days: 365, ca_days: 3650 }
+        Self {
+            service: service.into(),
+            namespace: namespace.into(),
+            extra_sans: Vec::new(),
+            days: 365,
+            ca_days: 3650,
+        }
     }
 
     /// Every name the API server may use to reach the Service, then the extras.
     pub fn subject_alt_names(&self) -> Vec<String> {
         let (svc, ns) = (&self.service, &self.namespace);
-        let mut names = vec![svc.clone(), format!("{svc}.{ns}"), format!("{svc}.{ns}.svc"), format!("{svc}.{ns}.svc.cluster.local")];
+        let mut names = vec![
+            svc.clone(),
+            format!("{svc}.{ns}"),
+            format!("{svc}.{ns}.svc"),
+            format!("{svc}.{ns}.svc.cluster.local"),
+        ];
         for extra in &self.extra_sans {
             if !names.contains(extra) {
                 names.push(extra.clone());
@@ -127,14 +138,19 @@ impl CertBundle {
 
 #[derive(Debug, thiserror::Error)]
 pub enum CertsError {
-    #[error("--{flag} {value:?} is not a valid DNS label (lowercase letters, digits and '-', at most 63)")]
+    #[error(
+        "--{flag} {value:?} is not a valid DNS label (lowercase letters, digits and '-', at most 63)"
+    )]
     InvalidName { flag: &'static str, value: String },
     #[error("--san {san:?} is neither an IP address nor a DNS name: {reason}")]
     InvalidSan { san: String, reason: String },
     #[error("a validity of {days} days from now is out of range")]
     Validity { days: u32 },
     #[error("cannot {step}: {source}")]
-    Mint { step: &'static str, source: rcgen::Error },
+    Mint {
+        step: &'static str,
+        source: rcgen::Error,
+    },
     #[error(
         "--reuse-ca: {present} exists but {missing} does not; restore it, or remove {present} to mint a new CA \
          (then update the caBundle of the webhook configurations)"
@@ -144,13 +160,18 @@ pub enum CertsError {
     Read { path: PathBuf, source: io::Error },
     #[error("--reuse-ca: the CA cannot be reused: {reason}")]
     CaUnusable { reason: String },
-    #[error("--reuse-ca: ca.key is not the private key of ca.crt; restore the matching pair or mint a new CA")]
+    #[error(
+        "--reuse-ca: ca.key is not the private key of ca.crt; restore the matching pair or mint a new CA"
+    )]
     CaKeyMismatch,
     #[error(
         "the CA expires at {ca_not_after}, before the serving certificate would ({not_after}); \
          mint a new CA (run without --reuse-ca, then update the caBundle) or lower --days"
     )]
-    CaExpiresFirst { ca_not_after: Timestamp, not_after: Timestamp },
+    CaExpiresFirst {
+        ca_not_after: Timestamp,
+        not_after: Timestamp,
+    },
     #[error("cannot write {path}: {source}")]
     Write { path: PathBuf, source: io::Error },
 }
@@ -161,9 +182,13 @@ pub fn generate(spec: &ServingSpec, existing_ca: Option<&CaPem>) -> Result<CertB
     check_dns_label("service", &spec.service)?;
     check_dns_label("namespace", &spec.namespace)?;
     let sans = spec.subject_alt_names();
-    let san_types = sans.iter().map(|s| san_type(s)).collect::<Result<Vec<_>, _>>()?;
+    let san_types = sans
+        .iter()
+        .map(|s| san_type(s))
+        .collect::<Result<Vec<_>, _>>()?;
 
-    let now = Timestamp::from_second(Timestamp::now().as_second()).expect("the current second is a valid timestamp");
+    let now = Timestamp::from_second(Timestamp::now().as_second())
+        .expect("the current second is a valid timestamp");
     let not_before = now - BACKDATE;
     let not_after = days_from(now, spec.days)?;
 
@@ -179,23 +204,45 @@ pub fn generate(spec: &ServingSpec, existing_ca: Option<&CaPem>) -> Result<CertB
             check_within_ca(ca_not_after, not_after)?;
             let issuer = mint_ca(spec, not_before, ca_not_after)?;
             let leaf = issue_serving_cert(spec, san_types, not_before, not_after, &issuer)?;
-            (CaPem { cert: issuer.pem(), key: issuer.key().serialize_pem() }, ca_not_after, false, leaf)
+            (
+                CaPem {
+                    cert: issuer.pem(),
+                    key: issuer.key().serialize_pem(),
+                },
+                ca_not_after,
+                false,
+                leaf,
+            )
         }
     };
-    Ok(CertBundle { ca, ca_reused, ca_not_after, tls_cert: leaf.0, tls_key: leaf.1, sans, not_after })
+    Ok(CertBundle {
+        ca,
+        ca_reused,
+        ca_not_after,
+        tls_cert: leaf.0,
+        tls_key: leaf.1,
+        sans,
+        not_after,
+    })
 }
 
 /// `volume-gate certs generate`: writes the files and prints what it did.
 pub fn run_generate(args: GenerateArgs) -> Result<(), CertsError> {
     let dir = args.out.as_path();
-    fs::create_dir_all(dir).map_err(|source| CertsError::Write { path: dir.to_path_buf(), source })?;
+    fs::create_dir_all(dir).map_err(|source| CertsError::Write {
+        path: dir.to_path_buf(),
+        source,
+    })?;
     let existing = if args.reuse_ca { read_ca(dir)? } else { None };
     let bundle = generate(&args.spec(), existing.as_ref())?;
 
     let mut written = Vec::new();
     let mut write = |name: &str, contents: &[u8], mode: u32| -> Result<(), CertsError> {
         let path = dir.join(name);
-        write_atomically(&path, contents, mode).map_err(|source| CertsError::Write { path: path.clone(), source })?;
+        write_atomically(&path, contents, mode).map_err(|source| CertsError::Write {
+            path: path.clone(),
+            source,
+        })?;
         written.push(path);
         Ok(())
     };
@@ -205,14 +252,27 @@ pub fn run_generate(args: GenerateArgs) -> Result<(), CertsError> {
     }
     write(TLS_KEY_FILE, bundle.tls_key.as_bytes(), 0o600)?;
     write(TLS_CERT_FILE, bundle.tls_cert.as_bytes(), 0o644)?;
-    write(CA_BUNDLE_FILE, format!("{}\n", bundle.ca_bundle_b64()).as_bytes(), 0o644)?;
+    write(
+        CA_BUNDLE_FILE,
+        format!("{}\n", bundle.ca_bundle_b64()).as_bytes(),
+        0o644,
+    )?;
     // Make the renames durable before reporting success.
-    fs::File::open(dir).and_then(|d| d.sync_all()).map_err(|source| CertsError::Write { path: dir.to_path_buf(), source })?;
+    fs::File::open(dir)
+        .and_then(|d| d.sync_all())
+        .map_err(|source| CertsError::Write {
+            path: dir.to_path_buf(),
+            source,
+        })?;
 
     let files: Vec<String> = written.iter().map(|p| p.display().to_string()).collect();
     println!("wrote {}", files.join(", "));
     if bundle.ca_reused {
-        println!("CA: kept {}, expires {}; caBundle unchanged", dir.join(CA_CERT_FILE).display(), bundle.ca_not_after);
+        println!(
+            "CA: kept {}, expires {}; caBundle unchanged",
+            dir.join(CA_CERT_FILE).display(),
+            bundle.ca_not_after
+        );
     } else {
         println!(
             "CA: new, expires {}; put {} into the caBundle of the webhook configurations",
@@ -220,7 +280,11 @@ pub fn run_generate(args: GenerateArgs) -> Result<(), CertsError> {
             dir.join(CA_BUNDLE_FILE).display()
         );
     }
-    println!("serving certificate: expires {}, SANs {}", bundle.not_after, bundle.sans.join(", "));
+    println!(
+        "serving certificate: expires {}, SANs {}",
+        bundle.not_after,
+        bundle.sans.join(", ")
+    );
     Ok(())
 }
 
@@ -230,28 +294,57 @@ fn read_ca(dir: &Path) -> Result<Option<CaPem>, CertsError> {
     let read = |path: &Path| match fs::read_to_string(path) {
         Ok(text) => Ok(Some(text)),
         Err(e) if e.kind() == io::ErrorKind::NotFound => Ok(None),
-        Err(source) => Err(CertsError::Read { path: path.to_path_buf(), source }),
+        Err(source) => Err(CertsError::Read {
+            path: path.to_path_buf(),
+            source,
+        }),
     };
     match (read(&cert_path)?, read(&key_path)?) {
         (Some(cert), Some(key)) => Ok(Some(CaPem { cert, key })),
         (None, None) => Ok(None),
-        (Some(_), None) => Err(CertsError::CaIncomplete { present: cert_path, missing: key_path }),
-        (None, Some(_)) => Err(CertsError::CaIncomplete { present: key_path, missing: cert_path }),
+        (Some(_), None) => Err(CertsError::CaIncomplete {
+            present: cert_path,
+            missing: key_path,
+        }),
+        (None, Some(_)) => Err(CertsError::CaIncomplete {
+            present: key_path,
+            missing: cert_path,
+        }),
     }
 }
 
-fn mint_ca(spec: &ServingSpec, not_before: Timestamp, not_after: Timestamp) -> Result<CertifiedIssuer<'static, KeyPair>, CertsError> {
-    let key =
-        KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|source| CertsError::Mint { step: "generate the CA key", source })?;
+fn mint_ca(
+    spec: &ServingSpec,
+    not_before: Timestamp,
+    not_after: Timestamp,
+) -> Result<CertifiedIssuer<'static, KeyPair>, CertsError> {
+    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|source| {
+        CertsError::Mint {
+            step: "generate the CA key",
+            source,
+        }
+    })?;
     let mut params = CertificateParams::default();
     params.distinguished_name = DistinguishedName::new();
-    params.distinguished_name.push(DnType::OrganizationName, "volume-gate");
-    params.distinguished_name.push(DnType::CommonName, format!("volume-gate CA for {}.{}", spec.service, spec.namespace));
+    params
+        .distinguished_name
+        .push(DnType::OrganizationName, "volume-gate");
+    params.distinguished_name.push(
+        DnType::CommonName,
+        format!("volume-gate CA for {}.{}", spec.service, spec.namespace),
+    );
     // Path length 0: this CA signs serving certificates, never other CAs.
     params.is_ca = IsCa::Ca(BasicConstraints::Constrained(0));
-    params.key_usages = vec![KeyUsagePurpose::KeyCertSign, KeyUsagePurpose::CrlSign, KeyUsagePurpose::DigitalSignature];
+    params.key_usages = vec![
+        KeyUsagePurpose::KeyCertSign,
+        KeyUsagePurpose::CrlSign,
+        KeyUsagePurpose::DigitalSignature,
+    ];
     set_validity(&mut params, not_before, not_after);
-    CertifiedIssuer::self_signed(params, key).map_err(|source| CertsError::Mint { step: "self-sign the CA certificate", source })
+    CertifiedIssuer::self_signed(params, key).map_err(|source| CertsError::Mint {
+        step: "self-sign the CA certificate",
+        source,
+    })
 }
 
 /// Returns the serving certificate and key, PEM-encoded.
@@ -262,55 +355,77 @@ fn issue_serving_cert(
     not_after: Timestamp,
     issuer: &Issuer<'_, KeyPair>,
 ) -> Result<(String, String), CertsError> {
-    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256)
-        .map_err(|source| CertsError::Mint { step: "generate the serving key", source })?;
+    let key = KeyPair::generate_for(&rcgen::PKCS_ECDSA_P256_SHA256).map_err(|source| {
+        CertsError::Mint {
+            step: "generate the serving key",
+            source,
+        }
+    })?;
     let mut params = CertificateParams::default();
     params.distinguished_name = DistinguishedName::new();
-    params.distinguished_name.push(DnType::CommonName, format!("{}.{}.svc", spec.service, spec.namespace));
+    params.distinguished_name.push(
+        DnType::CommonName,
+        format!("{}.{}.svc", spec.service, spec.namespace),
+    );
     params.subject_alt_names = sans;
     params.is_ca = IsCa::ExplicitNoCa;
     params.key_usages = vec![KeyUsagePurpose::DigitalSignature];
     params.extended_key_usages = vec![ExtendedKeyUsagePurpose::ServerAuth];
     params.use_authority_key_identifier_extension = true;
     set_validity(&mut params, not_before, not_after);
-    let cert = params.signed_by(&key, issuer).map_err(|source| CertsError::Mint { step: "sign the serving certificate", source })?;
+    let cert = params
+        .signed_by(&key, issuer)
+        .map_err(|source| CertsError::Mint {
+            step: "sign the serving certificate",
+            source,
+        })?;
     Ok((cert.pem(), key.serialize_pem()))
 }
 
 /// Parses a CA to sign with, checking it is a CA and that the key is its own.
 fn reusable_ca(ca: &CaPem) -> Result<(Issuer<'static, KeyPair>, Timestamp), CertsError> {
     let unusable = |reason: String| CertsError::CaUnusable { reason };
-    let der = CertificateDer::from_pem_slice(ca.cert.as_bytes()).map_err(|e| unusable(format!("ca.crt holds no PEM certificate ({e})")))?;
-    let (_, parsed) =
-        x509_parser::parse_x509_certificate(&der).map_err(|e| unusable(format!("ca.crt is not a valid X.509 certificate ({e})")))?;
+    let der = CertificateDer::from_pem_slice(ca.cert.as_bytes())
+        .map_err(|e| unusable(format!("ca.crt holds no PEM certificate ({e})")))?;
+    let (_, parsed) = x509_parser::parse_x509_certificate(&der)
+        .map_err(|e| unusable(format!("ca.crt is not a valid X.509 certificate ({e})")))?;
     if !parsed.is_ca() {
-        return Err(unusable("ca.crt is not a CA certificate (basicConstraints cA is not set)".into()));
+        return Err(unusable(
+            "ca.crt is not a CA certificate (basicConstraints cA is not set)".into(),
+        ));
     }
     let not_after = Timestamp::from_second(parsed.validity().not_after.timestamp())
         .map_err(|e| unusable(format!("ca.crt has an out-of-range expiry ({e})")))?;
     // Only the error kind is shown: rcgen's messages never echo the key, but be sure.
-    let key = KeyPair::from_pem(&ca.key).map_err(|_| unusable("ca.key is not a PEM private key in a supported format".into()))?;
+    let key = KeyPair::from_pem(&ca.key)
+        .map_err(|_| unusable("ca.key is not a PEM private key in a supported format".into()))?;
     if parsed.public_key().raw != rcgen::PublicKeyData::subject_public_key_info(&key).as_slice() {
         return Err(CertsError::CaKeyMismatch);
     }
-    let issuer = Issuer::from_ca_cert_der(&der, key).map_err(|e| unusable(format!("ca.crt cannot act as issuer ({e})")))?;
+    let issuer = Issuer::from_ca_cert_der(&der, key)
+        .map_err(|e| unusable(format!("ca.crt cannot act as issuer ({e})")))?;
     Ok((issuer, not_after))
 }
 
 fn check_within_ca(ca_not_after: Timestamp, not_after: Timestamp) -> Result<(), CertsError> {
     if ca_not_after < not_after {
-        return Err(CertsError::CaExpiresFirst { ca_not_after, not_after });
+        return Err(CertsError::CaExpiresFirst {
+            ca_not_after,
+            not_after,
+        });
     }
     Ok(())
 }
 
 fn days_from(now: Timestamp, days: u32) -> Result<Timestamp, CertsError> {
-    now.checked_add(SignedDuration::from_hours(24 * i64::from(days))).map_err(|_| CertsError::Validity { days })
+    now.checked_add(SignedDuration::from_hours(24 * i64::from(days)))
+        .map_err(|_| CertsError::Validity { days })
 }
 
 fn set_validity(params: &mut CertificateParams, not_before: Timestamp, not_after: Timestamp) {
     let unix_epoch = rcgen::date_time_ymd(1970, 1, 1);
-    let since_epoch = |t: Timestamp| std::time::Duration::from_secs(t.as_second().max(0).unsigned_abs());
+    let since_epoch =
+        |t: Timestamp| std::time::Duration::from_secs(t.as_second().max(0).unsigned_abs());
     params.not_before = unix_epoch + since_epoch(not_before);
     params.not_after = unix_epoch + since_epoch(not_after);
 }
@@ -319,13 +434,18 @@ fn san_type(san: &str) -> Result<SanType, CertsError> {
     if let Ok(ip) = san.parse::<IpAddr>() {
         return Ok(SanType::IpAddress(ip));
     }
-    let invalid = |reason: &str| CertsError::InvalidSan { san: san.to_string(), reason: reason.to_string() };
+    let invalid = |reason: &str| CertsError::InvalidSan {
+        san: san.to_string(),
+        reason: reason.to_string(),
+    };
     let name = san.strip_prefix("*.").unwrap_or(san);
     if name.is_empty() || san.len() > 253 {
         return Err(invalid("a DNS name has 1 to 253 characters"));
     }
     if !name.split('.').all(is_dns_label) {
-        return Err(invalid("each dot-separated label must be 1-63 letters, digits or '-', not starting or ending with '-'"));
+        return Err(invalid(
+            "each dot-separated label must be 1-63 letters, digits or '-', not starting or ending with '-'",
+        ));
     }
     let ia5 = rcgen::string::Ia5String::try_from(san).map_err(|e| invalid(&e.to_string()))?;
     Ok(SanType::DnsName(ia5))
@@ -335,7 +455,10 @@ fn check_dns_label(flag: &'static str, value: &str) -> Result<(), CertsError> {
     if is_dns_label(value) && !value.chars().any(|c| c.is_ascii_uppercase()) {
         Ok(())
     } else {
-        Err(CertsError::InvalidName { flag, value: value.to_string() })
+        Err(CertsError::InvalidName {
+            flag,
+            value: value.to_string(),
+        })
     }
 }
 
@@ -357,7 +480,11 @@ fn write_atomically(path: &Path, contents: &[u8], mode: u32) -> io::Result<()> {
     {
         return Err(e);
     }
-    let mut file = OpenOptions::new().write(true).create_new(true).mode(mode).open(&tmp)?;
+    let mut file = OpenOptions::new()
+        .write(true)
+        .create_new(true)
+        .mode(mode)
+        .open(&tmp)?;
     // The umask may have narrowed the mode; certificates must stay readable.
     file.set_permissions(Permissions::from_mode(mode))?;
     file.write_all(contents)?;
@@ -382,13 +509,23 @@ mod tests {
     }
 
     /// Verifies the serving certificate as a TLS client trusting only the CA would.
-    fn verify_as_client(ca_pem: &str, leaf: &CertificateDer<'_>, name: &str) -> Result<(), rustls::Error> {
+    fn verify_as_client(
+        ca_pem: &str,
+        leaf: &CertificateDer<'_>,
+        name: &str,
+    ) -> Result<(), rustls::Error> {
         let mut roots = rustls::RootCertStore::empty();
-        roots.add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap()).unwrap();
+        roots
+            .add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap())
+            .unwrap();
         let provider = Arc::new(rustls::crypto::ring::default_provider());
-        let verifier = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider).build().unwrap();
+        let verifier = WebPkiServerVerifier::builder_with_provider(Arc::new(roots), provider)
+            .build()
+            .unwrap();
         let name = ServerName::try_from(name.to_string()).unwrap();
-        verifier.verify_server_cert(leaf, &[], &name, &[], UnixTime::now()).map(|_| ())
+        verifier
+            .verify_server_cert(leaf, &[], &name, &[], UnixTime::now())
+            .map(|_| ())
     }
 
     #[test]
@@ -404,7 +541,9 @@ mod tests {
         for name in names {
             verify_as_client(&bundle.ca.cert, &leaf_der(&bundle), name).unwrap();
         }
-        assert!(verify_as_client(&bundle.ca.cert, &leaf_der(&bundle), "other.volume-gate.svc").is_err());
+        assert!(
+            verify_as_client(&bundle.ca.cert, &leaf_der(&bundle), "other.volume-gate.svc").is_err()
+        );
     }
 
     #[test]
@@ -432,7 +571,10 @@ mod tests {
         let eku = leaf.extended_key_usage().unwrap().unwrap().value;
         assert!(eku.server_auth && !eku.client_auth);
         assert_eq!(leaf.issuer(), ca.subject());
-        assert_eq!(ca.public_key().algorithm.algorithm, x509_parser::oid_registry::OID_KEY_TYPE_EC_PUBLIC_KEY);
+        assert_eq!(
+            ca.public_key().algorithm.algorithm,
+            x509_parser::oid_registry::OID_KEY_TYPE_EC_PUBLIC_KEY
+        );
     }
 
     #[test]
@@ -443,7 +585,10 @@ mod tests {
         let der = leaf_der(&bundle);
         let (_, leaf) = x509_parser::parse_x509_certificate(&der).unwrap();
         let validity = leaf.validity();
-        assert_eq!(validity.not_after.timestamp() - validity.not_before.timestamp(), 30 * 86_400 + 300);
+        assert_eq!(
+            validity.not_after.timestamp() - validity.not_before.timestamp(),
+            30 * 86_400 + 300
+        );
         assert_eq!(bundle.not_after.as_second(), validity.not_after.timestamp());
         assert!(bundle.ca_not_after > bundle.not_after);
     }
@@ -456,21 +601,35 @@ mod tests {
         assert_eq!(second.ca_bundle_b64(), first.ca_bundle_b64());
         assert_ne!(second.tls_cert, first.tls_cert);
         assert_ne!(second.tls_key, first.tls_key);
-        verify_as_client(&first.ca.cert, &leaf_der(&second), "volume-gate-webhook.volume-gate.svc").unwrap();
+        verify_as_client(
+            &first.ca.cert,
+            &leaf_der(&second),
+            "volume-gate-webhook.volume-gate.svc",
+        )
+        .unwrap();
     }
 
     #[test]
     fn reuse_refuses_a_ca_key_that_is_not_the_ca_certificates() {
         let a = generate(&spec(), None).unwrap();
         let b = generate(&spec(), None).unwrap();
-        let mixed = CaPem { cert: a.ca.cert, key: b.ca.key };
-        assert!(matches!(generate(&spec(), Some(&mixed)), Err(CertsError::CaKeyMismatch)));
+        let mixed = CaPem {
+            cert: a.ca.cert,
+            key: b.ca.key,
+        };
+        assert!(matches!(
+            generate(&spec(), Some(&mixed)),
+            Err(CertsError::CaKeyMismatch)
+        ));
     }
 
     #[test]
     fn reuse_refuses_a_serving_certificate_as_ca() {
         let a = generate(&spec(), None).unwrap();
-        let leaf_as_ca = CaPem { cert: a.tls_cert, key: a.tls_key };
+        let leaf_as_ca = CaPem {
+            cert: a.tls_cert,
+            key: a.tls_key,
+        };
         let err = generate(&spec(), Some(&leaf_as_ca)).err().unwrap();
         assert!(err.to_string().contains("not a CA certificate"), "{err}");
     }
@@ -480,16 +639,27 @@ mod tests {
         let mut spec = spec();
         spec.ca_days = 10;
         spec.days = 11;
-        assert!(matches!(generate(&spec, None), Err(CertsError::CaExpiresFirst { .. })));
+        assert!(matches!(
+            generate(&spec, None),
+            Err(CertsError::CaExpiresFirst { .. })
+        ));
     }
 
     #[test]
     fn bad_names_are_refused_before_anything_is_minted() {
         let mut bad_san = spec();
         bad_san.extra_sans = vec!["not a name".into()];
-        assert!(matches!(generate(&bad_san, None), Err(CertsError::InvalidSan { san, .. }) if san == "not a name"));
+        assert!(
+            matches!(generate(&bad_san, None), Err(CertsError::InvalidSan { san, .. }) if san == "not a name")
+        );
         let bad_service = ServingSpec::new("Volume_Gate", "volume-gate");
-        assert!(matches!(generate(&bad_service, None), Err(CertsError::InvalidName { flag: "service", .. })));
+        assert!(matches!(
+            generate(&bad_service, None),
+            Err(CertsError::InvalidName {
+                flag: "service",
+                ..
+            })
+        ));
     }
 
     fn args(out: &Path) -> GenerateArgs {
@@ -517,7 +687,9 @@ mod tests {
         assert_eq!(mode(&dir.path().join(TLS_CERT_FILE)), 0o644);
         let b64 = fs::read_to_string(dir.path().join(CA_BUNDLE_FILE)).unwrap();
         assert_eq!(b64.lines().count(), 1);
-        let decoded = base64::engine::general_purpose::STANDARD.decode(b64.trim_end()).unwrap();
+        let decoded = base64::engine::general_purpose::STANDARD
+            .decode(b64.trim_end())
+            .unwrap();
         assert_eq!(decoded, fs::read(dir.path().join(CA_CERT_FILE)).unwrap());
         let leftovers: Vec<_> = fs::read_dir(dir.path())
             .unwrap()
@@ -532,15 +704,24 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         run_generate(args(dir.path())).unwrap();
         let read = |name: &str| fs::read(dir.path().join(name)).unwrap();
-        let (ca_crt, ca_key, tls_crt) = (read(CA_CERT_FILE), read(CA_KEY_FILE), read(TLS_CERT_FILE));
+        let (ca_crt, ca_key, tls_crt) =
+            (read(CA_CERT_FILE), read(CA_KEY_FILE), read(TLS_CERT_FILE));
 
-        run_generate(GenerateArgs { reuse_ca: true, ..args(dir.path()) }).unwrap();
+        run_generate(GenerateArgs {
+            reuse_ca: true,
+            ..args(dir.path())
+        })
+        .unwrap();
         assert_eq!(read(CA_CERT_FILE), ca_crt);
         assert_eq!(read(CA_KEY_FILE), ca_key);
         assert_ne!(read(TLS_CERT_FILE), tls_crt);
 
         run_generate(args(dir.path())).unwrap();
-        assert_ne!(read(CA_CERT_FILE), ca_crt, "without --reuse-ca a new CA is minted");
+        assert_ne!(
+            read(CA_CERT_FILE),
+            ca_crt,
+            "without --reuse-ca a new CA is minted"
+        );
     }
 
     #[test]
@@ -548,14 +729,25 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         run_generate(args(dir.path())).unwrap();
         fs::remove_file(dir.path().join(CA_KEY_FILE)).unwrap();
-        let err = run_generate(GenerateArgs { reuse_ca: true, ..args(dir.path()) }).unwrap_err();
-        assert!(matches!(&err, CertsError::CaIncomplete { missing, .. } if missing.ends_with(CA_KEY_FILE)), "{err}");
+        let err = run_generate(GenerateArgs {
+            reuse_ca: true,
+            ..args(dir.path())
+        })
+        .unwrap_err();
+        assert!(
+            matches!(&err, CertsError::CaIncomplete { missing, .. } if missing.ends_with(CA_KEY_FILE)),
+            "{err}"
+        );
     }
 
     #[test]
     fn reuse_ca_without_a_ca_mints_one() {
         let dir = tempfile::tempdir().unwrap();
-        run_generate(GenerateArgs { reuse_ca: true, ..args(dir.path()) }).unwrap();
+        run_generate(GenerateArgs {
+            reuse_ca: true,
+            ..args(dir.path())
+        })
+        .unwrap();
         assert!(dir.path().join(CA_CERT_FILE).exists());
     }
 }

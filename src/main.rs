@@ -3,7 +3,11 @@ use std::process::ExitCode;
 use clap::{Parser, Subcommand};
 
 #[derive(Parser)]
-#[command(name = "volume-gate", version, about = "Frees a Cozystack tenant's volumes before its CSI driver is removed")]
+#[command(
+    name = "volume-gate",
+    version,
+    about = "Frees a Cozystack tenant's volumes before its CSI driver is removed"
+)]
 struct Cli {
     #[command(subcommand)]
     command: Command,
@@ -36,7 +40,10 @@ enum CertsCommand {
 
 fn main() -> ExitCode {
     let cli = Cli::parse();
-    let runtime = match tokio::runtime::Builder::new_multi_thread().enable_all().build() {
+    let runtime = match tokio::runtime::Builder::new_multi_thread()
+        .enable_all()
+        .build()
+    {
         Ok(rt) => rt,
         Err(e) => {
             eprintln!("volume-gate: cannot start the async runtime: {e}");
@@ -47,19 +54,31 @@ fn main() -> ExitCode {
         match cli.command {
             Command::Webhook(args) => {
                 volume_gate::telemetry::init_json_logs();
-                volume_gate::admission::server::run(args).await.map_err(|e| e.to_string())
+                volume_gate::admission::server::run(args)
+                    .await
+                    .map_err(|e| e.to_string())
             }
             Command::Worker(args) => {
                 volume_gate::telemetry::init_json_logs();
-                volume_gate::worker::run(args).await.map_err(|e| e.to_string())
+                volume_gate::worker::run(args)
+                    .await
+                    .map_err(|e| e.to_string())
             }
-            Command::Certs(CertsCommand::Generate(args)) => volume_gate::certs::run_generate(args).map_err(|e| e.to_string()),
-            Command::Status(args) => volume_gate::worker::status::run(args).await.map_err(|e| e.to_string()),
-            Command::Profile(args) => volume_gate::profile::Profile::load_or_default(args.profile.as_deref())
-                .map_err(|e| e.to_string())
-                .and_then(|p| serde_json::to_string_pretty(&p).map_err(|e| e.to_string()))
-                .map(|json| println!("{json}")),
-            Command::Custody(cmd) => volume_gate::worker::custody::run_command(cmd).await.map_err(|e| e.to_string()),
+            Command::Certs(CertsCommand::Generate(args)) => {
+                volume_gate::certs::run_generate(args).map_err(|e| e.to_string())
+            }
+            Command::Status(args) => volume_gate::worker::status::run(args)
+                .await
+                .map_err(|e| e.to_string()),
+            Command::Profile(args) => {
+                volume_gate::profile::Profile::load_or_default(args.profile.as_deref())
+                    .map_err(|e| e.to_string())
+                    .and_then(|p| serde_json::to_string_pretty(&p).map_err(|e| e.to_string()))
+                    .map(|json| println!("{json}"))
+            }
+            Command::Custody(cmd) => volume_gate::worker::custody::run_command(cmd)
+                .await
+                .map_err(|e| e.to_string()),
         }
     });
     match result {

@@ -113,10 +113,12 @@ impl Metrics {
     pub fn new() -> Arc<Self> {
         let mut registry = Registry::with_prefix("volume_gate");
         // 50µs to ~3.3s: sub-millisecond buckets for decisions without reads.
-        let decision_seconds =
-            Family::<EndpointLabels, Histogram>::new_with_constructor(|| Histogram::new(exponential_buckets(0.00005, 2.0, 17)));
-        let phase_seconds =
-            Family::<OutcomeLabels, Histogram>::new_with_constructor(|| Histogram::new(exponential_buckets(0.5, 2.0, 14)));
+        let decision_seconds = Family::<EndpointLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.00005, 2.0, 17))
+        });
+        let phase_seconds = Family::<OutcomeLabels, Histogram>::new_with_constructor(|| {
+            Histogram::new(exponential_buckets(0.5, 2.0, 14))
+        });
         let m = Self {
             decisions: Family::default(),
             decision_seconds,
@@ -128,26 +130,63 @@ impl Metrics {
             reconcile_errors: Family::default(),
             registry: Registry::default(),
         };
-        registry.register("admission_decisions", "Admission decisions by target, operation, verdict and reason", m.decisions.clone());
-        registry.register("admission_duration_seconds", "Time to answer an admission review", m.decision_seconds.clone());
-        registry.register("admission_api_reads", "API server reads made to decide admissions", m.api_reads.clone());
-        registry.register("tenants", "Tenants by release phase (NotStarted for those in custody without a phase)", m.tenants_by_phase.clone());
-        registry.register("release_phase_duration_seconds", "Time from a tenant's deletion to the phase's outcome", m.phase_seconds.clone());
-        registry.register("volumes_freed", "Tenant volumes observed gone by the release phase", m.volumes_freed.clone());
-        registry.register("residue_volumes", "Volumes left on storage by Blocked or Overridden tenants and Retain PVs", m.residue_volumes.clone());
-        registry.register("reconcile_errors", "Worker reconcile errors by kind", m.reconcile_errors.clone());
+        registry.register(
+            "admission_decisions",
+            "Admission decisions by target, operation, verdict and reason",
+            m.decisions.clone(),
+        );
+        registry.register(
+            "admission_duration_seconds",
+            "Time to answer an admission review",
+            m.decision_seconds.clone(),
+        );
+        registry.register(
+            "admission_api_reads",
+            "API server reads made to decide admissions",
+            m.api_reads.clone(),
+        );
+        registry.register(
+            "tenants",
+            "Tenants by release phase (NotStarted for those in custody without a phase)",
+            m.tenants_by_phase.clone(),
+        );
+        registry.register(
+            "release_phase_duration_seconds",
+            "Time from a tenant's deletion to the phase's outcome",
+            m.phase_seconds.clone(),
+        );
+        registry.register(
+            "volumes_freed",
+            "Tenant volumes observed gone by the release phase",
+            m.volumes_freed.clone(),
+        );
+        registry.register(
+            "residue_volumes",
+            "Volumes left on storage by Blocked or Overridden tenants and Retain PVs",
+            m.residue_volumes.clone(),
+        );
+        registry.register(
+            "reconcile_errors",
+            "Worker reconcile errors by kind",
+            m.reconcile_errors.clone(),
+        );
         Arc::new(Self { registry, ..m })
     }
 
     /// Counts one worker error.
     pub fn count_error(&self, kind: ErrorKind) {
-        self.reconcile_errors.get_or_create(&ErrorLabels { error: kind.as_str().into() }).inc();
+        self.reconcile_errors
+            .get_or_create(&ErrorLabels {
+                error: kind.as_str().into(),
+            })
+            .inc();
     }
 
     /// The OpenMetrics text exposition.
     pub fn encode(&self) -> String {
         let mut out = String::new();
-        prometheus_client::encoding::text::encode(&mut out, &self.registry).expect("writing to a String cannot fail");
+        prometheus_client::encoding::text::encode(&mut out, &self.registry)
+            .expect("writing to a String cannot fail");
         out
     }
 }
@@ -158,10 +197,16 @@ mod tests {
 
     #[test]
     fn error_labels_are_distinct_and_exported_once_counted() {
-        let labels: std::collections::BTreeSet<_> = ErrorKind::ALL.iter().map(|k| k.as_str()).collect();
+        let labels: std::collections::BTreeSet<_> =
+            ErrorKind::ALL.iter().map(|k| k.as_str()).collect();
         assert_eq!(labels.len(), ErrorKind::ALL.len());
         let m = Metrics::new();
         m.count_error(ErrorKind::ClusterMismatch);
-        assert!(m.encode().contains(r#"volume_gate_reconcile_errors_total{error="cluster-mismatch"} 1"#), "{}", m.encode());
+        assert!(
+            m.encode()
+                .contains(r#"volume_gate_reconcile_errors_total{error="cluster-mismatch"} 1"#),
+            "{}",
+            m.encode()
+        );
     }
 }

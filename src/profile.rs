@@ -21,7 +21,10 @@ pub struct GroupKind {
 
 impl GroupKind {
     pub fn new(group: &str, kind: &str) -> Self {
-        Self { group: group.to_string(), kind: kind.to_string() }
+        Self {
+            group: group.to_string(),
+            kind: kind.to_string(),
+        }
     }
 }
 
@@ -92,6 +95,13 @@ pub struct ReleaseSpec {
     pub namespace_annotation: String,
     pub name_label: String,
     pub namespace_label: String,
+    /// Names (each with `{tenant}` once, any kind) of the parent chart's
+    /// teardown hook objects: Helm creates them for every uninstall attempt
+    /// and deletes them around it by their delete policies, and the driver
+    /// needs none of them, so they are not held. Known by name, which no
+    /// one can change, never by an annotation a tenant's editor could add.
+    #[serde(default, skip_serializing_if = "Vec::is_empty")]
+    pub hooks: Vec<String>,
 }
 
 /// Where the worker finds the tenant's admin kubeconfig.
@@ -147,7 +157,10 @@ impl Default for Profile {
 #[derive(Debug, thiserror::Error)]
 pub enum ProfileError {
     #[error("cannot read profile file {path}: {source}")]
-    Read { path: String, source: std::io::Error },
+    Read {
+        path: String,
+        source: std::io::Error,
+    },
     #[error("profile file {path} is not valid YAML for a profile: {message}")]
     Parse { path: String, message: String },
     #[error("profile {path}: {message}")]
@@ -157,13 +170,16 @@ pub enum ProfileError {
 impl Profile {
     /// The Cozystack profile (`docs/design.md` §1).
     pub fn cozystack() -> Self {
-        let guarded = |role: &str, group: &str, kind: &str, name: Option<&str>, label: Option<&str>| GuardedSpec {
-            role: role.to_string(),
-            group: group.to_string(),
-            kind: kind.to_string(),
-            name: name.map(str::to_string),
-            label: label.map(str::to_string),
-        };
+        let guarded =
+            |role: &str, group: &str, kind: &str, name: Option<&str>, label: Option<&str>| {
+                GuardedSpec {
+                    role: role.to_string(),
+                    group: group.to_string(),
+                    kind: kind.to_string(),
+                    name: name.map(str::to_string),
+                    label: label.map(str::to_string),
+                }
+            };
         const CAPI_LABEL: &str = "cluster.x-k8s.io/cluster-name";
         Self {
             name: "cozystack".into(),
@@ -176,8 +192,14 @@ impl Profile {
                 plural: "helmreleases".into(),
                 // Not sharding.fluxcd.io/key: another webhook rewrites it.
                 match_labels: BTreeMap::from([
-                    ("apps.cozystack.io/application.kind".into(), "Kubernetes".into()),
-                    ("apps.cozystack.io/application.group".into(), "apps.cozystack.io".into()),
+                    (
+                        "apps.cozystack.io/application.kind".into(),
+                        "Kubernetes".into(),
+                    ),
+                    (
+                        "apps.cozystack.io/application.group".into(),
+                        "apps.cozystack.io".into(),
+                    ),
                 ]),
                 name_prefix: "kubernetes-".into(),
                 reconcile_request_annotation: flux_reconcile_request(),
@@ -189,20 +211,71 @@ impl Profile {
                 keys: vec!["super-admin.svc".into(), "super-admin.conf".into()],
             },
             guarded: vec![
-                guarded("the tenant's control plane", "controlplane.cluster.x-k8s.io", "KamajiControlPlane", Some("{tenant}"), None),
-                guarded("the tenant's API server", "kamaji.clastix.io", "TenantControlPlane", Some("{tenant}"), None),
-                guarded("the tenant's Cluster API cluster", "cluster.x-k8s.io", "Cluster", Some("{tenant}"), None),
-                guarded("the tenant's Cluster API cluster", "cluster.x-k8s.io", "Cluster", None, Some(CAPI_LABEL)),
-                guarded("the tenant's worker machines, which run the driver", "cluster.x-k8s.io", "MachineDeployment", None, Some(CAPI_LABEL)),
-                guarded("the tenant's worker machines, which run the driver", "cluster.x-k8s.io", "Machine", None, Some(CAPI_LABEL)),
-                guarded("the tenant's admin kubeconfig, which the release phase needs", "", "Secret", Some("{tenant}-admin-kubeconfig"), None),
-                guarded("the tenant's CSI controller (KubeVirt path)", "apps", "Deployment", Some("{tenant}-kcsi-controller"), None),
+                guarded(
+                    "the tenant's control plane",
+                    "controlplane.cluster.x-k8s.io",
+                    "KamajiControlPlane",
+                    Some("{tenant}"),
+                    None,
+                ),
+                guarded(
+                    "the tenant's API server",
+                    "kamaji.clastix.io",
+                    "TenantControlPlane",
+                    Some("{tenant}"),
+                    None,
+                ),
+                guarded(
+                    "the tenant's Cluster API cluster",
+                    "cluster.x-k8s.io",
+                    "Cluster",
+                    Some("{tenant}"),
+                    None,
+                ),
+                guarded(
+                    "the tenant's Cluster API cluster",
+                    "cluster.x-k8s.io",
+                    "Cluster",
+                    None,
+                    Some(CAPI_LABEL),
+                ),
+                guarded(
+                    "the tenant's worker machines, which run the driver",
+                    "cluster.x-k8s.io",
+                    "MachineDeployment",
+                    None,
+                    Some(CAPI_LABEL),
+                ),
+                guarded(
+                    "the tenant's worker machines, which run the driver",
+                    "cluster.x-k8s.io",
+                    "Machine",
+                    None,
+                    Some(CAPI_LABEL),
+                ),
+                guarded(
+                    "the tenant's admin kubeconfig, which the release phase needs",
+                    "",
+                    "Secret",
+                    Some("{tenant}-admin-kubeconfig"),
+                    None,
+                ),
+                guarded(
+                    "the tenant's CSI controller (KubeVirt path)",
+                    "apps",
+                    "Deployment",
+                    Some("{tenant}-kcsi-controller"),
+                    None,
+                ),
             ],
             release: ReleaseSpec {
                 name_annotation: "meta.helm.sh/release-name".into(),
                 namespace_annotation: "meta.helm.sh/release-namespace".into(),
                 name_label: "helm.toolkit.fluxcd.io/name".into(),
                 namespace_label: "helm.toolkit.fluxcd.io/namespace".into(),
+                // The pre-delete hook's ServiceAccount, Role and RoleBinding,
+                // and its Job.
+                hooks: vec!["{tenant}-cleanup".into(), "{tenant}-pre-cleanup".into()],
             },
             override_permission: OverridePermission {
                 group: "volumes.cozystack.io".into(),
@@ -215,10 +288,19 @@ impl Profile {
     /// Loads a profile file; fields it omits keep the Cozystack defaults.
     pub fn load(path: &Path) -> Result<Self, ProfileError> {
         let shown = path.display().to_string();
-        let text = std::fs::read_to_string(path).map_err(|source| ProfileError::Read { path: shown.clone(), source })?;
+        let text = std::fs::read_to_string(path).map_err(|source| ProfileError::Read {
+            path: shown.clone(),
+            source,
+        })?;
         Self::from_yaml(&text).map_err(|e| match e {
-            ProfileError::Parse { message, .. } => ProfileError::Parse { path: shown.clone(), message },
-            ProfileError::Invalid { message, .. } => ProfileError::Invalid { path: shown.clone(), message },
+            ProfileError::Parse { message, .. } => ProfileError::Parse {
+                path: shown.clone(),
+                message,
+            },
+            ProfileError::Invalid { message, .. } => ProfileError::Invalid {
+                path: shown.clone(),
+                message,
+            },
             other => other,
         })
     }
@@ -231,38 +313,66 @@ impl Profile {
     /// The API resource of the parent release (group, version, kind, plural).
     pub fn parent_resource(&self) -> kube::api::ApiResource {
         let p = &self.parent;
-        kube::api::ApiResource::from_gvk_with_plural(&kube::api::GroupVersionKind::gvk(&p.group, &p.version, &p.kind), &p.plural)
+        kube::api::ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk(&p.group, &p.version, &p.kind),
+            &p.plural,
+        )
     }
 
     pub fn from_yaml(text: &str) -> Result<Self, ProfileError> {
-        let profile: Profile = serde_saphyr::from_str(text)
-            .map_err(|e| ProfileError::Parse { path: "<inline>".into(), message: e.to_string() })?;
-        profile.validate().map_err(|message| ProfileError::Invalid { path: "<inline>".into(), message })?;
+        let profile: Profile = serde_saphyr::from_str(text).map_err(|e| ProfileError::Parse {
+            path: "<inline>".into(),
+            message: e.to_string(),
+        })?;
+        profile
+            .validate()
+            .map_err(|message| ProfileError::Invalid {
+                path: "<inline>".into(),
+                message,
+            })?;
         Ok(profile)
     }
 
     /// Rejects a profile that could never match or would gate nothing.
     pub fn validate(&self) -> Result<(), String> {
         if !self.annotation_prefix.ends_with('/') || self.annotation_prefix.len() < 2 {
-            return Err(format!("annotationPrefix {:?} must be a DNS prefix ending in '/'", self.annotation_prefix));
+            return Err(format!(
+                "annotationPrefix {:?} must be a DNS prefix ending in '/'",
+                self.annotation_prefix
+            ));
         }
         if self.custody_finalizer.is_empty() || !self.custody_finalizer.contains('/') {
-            return Err(format!("custodyFinalizer {:?} must be a qualified name like example.com/release", self.custody_finalizer));
+            return Err(format!(
+                "custodyFinalizer {:?} must be a qualified name like example.com/release",
+                self.custody_finalizer
+            ));
         }
         if self.parent.match_labels.is_empty() {
-            return Err("parent.matchLabels is empty: every HelmRelease would count as a tenant".into());
+            return Err(
+                "parent.matchLabels is empty: every HelmRelease would count as a tenant".into(),
+            );
         }
-        if self.parent.kind.is_empty() || self.parent.plural.is_empty() || self.parent.version.is_empty() {
+        if self.parent.kind.is_empty()
+            || self.parent.plural.is_empty()
+            || self.parent.version.is_empty()
+        {
             return Err("parent needs group, version, kind and plural".into());
         }
         if self.child_label.is_empty() {
             return Err("childLabel is empty".into());
         }
         if self.csi_release.matches(TENANT_PLACEHOLDER).count() != 1 {
-            return Err(format!("csiRelease {:?} must contain {TENANT_PLACEHOLDER} exactly once", self.csi_release));
+            return Err(format!(
+                "csiRelease {:?} must contain {TENANT_PLACEHOLDER} exactly once",
+                self.csi_release
+            ));
         }
-        if !self.kubeconfig.secret_name.contains(TENANT_PLACEHOLDER) || self.kubeconfig.keys.is_empty() {
-            return Err("kubeconfig needs a secretName containing {tenant} and at least one key".into());
+        if !self.kubeconfig.secret_name.contains(TENANT_PLACEHOLDER)
+            || self.kubeconfig.keys.is_empty()
+        {
+            return Err(
+                "kubeconfig needs a secretName containing {tenant} and at least one key".into(),
+            );
         }
         for (i, g) in self.guarded.iter().enumerate() {
             match (&g.name, &g.label) {
@@ -276,7 +386,22 @@ impl Profile {
                 }
             }
         }
+        for (i, h) in self.release.hooks.iter().enumerate() {
+            if h.matches(TENANT_PLACEHOLDER).count() != 1 {
+                return Err(format!(
+                    "release.hooks[{i}] {h:?} must contain {TENANT_PLACEHOLDER} exactly once"
+                ));
+            }
+        }
         Ok(())
+    }
+
+    /// Whether `name` is one of release `tenant`'s teardown hook objects.
+    pub fn is_release_hook(&self, name: &str, tenant: &str) -> bool {
+        self.release
+            .hooks
+            .iter()
+            .any(|h| h.replace(TENANT_PLACEHOLDER, tenant) == name)
     }
 
     pub fn parent_kind(&self) -> GroupKind {
@@ -285,12 +410,20 @@ impl Profile {
 
     /// Whether labels mark an object as a tenant's parent release.
     pub fn is_parent(&self, labels: &BTreeMap<String, String>) -> bool {
-        self.parent.match_labels.iter().all(|(k, v)| labels.get(k) == Some(v))
+        self.parent
+            .match_labels
+            .iter()
+            .all(|(k, v)| labels.get(k) == Some(v))
     }
 
     /// The parent label selector, for list and watch calls.
     pub fn parent_selector(&self) -> String {
-        self.parent.match_labels.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(",")
+        self.parent
+            .match_labels
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",")
     }
 
     pub fn csi_release_name(&self, tenant: &str) -> String {
@@ -298,7 +431,9 @@ impl Profile {
     }
 
     pub fn kubeconfig_secret_name(&self, tenant: &str) -> String {
-        self.kubeconfig.secret_name.replace(TENANT_PLACEHOLDER, tenant)
+        self.kubeconfig
+            .secret_name
+            .replace(TENANT_PLACEHOLDER, tenant)
     }
 
     /// The `kubectl annotate` command that records an override.
@@ -342,13 +477,17 @@ mod tests {
 
     #[test]
     fn unknown_fields_are_refused_by_name() {
-        let err = Profile::from_yaml("childLable: x\n").unwrap_err().to_string();
+        let err = Profile::from_yaml("childLable: x\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("childLable"), "{err}");
     }
 
     #[test]
     fn a_guarded_entry_without_matcher_is_refused() {
-        let err = Profile::from_yaml("guarded:\n- role: x\n  kind: Secret\n").unwrap_err().to_string();
+        let err = Profile::from_yaml("guarded:\n- role: x\n  kind: Secret\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("guarded[0]"), "{err}");
     }
 
@@ -361,22 +500,39 @@ mod tests {
 
     #[test]
     fn a_csi_release_pattern_with_two_placeholders_is_refused() {
-        let err = Profile::from_yaml("csiRelease: \"{tenant}-{tenant}-csi\"\n").unwrap_err().to_string();
+        let err = Profile::from_yaml("csiRelease: \"{tenant}-{tenant}-csi\"\n")
+            .unwrap_err()
+            .to_string();
         assert!(err.contains("exactly once"), "{err}");
     }
 
     #[test]
     fn garbage_is_a_parse_error() {
-        assert!(matches!(Profile::from_yaml("[1, 2"), Err(ProfileError::Parse { .. })));
+        assert!(matches!(
+            Profile::from_yaml("[1, 2"),
+            Err(ProfileError::Parse { .. })
+        ));
     }
 
     #[test]
     fn tenant_is_extracted_from_name_patterns() {
-        assert_eq!(tenant_from_name("{tenant}-csi", "kubernetes-a-csi").as_deref(), Some("kubernetes-a"));
-        assert_eq!(tenant_from_name("{tenant}", "kubernetes-a").as_deref(), Some("kubernetes-a"));
-        assert_eq!(tenant_from_name("{tenant}-admin-kubeconfig", "x-admin-kubeconfig").as_deref(), Some("x"));
+        assert_eq!(
+            tenant_from_name("{tenant}-csi", "kubernetes-a-csi").as_deref(),
+            Some("kubernetes-a")
+        );
+        assert_eq!(
+            tenant_from_name("{tenant}", "kubernetes-a").as_deref(),
+            Some("kubernetes-a")
+        );
+        assert_eq!(
+            tenant_from_name("{tenant}-admin-kubeconfig", "x-admin-kubeconfig").as_deref(),
+            Some("x")
+        );
         assert_eq!(tenant_from_name("{tenant}-csi", "-csi"), None);
-        assert_eq!(tenant_from_name("{tenant}-csi", "kubernetes-a-cilium"), None);
+        assert_eq!(
+            tenant_from_name("{tenant}-csi", "kubernetes-a-cilium"),
+            None
+        );
     }
 
     #[test]
@@ -384,7 +540,10 @@ mod tests {
         let p = Profile::cozystack();
         let mut labels = p.parent.match_labels.clone();
         assert!(p.is_parent(&labels));
-        labels.insert("apps.cozystack.io/application.kind".into(), "Postgres".into());
+        labels.insert(
+            "apps.cozystack.io/application.kind".into(),
+            "Postgres".into(),
+        );
         assert!(!p.is_parent(&labels));
         assert!(!p.is_parent(&BTreeMap::new()));
     }

@@ -89,7 +89,13 @@ impl Keys {
 
     /// Keys only the worker's identity may change.
     pub fn worker_owned(&self) -> [&str; 5] {
-        [&self.phase, &self.released_at, &self.message, &self.volumes, &self.cluster]
+        [
+            &self.phase,
+            &self.released_at,
+            &self.message,
+            &self.volumes,
+            &self.cluster,
+        ]
     }
 
     /// Keys only the mutating webhook may set.
@@ -107,7 +113,12 @@ pub enum Phase {
 }
 
 impl Phase {
-    pub const ALL: [Phase; 4] = [Phase::Releasing, Phase::Released, Phase::Blocked, Phase::Overridden];
+    pub const ALL: [Phase; 4] = [
+        Phase::Releasing,
+        Phase::Released,
+        Phase::Blocked,
+        Phase::Overridden,
+    ];
 
     pub fn as_str(self) -> &'static str {
         match self {
@@ -131,7 +142,9 @@ impl FromStr for Phase {
         Phase::ALL
             .into_iter()
             .find(|p| p.as_str() == s)
-            .ok_or_else(|| format!("unknown phase {s:?} (expected Releasing, Released, Blocked or Overridden)"))
+            .ok_or_else(|| {
+                format!("unknown phase {s:?} (expected Releasing, Released, Blocked or Overridden)")
+            })
     }
 }
 
@@ -166,12 +179,16 @@ impl ClusterIdentity {
     }
 
     pub fn decode(text: &str) -> Result<Self, String> {
-        serde_json::from_str(text).map_err(|e| format!("cluster annotation is not a valid cluster identity: {e}"))
+        serde_json::from_str(text)
+            .map_err(|e| format!("cluster annotation is not a valid cluster identity: {e}"))
     }
 
     /// `server S (kube-system UID U)`, for messages.
     pub fn describe(&self) -> String {
-        format!("server {} (kube-system UID {})", self.server, self.kube_system_uid)
+        format!(
+            "server {} (kube-system UID {})",
+            self.server, self.kube_system_uid
+        )
     }
 }
 
@@ -185,7 +202,9 @@ pub struct Override {
 
 impl Override {
     pub fn is_stamped(&self) -> bool {
-        !self.reason.trim().is_empty() && self.by.as_deref().is_some_and(|b| !b.is_empty()) && self.at.is_some()
+        !self.reason.trim().is_empty()
+            && self.by.as_deref().is_some_and(|b| !b.is_empty())
+            && self.at.is_some()
     }
 }
 
@@ -206,20 +225,24 @@ pub struct Record {
 impl Record {
     pub fn from_annotations(keys: &Keys, annotations: &BTreeMap<String, String>) -> Self {
         let mut problems = Vec::new();
-        let phase = annotations.get(&keys.phase).and_then(|p| {
-            p.parse::<Phase>().map_err(|e| problems.push(e)).ok()
-        });
-        let inventory = annotations.get(&keys.volumes).and_then(|v| {
-            Inventory::decode(v).map_err(|e| problems.push(e)).ok()
-        });
+        let phase = annotations
+            .get(&keys.phase)
+            .and_then(|p| p.parse::<Phase>().map_err(|e| problems.push(e)).ok());
+        let inventory = annotations
+            .get(&keys.volumes)
+            .and_then(|v| Inventory::decode(v).map_err(|e| problems.push(e)).ok());
         let cluster = annotations.get(&keys.cluster).and_then(|v| {
-            ClusterIdentity::decode(v).map_err(|e| problems.push(e)).ok()
+            ClusterIdentity::decode(v)
+                .map_err(|e| problems.push(e))
+                .ok()
         });
-        let override_ = annotations.get(&keys.override_reason).map(|reason| Override {
-            reason: reason.clone(),
-            by: annotations.get(&keys.override_by).cloned(),
-            at: annotations.get(&keys.override_at).cloned(),
-        });
+        let override_ = annotations
+            .get(&keys.override_reason)
+            .map(|reason| Override {
+                reason: reason.clone(),
+                by: annotations.get(&keys.override_by).cloned(),
+                at: annotations.get(&keys.override_at).cloned(),
+            });
         Self {
             phase,
             released_at: annotations.get(&keys.released_at).cloned(),
@@ -249,7 +272,11 @@ impl Record {
         }
         match &self.inventory {
             Some(inv) => {
-                s.push_str(&format!("; {} of {} left", inv.left(), count(inv.total, "volume")));
+                s.push_str(&format!(
+                    "; {} of {} left",
+                    inv.left(),
+                    count(inv.total, "volume")
+                ));
                 let first = inv.first_remaining(3);
                 if !first.is_empty() {
                     s.push_str(&format!(": {first}"));
@@ -296,12 +323,20 @@ impl Update {
 
 /// `1 volume`, `3 volumes`: a count with its noun.
 pub fn count(n: usize, noun: &str) -> String {
-    if n == 1 { format!("1 {noun}") } else { format!("{n} {noun}s") }
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
 }
 
 /// Messages are one human line, bounded.
 pub fn one_line(s: &str) -> String {
-    shorten(&s.split_whitespace().collect::<Vec<_>>().join(" "), 1024, "...")
+    shorten(
+        &s.split_whitespace().collect::<Vec<_>>().join(" "),
+        1024,
+        "...",
+    )
 }
 
 #[cfg(test)]
@@ -325,7 +360,10 @@ mod tests {
     }
 
     fn ann(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-        pairs.iter().map(|(k, v)| (format!("volumes.cozystack.io/{k}"), v.to_string())).collect()
+        pairs
+            .iter()
+            .map(|(k, v)| (format!("volumes.cozystack.io/{k}"), v.to_string()))
+            .collect()
     }
 
     #[test]
@@ -333,7 +371,13 @@ mod tests {
         let inv = Inventory::new("9".repeat(200_000), vec![]);
         let text = inv.encode();
         assert!(text.len() <= MAX_INVENTORY_BYTES, "{} bytes", text.len());
-        assert!(Inventory::decode(&text).unwrap().taken_at.ends_with("…[200000 bytes]"), "{text}");
+        assert!(
+            Inventory::decode(&text)
+                .unwrap()
+                .taken_at
+                .ends_with("…[200000 bytes]"),
+            "{text}"
+        );
     }
 
     #[test]
@@ -359,7 +403,10 @@ mod tests {
     #[test]
     fn blocked_releasing_and_absent_phases_are_not_done() {
         for p in ["Blocked", "Releasing"] {
-            assert!(!Record::from_annotations(&keys(), &ann(&[("phase", p)])).is_done(), "{p}");
+            assert!(
+                !Record::from_annotations(&keys(), &ann(&[("phase", p)])).is_done(),
+                "{p}"
+            );
         }
         assert!(!Record::from_annotations(&keys(), &BTreeMap::new()).is_done());
     }
@@ -376,7 +423,10 @@ mod tests {
     fn an_unstamped_override_is_not_done() {
         let r = Record::from_annotations(&keys(), &ann(&[("override", "abandoned")]));
         assert!(!r.is_done());
-        let r = Record::from_annotations(&keys(), &ann(&[("override", "abandoned"), ("override-by", "alice")]));
+        let r = Record::from_annotations(
+            &keys(),
+            &ann(&[("override", "abandoned"), ("override-by", "alice")]),
+        );
         assert!(!r.is_done());
     }
 
@@ -384,7 +434,11 @@ mod tests {
     fn a_stamped_override_is_done() {
         let r = Record::from_annotations(
             &keys(),
-            &ann(&[("override", "abandoned"), ("override-by", "alice"), ("override-at", "2026-01-01T00:00:00Z")]),
+            &ann(&[
+                ("override", "abandoned"),
+                ("override-by", "alice"),
+                ("override-at", "2026-01-01T00:00:00Z"),
+            ]),
         );
         assert!(r.is_done());
     }
@@ -393,14 +447,21 @@ mod tests {
     fn a_blank_override_reason_is_not_done_even_if_stamped() {
         let r = Record::from_annotations(
             &keys(),
-            &ann(&[("override", "  "), ("override-by", "alice"), ("override-at", "2026-01-01T00:00:00Z")]),
+            &ann(&[
+                ("override", "  "),
+                ("override-by", "alice"),
+                ("override-at", "2026-01-01T00:00:00Z"),
+            ]),
         );
         assert!(!r.is_done());
     }
 
     #[test]
     fn inventory_round_trips() {
-        let inv = Inventory::new("2026-01-01T00:00:00Z".into(), vec![vol(2, false), vol(1, true)]);
+        let inv = Inventory::new(
+            "2026-01-01T00:00:00Z".into(),
+            vec![vol(2, false), vol(1, true)],
+        );
         assert_eq!(inv.volumes[0].pv, vol(1, true).pv, "sorted by PV name");
         assert_eq!((inv.total, inv.freed, inv.left()), (2, 1, 1));
         let back = Inventory::decode(&inv.encode()).unwrap();
@@ -418,7 +479,10 @@ mod tests {
         assert_eq!(back.total, 5000);
         assert_eq!(back.left(), 2500);
         assert!(back.volumes.len() > 100, "kept {}", back.volumes.len());
-        assert!(back.volumes.iter().all(|v| !v.gone), "remaining volumes are listed first");
+        assert!(
+            back.volumes.iter().all(|v| !v.gone),
+            "remaining volumes are listed first"
+        );
         // Nearly full: adding one more would not have fit.
         assert!(text.len() > MAX_INVENTORY_BYTES - 400, "{}", text.len());
     }
@@ -440,12 +504,19 @@ mod tests {
         assert!(s.contains("4 of 5 volumes left"), "{s}");
         assert!(s.contains("volumeHandle vol-00001-"), "{s}");
         assert!(s.contains("and 1 more"), "{s}");
-        assert!(!s.contains("vol-00000-"), "a freed volume is not listed: {s}");
+        assert!(
+            !s.contains("vol-00000-"),
+            "a freed volume is not listed: {s}"
+        );
     }
 
     #[test]
     fn update_writes_only_what_it_names() {
-        let u = Update { phase: Some(Phase::Blocked), message: Some("a\nb".into()), ..Default::default() };
+        let u = Update {
+            phase: Some(Phase::Blocked),
+            message: Some("a\nb".into()),
+            ..Default::default()
+        };
         let m = u.annotations(&keys());
         assert_eq!(m.len(), 2);
         assert_eq!(m["volumes.cozystack.io/message"], "a b");

@@ -83,7 +83,13 @@ impl FakeApi {
     }
 
     fn add(&self, method: &str, path: &str, prefix: bool, status: u16, body: Value) -> &Self {
-        let route = Route { method: method.to_string(), path: path.to_string(), prefix, status, body };
+        let route = Route {
+            method: method.to_string(),
+            path: path.to_string(),
+            prefix,
+            status,
+            body,
+        };
         self.state.lock().expect("lock").routes.push(route);
         self
     }
@@ -100,7 +106,10 @@ impl FakeApi {
 
     /// The requests with this method whose path starts with `prefix`.
     pub fn calls_to(&self, method: &str, prefix: &str) -> Vec<Call> {
-        self.calls().into_iter().filter(|c| c.method == method && c.path.starts_with(prefix)).collect()
+        self.calls()
+            .into_iter()
+            .filter(|c| c.method == method && c.path.starts_with(prefix))
+            .collect()
     }
 
     /// A client whose every request this server answers.
@@ -115,12 +124,21 @@ impl FakeApi {
 
     async fn answer(&self, req: http::Request<kube::client::Body>) -> http::Response<Full<Bytes>> {
         let (parts, body) = req.into_parts();
-        let bytes = body.collect().await.map(|c| c.to_bytes()).unwrap_or_default();
+        let bytes = body
+            .collect()
+            .await
+            .map(|c| c.to_bytes())
+            .unwrap_or_default();
         let call = Call {
             method: parts.method.as_str().to_string(),
             path: parts.uri.path().to_string(),
             query: parts.uri.query().unwrap_or("").to_string(),
-            content_type: parts.headers.get("content-type").and_then(|v| v.to_str().ok()).unwrap_or("").to_string(),
+            content_type: parts
+                .headers
+                .get("content-type")
+                .and_then(|v| v.to_str().ok())
+                .unwrap_or("")
+                .to_string(),
             body: serde_json::from_slice(&bytes).unwrap_or(Value::Null),
         };
         let mut state = self.state.lock().expect("lock");
@@ -128,7 +146,14 @@ impl FakeApi {
             .routes
             .iter()
             .rev()
-            .find(|r| r.method == call.method && if r.prefix { call.path.starts_with(&r.path) } else { call.path == r.path })
+            .find(|r| {
+                r.method == call.method
+                    && if r.prefix {
+                        call.path.starts_with(&r.path)
+                    } else {
+                        call.path == r.path
+                    }
+            })
             .cloned();
         state.calls.push(call);
         let (status, body) = route.map_or((404, status_body(404)), |r| (r.status, r.body));

@@ -18,7 +18,18 @@ use volume_gate::record::Phase;
 
 /// Short bounds: a pass waits 10s for the PVs before Blocked.
 fn env() -> &'static common::Env {
-    let args = ["--wait-bound", "10s", "--retry-base", "1s", "--retry-max", "3s", "--probe-timeout", "3s", "--lease-duration", "4s"];
+    let args = [
+        "--wait-bound",
+        "10s",
+        "--retry-base",
+        "1s",
+        "--retry-max",
+        "3s",
+        "--probe-timeout",
+        "3s",
+        "--lease-duration",
+        "4s",
+    ];
     common::gated_with(args.map(String::from).to_vec())
 }
 
@@ -38,39 +49,65 @@ fn deployment_resource() -> ApiResource {
 }
 
 fn dry() -> DeleteParams {
-    DeleteParams { dry_run: true, ..Default::default() }
+    DeleteParams {
+        dry_run: true,
+        ..Default::default()
+    }
 }
 
 /// A Role giving group `attackers` everything on what a tenant namespace
 /// editor may touch, without the override verb.
 async fn mallory(t: &Tenant) -> kube::Client {
     let role = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-        "metadata": {"name": "namespace-editors", "namespace": t.namespace},
-        "rules": [
-            {"apiGroups": ["helm.toolkit.fluxcd.io"], "resources": ["helmreleases"], "verbs": ["*"]},
-            {"apiGroups": [""], "resources": ["secrets"], "verbs": ["*"]},
-            {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["*"]},
-            {"apiGroups": ["kamaji.clastix.io", "controlplane.cluster.x-k8s.io", "cluster.x-k8s.io"], "resources": ["*"], "verbs": ["*"]},
-        ]});
+    "metadata": {"name": "namespace-editors", "namespace": t.namespace},
+    "rules": [
+        {"apiGroups": ["helm.toolkit.fluxcd.io"], "resources": ["helmreleases"], "verbs": ["*"]},
+        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["*"]},
+        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["*"]},
+        {"apiGroups": ["kamaji.clastix.io", "controlplane.cluster.x-k8s.io", "cluster.x-k8s.io"], "resources": ["*"], "verbs": ["*"]},
+    ]});
     let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
         "metadata": {"name": "namespace-editors", "namespace": t.namespace},
         "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "namespace-editors"},
         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "attackers"}]});
     common::manifests::apply(&t.management, &role).await;
     common::manifests::apply(&t.management, &binding).await;
-    for (group, res) in [("helm.toolkit.fluxcd.io", "helmreleases"), ("", "secrets"), ("apps", "deployments"), ("cluster.x-k8s.io", "clusters")] {
-        common::tenant::wait_authorized(&t.management, "attackers", &t.namespace, group, res, "delete").await;
+    for (group, res) in [
+        ("helm.toolkit.fluxcd.io", "helmreleases"),
+        ("", "secrets"),
+        ("apps", "deployments"),
+        ("cluster.x-k8s.io", "clusters"),
+    ] {
+        common::tenant::wait_authorized(
+            &t.management,
+            "attackers",
+            &t.namespace,
+            group,
+            res,
+            "delete",
+        )
+        .await;
     }
-    env().cp.client_as("mallory", &["attackers", "system:authenticated"]).await
+    env()
+        .cp
+        .client_as("mallory", &["attackers", "system:authenticated"])
+        .await
 }
 
 fn labels_patch(labels: Value) -> Patch<Value> {
     Patch::Merge(json!({"metadata": {"labels": labels}}))
 }
 
-fn assert_refused<T: std::fmt::Debug>(what: &str, result: Result<T, kube::Error>, needles: &[&str]) -> String {
+fn assert_refused<T: std::fmt::Debug>(
+    what: &str,
+    result: Result<T, kube::Error>,
+    needles: &[&str],
+) -> String {
     let err = result.expect_err(what).to_string();
-    assert!(err.contains("volume-gate"), "{what}: refused, but not by the gate: {err}");
+    assert!(
+        err.contains("volume-gate"),
+        "{what}: refused, but not by the gate: {err}"
+    );
     for n in needles {
         assert!(err.contains(n), "{what}: the refusal names {n:?}: {err}");
     }
@@ -90,7 +127,10 @@ async fn finish(t: &Tenant) {
     let env = env();
     t.set_driver(&env.sim, true).await;
     t.wait_parent_gone(Duration::from_secs(180)).await;
-    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty(), "the teardown freed every volume");
+    assert!(
+        env.sim.volumes_of(&t.namespace, &t.name).is_empty(),
+        "the teardown freed every volume"
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -103,24 +143,53 @@ async fn a_parents_kind_label_added_to_the_csi_release_is_refused_and_its_delete
     let t = Tenant::create(env.cp, &env.cp.unique("kindlabel")).await;
     t.wait_custody().await;
     let m = mallory(&t).await;
-    let hrs: Api<DynamicObject> = Api::namespaced_with(m, &t.namespace, &common::gate::helmrelease_resource());
+    let hrs: Api<DynamicObject> =
+        Api::namespaced_with(m, &t.namespace, &common::gate::helmrelease_resource());
     let csi = format!("{}-csi", t.name);
     let patch = labels_patch(json!({PARENT_KIND: "Kubernetes"}));
-    assert_refused("kind label on the CSI release", hrs.patch(&csi, &PatchParams::default(), &patch).await, &["relabel", &csi]);
-    assert_refused("DELETE of the CSI release", hrs.delete(&csi, &DeleteParams::default()).await, &["CSI driver release"]);
+    assert_refused(
+        "kind label on the CSI release",
+        hrs.patch(&csi, &PatchParams::default(), &patch).await,
+        &["relabel", &csi],
+    );
+    assert_refused(
+        "DELETE of the CSI release",
+        hrs.delete(&csi, &DeleteParams::default()).await,
+        &["CSI driver release"],
+    );
 
     // A CSI release that carries the label from its creation (nothing to
     // relabel) is still reviewed on DELETE: by its name.
     let ns = format!("{}-born", t.namespace);
     env.cp.namespace(&ns).await;
     let r = "kubernetes-born";
-    let api: Api<DynamicObject> = Api::namespaced_with(t.management.clone(), &ns, &common::gate::helmrelease_resource());
+    let api: Api<DynamicObject> = Api::namespaced_with(
+        t.management.clone(),
+        &ns,
+        &common::gate::helmrelease_resource(),
+    );
     paper_parent(&api, r).await;
     let mut labels = BTreeMap::from([(CHILD.to_string(), r.to_string())]);
     labels.insert(PARENT_KIND.into(), "Kubernetes".into());
-    let born = object("helm.toolkit.fluxcd.io/v2", "HelmRelease", &ns, &format!("{r}-csi"), &labels, json!({"spec": {"chart": {"spec": {"chart": "csi"}}}}));
-    api.create(&PostParams::default(), &serde_json::from_value(born).unwrap()).await.expect("create a CSI release born with a parent's kind label");
-    assert_refused("DELETE of a CSI release born with a parent's kind label", api.delete(&format!("{r}-csi"), &dry()).await, &["CSI driver release", &format!("{ns}/{r}-csi")]);
+    let born = object(
+        "helm.toolkit.fluxcd.io/v2",
+        "HelmRelease",
+        &ns,
+        &format!("{r}-csi"),
+        &labels,
+        json!({"spec": {"chart": {"spec": {"chart": "csi"}}}}),
+    );
+    api.create(
+        &PostParams::default(),
+        &serde_json::from_value(born).unwrap(),
+    )
+    .await
+    .expect("create a CSI release born with a parent's kind label");
+    assert_refused(
+        "DELETE of a CSI release born with a parent's kind label",
+        api.delete(&format!("{r}-csi"), &dry()).await,
+        &["CSI driver release", &format!("{ns}/{r}-csi")],
+    );
 }
 
 /// A parent release with nothing behind it, in custody: the worker can
@@ -129,9 +198,20 @@ async fn paper_parent(hrs: &Api<DynamicObject>, r: &str) {
     let parent = json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
         "metadata": {"name": r, "labels": {PARENT_KIND: "Kubernetes", PARENT_GROUP: "apps.cozystack.io"}},
         "spec": {"chart": {"spec": {"chart": "kubernetes"}}, "interval": "5m"}});
-    let created = hrs.create(&PostParams::default(), &serde_json::from_value(parent).unwrap()).await.expect("create parent");
+    let created = hrs
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(parent).unwrap(),
+        )
+        .await
+        .expect("create parent");
     assert!(
-        created.metadata.finalizers.unwrap_or_default().iter().any(|f| f == "volumes.cozystack.io/release"),
+        created
+            .metadata
+            .finalizers
+            .unwrap_or_default()
+            .iter()
+            .any(|f| f == "volumes.cozystack.io/release"),
         "the mutating webhook put {r} in custody at creation"
     );
 }
@@ -143,12 +223,29 @@ async fn a_parents_kind_label_added_to_a_child_in_teardown_is_refused() {
     t.wait_custody().await;
     let m = mallory(&t).await;
     hold_in_teardown(&t).await;
-    let hrs: Api<DynamicObject> = Api::namespaced_with(m, &t.namespace, &common::gate::helmrelease_resource());
+    let hrs: Api<DynamicObject> =
+        Api::namespaced_with(m, &t.namespace, &common::gate::helmrelease_resource());
     let coredns = format!("{}-coredns", t.name);
-    for labels in [json!({PARENT_KIND: "Kubernetes"}), json!({PARENT_KIND: "Kubernetes", PARENT_GROUP: "apps.cozystack.io"})] {
-        assert_refused(&format!("{labels} on {coredns}"), hrs.patch(&coredns, &PatchParams::default(), &labels_patch(labels.clone())).await, &["relabel"]);
+    for labels in [
+        json!({PARENT_KIND: "Kubernetes"}),
+        json!({PARENT_KIND: "Kubernetes", PARENT_GROUP: "apps.cozystack.io"}),
+    ] {
+        assert_refused(
+            &format!("{labels} on {coredns}"),
+            hrs.patch(
+                &coredns,
+                &PatchParams::default(),
+                &labels_patch(labels.clone()),
+            )
+            .await,
+            &["relabel"],
+        );
     }
-    assert_refused("DELETE of the child", hrs.delete(&coredns, &DeleteParams::default()).await, &["refusing to delete"]);
+    assert_refused(
+        "DELETE of the child",
+        hrs.delete(&coredns, &DeleteParams::default()).await,
+        &["refusing to delete"],
+    );
     finish(&t).await;
 }
 
@@ -159,11 +256,18 @@ async fn a_parents_kind_label_added_to_a_child_in_teardown_is_refused() {
 /// Copies `from`'s admin kubeconfig into `into`'s Secret, as mallory.
 async fn copy_kubeconfig(m: &kube::Client, from: &Tenant, into: &Tenant) {
     let text = std::fs::read(&from.cluster.kubeconfig).expect("kubeconfig");
-    let patch = json!({"data": {"super-admin.svc": base64(&text), "super-admin.conf": base64(&text)}});
+    let patch =
+        json!({"data": {"super-admin.svc": base64(&text), "super-admin.conf": base64(&text)}});
     Api::<Secret>::namespaced(m.clone(), &into.namespace)
-        .patch(&format!("{}-admin-kubeconfig", into.name), &PatchParams::default(), &Patch::Merge(&patch))
+        .patch(
+            &format!("{}-admin-kubeconfig", into.name),
+            &PatchParams::default(),
+            &Patch::Merge(&patch),
+        )
         .await
-        .expect("the Secret's data may change (Kamaji rotates it); the worker checks where it leads");
+        .expect(
+            "the Secret's data may change (Kamaji rotates it); the worker checks where it leads",
+        );
 }
 
 async fn restore_kubeconfig(t: &Tenant) {
@@ -190,22 +294,48 @@ async fn a_kubeconfig_copied_from_another_tenant_blocks_and_the_other_tenants_cl
     a.delete_parent().await;
     let record = a.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
     let message = record.message.unwrap_or_default();
-    assert!(message.contains("different cluster") && message.contains("kube-system UID"), "{message}");
-    assert!(record.inventory.is_none(), "nothing was inventoried through the other cluster: {:?}", record.inventory);
-    a.wait_event("Warning", "Blocked", |note| note.contains("different cluster")).await;
+    assert!(
+        message.contains("different cluster") && message.contains("kube-system UID"),
+        "{message}"
+    );
+    assert!(
+        record.inventory.is_none(),
+        "nothing was inventoried through the other cluster: {:?}",
+        record.inventory
+    );
+    a.wait_event("Warning", "Blocked", |note| {
+        note.contains("different cluster")
+    })
+    .await;
     // B was never touched: its claim and its disk are there.
-    let claims: Api<k8s_openapi::api::core::v1::PersistentVolumeClaim> = Api::namespaced(b.api.clone(), "apps");
+    let claims: Api<k8s_openapi::api::core::v1::PersistentVolumeClaim> =
+        Api::namespaced(b.api.clone(), "apps");
     let claim = claims.get("data").await.expect("B's claim still exists");
-    assert!(claim.metadata.deletion_timestamp.is_none(), "B's claim was not deleted");
-    assert_eq!(env.sim.volumes_of(&b.namespace, &b.name), b_volumes, "B's disk is on storage");
-    assert_eq!(env.sim.volumes_of(&a.namespace, &a.name), a_volumes, "A's disk is on storage, and A says so");
+    assert!(
+        claim.metadata.deletion_timestamp.is_none(),
+        "B's claim was not deleted"
+    );
+    assert_eq!(
+        env.sim.volumes_of(&b.namespace, &b.name),
+        b_volumes,
+        "B's disk is on storage"
+    );
+    assert_eq!(
+        env.sim.volumes_of(&a.namespace, &a.name),
+        a_volumes,
+        "A's disk is on storage, and A says so"
+    );
     assert!(a.parent().await.is_some(), "A is still held");
 
     // With its own kubeconfig back, A's teardown finishes and frees A's disk only.
     restore_kubeconfig(&a).await;
     a.wait_parent_gone(Duration::from_secs(120)).await;
     assert!(env.sim.volumes_of(&a.namespace, &a.name).is_empty());
-    assert_eq!(env.sim.volumes_of(&b.namespace, &b.name), b_volumes, "B keeps its disk");
+    assert_eq!(
+        env.sim.volumes_of(&b.namespace, &b.name),
+        b_volumes,
+        "B keeps its disk"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -221,19 +351,37 @@ async fn a_kubeconfig_swapped_while_blocked_does_not_turn_blocked_into_released(
     a.set_driver(&env.sim, false).await;
     a.delete_parent().await;
     let blocked = a.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
-    assert!(blocked.message.unwrap_or_default().contains("not freed"), "Blocked on the stopped driver first");
+    assert!(
+        blocked.message.unwrap_or_default().contains("not freed"),
+        "Blocked on the stopped driver first"
+    );
 
     // B has none of A's PVs: through B, every one of them would look freed.
     copy_kubeconfig(&m, &b, &a).await;
     let record = a
         .history
-        .next_record("Blocked naming a different cluster", Duration::from_secs(60), |r| {
-            r.phase == Some(Phase::Blocked) && r.message.as_deref().is_some_and(|m| m.contains("different cluster"))
-        })
+        .next_record(
+            "Blocked naming a different cluster",
+            Duration::from_secs(60),
+            |r| {
+                r.phase == Some(Phase::Blocked)
+                    && r.message
+                        .as_deref()
+                        .is_some_and(|m| m.contains("different cluster"))
+            },
+        )
         .await;
-    assert_eq!(record.inventory.map(|i| (i.total, i.left())), Some((2, 2)), "the inventory still says both disks are left");
+    assert_eq!(
+        record.inventory.map(|i| (i.total, i.left())),
+        Some((2, 2)),
+        "the inventory still says both disks are left"
+    );
     assert!(
-        !a.history.all().iter().filter_map(|s| s.record()).any(|r| r.phase == Some(Phase::Released)),
+        !a.history
+            .all()
+            .iter()
+            .filter_map(|s| s.record())
+            .any(|r| r.phase == Some(Phase::Released)),
         "never Released through another cluster"
     );
     assert_eq!(env.sim.volumes_of(&a.namespace, &a.name).len(), 2);
@@ -255,20 +403,39 @@ async fn the_kcsi_controller_and_the_admin_kubeconfig_are_held_whatever_their_la
     // The tenant's kcsi controller, as its parent release made it (Flux's
     // labels and Helm's ownership annotations).
     let kcsi = format!("{}-kcsi-controller", t.name);
-    let deployments: Api<DynamicObject> = Api::namespaced_with(m.clone(), &t.namespace, &deployment_resource());
+    let deployments: Api<DynamicObject> =
+        Api::namespaced_with(m.clone(), &t.namespace, &deployment_resource());
     let secrets: Api<Secret> = Api::namespaced(m.clone(), &t.namespace);
     let kubeconfig = format!("{}-admin-kubeconfig", t.name);
 
     // Before the teardown: the labels the webhooks once selected on go.
-    secrets.patch(&kubeconfig, &PatchParams::default(), &labels_patch(json!({KAMAJI: null}))).await.expect("not an identity label");
+    secrets
+        .patch(
+            &kubeconfig,
+            &PatchParams::default(),
+            &labels_patch(json!({KAMAJI: null})),
+        )
+        .await
+        .expect("not an identity label");
     hold_in_teardown(&t).await;
     // During it: the Deployment's Flux labels go too (Helm's annotations
     // still say whose it is, so it stays in its release: allowed).
     let flux_away = labels_patch(json!({FLUX: null, "helm.toolkit.fluxcd.io/namespace": null}));
-    deployments.patch(&kcsi, &PatchParams::default(), &flux_away).await.expect("still an object of its release");
+    deployments
+        .patch(&kcsi, &PatchParams::default(), &flux_away)
+        .await
+        .expect("still an object of its release");
 
-    assert_refused("DELETE of the unlabelled kcsi controller", deployments.delete(&kcsi, &DeleteParams::default()).await, &["CSI controller"]);
-    assert_refused("DELETE of the unlabelled admin kubeconfig", secrets.delete(&kubeconfig, &DeleteParams::default()).await, &["admin kubeconfig"]);
+    assert_refused(
+        "DELETE of the unlabelled kcsi controller",
+        deployments.delete(&kcsi, &DeleteParams::default()).await,
+        &["CSI controller"],
+    );
+    assert_refused(
+        "DELETE of the unlabelled admin kubeconfig",
+        secrets.delete(&kubeconfig, &DeleteParams::default()).await,
+        &["admin kubeconfig"],
+    );
     finish(&t).await;
 }
 
@@ -288,8 +455,15 @@ async fn a_capi_cluster_of_any_name_labelled_for_the_tenant_is_held() {
     common::manifests::apply(&t.management, &cluster).await;
     hold_in_teardown(&t).await;
     let clusters: Api<DynamicObject> = Api::namespaced_with(m, &t.namespace, &cluster_resource());
-    let err = assert_refused("DELETE of Cluster R-extra", clusters.delete(&extra, &DeleteParams::default()).await, &["Cluster API cluster"]);
-    assert!(err.contains(&format!("tenant {} ", t.name)), "judged for the tenant its label names: {err}");
+    let err = assert_refused(
+        "DELETE of Cluster R-extra",
+        clusters.delete(&extra, &DeleteParams::default()).await,
+        &["Cluster API cluster"],
+    );
+    assert!(
+        err.contains(&format!("tenant {} ", t.name)),
+        "judged for the tenant its label names: {err}"
+    );
     finish(&t).await;
 }
 
@@ -308,12 +482,25 @@ fn combination(bits: usize, r: &str) -> BTreeMap<String, String> {
         KAMAJI => "admin-kubeconfig".to_string(),
         _ => r.to_string(),
     };
-    KEYS.iter().enumerate().filter(|(i, _)| bits & (1 << i) != 0).map(|(_, k)| (k.to_string(), value(k))).collect()
+    KEYS.iter()
+        .enumerate()
+        .filter(|(i, _)| bits & (1 << i) != 0)
+        .map(|(_, k)| (k.to_string(), value(k)))
+        .collect()
 }
 
-fn object(api_version: &str, kind: &str, ns: &str, name: &str, labels: &BTreeMap<String, String>, body: Value) -> Value {
+fn object(
+    api_version: &str,
+    kind: &str,
+    ns: &str,
+    name: &str,
+    labels: &BTreeMap<String, String>,
+    body: Value,
+) -> Value {
     let mut o = json!({"apiVersion": api_version, "kind": kind, "metadata": {"name": name, "namespace": ns, "labels": labels}});
-    o.as_object_mut().unwrap().extend(body.as_object().unwrap().clone());
+    o.as_object_mut()
+        .unwrap()
+        .extend(body.as_object().unwrap().clone());
     o
 }
 
@@ -327,7 +514,9 @@ async fn every_guarded_object_under_any_pair_of_identity_labels_is_reviewed_in_t
     let hrs: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &hr);
     // Every subset of at most two of the keys (each webhook's selection
     // turns on one key, or on two together), and all six: 23 combinations.
-    let combos: Vec<usize> = (0..1usize << KEYS.len()).filter(|b| b.count_ones() <= 2 || b.count_ones() as usize == KEYS.len()).collect();
+    let combos: Vec<usize> = (0..1usize << KEYS.len())
+        .filter(|b| b.count_ones() <= 2 || b.count_ones() as usize == KEYS.len())
+        .collect();
 
     // One tenant per combination (a parent release and nothing behind it:
     // the worker can never release it, so it stays in teardown, not done),
@@ -343,26 +532,122 @@ async fn every_guarded_object_under_any_pair_of_identity_labels_is_reviewed_in_t
         with_capi.insert(CAPI.into(), r.clone());
         let hr_body = json!({"spec": {"chart": {"spec": {"chart": "x"}}, "interval": "5m"}});
         let objects = [
-            (hr.clone(), object("helm.toolkit.fluxcd.io/v2", "HelmRelease", ns, &format!("{r}-csi"), &l, hr_body.clone())),
-            (hr.clone(), object("helm.toolkit.fluxcd.io/v2", "HelmRelease", ns, &format!("{r}-coredns"), &with_child, hr_body.clone())),
-            (kcp_resource(), object("controlplane.cluster.x-k8s.io/v1alpha1", "KamajiControlPlane", ns, &r, &l, json!({"spec": {}}))),
-            (tcp_resource(), object("kamaji.clastix.io/v1alpha1", "TenantControlPlane", ns, &r, &l, json!({"spec": {}}))),
-            (cluster_resource(), object("cluster.x-k8s.io/v1beta1", "Cluster", ns, &r, &l, json!({"spec": {}}))),
-            (cluster_resource(), object("cluster.x-k8s.io/v1beta1", "Cluster", ns, &format!("{r}-extra"), &with_capi, json!({"spec": {}}))),
             (
-                resource("cluster.x-k8s.io", "v1beta1", "MachineDeployment", "machinedeployments"),
-                object("cluster.x-k8s.io/v1beta1", "MachineDeployment", ns, &format!("md-{bits}"), &with_capi, json!({"spec": {}})),
+                hr.clone(),
+                object(
+                    "helm.toolkit.fluxcd.io/v2",
+                    "HelmRelease",
+                    ns,
+                    &format!("{r}-csi"),
+                    &l,
+                    hr_body.clone(),
+                ),
+            ),
+            (
+                hr.clone(),
+                object(
+                    "helm.toolkit.fluxcd.io/v2",
+                    "HelmRelease",
+                    ns,
+                    &format!("{r}-coredns"),
+                    &with_child,
+                    hr_body.clone(),
+                ),
+            ),
+            (
+                kcp_resource(),
+                object(
+                    "controlplane.cluster.x-k8s.io/v1alpha1",
+                    "KamajiControlPlane",
+                    ns,
+                    &r,
+                    &l,
+                    json!({"spec": {}}),
+                ),
+            ),
+            (
+                tcp_resource(),
+                object(
+                    "kamaji.clastix.io/v1alpha1",
+                    "TenantControlPlane",
+                    ns,
+                    &r,
+                    &l,
+                    json!({"spec": {}}),
+                ),
+            ),
+            (
+                cluster_resource(),
+                object(
+                    "cluster.x-k8s.io/v1beta1",
+                    "Cluster",
+                    ns,
+                    &r,
+                    &l,
+                    json!({"spec": {}}),
+                ),
+            ),
+            (
+                cluster_resource(),
+                object(
+                    "cluster.x-k8s.io/v1beta1",
+                    "Cluster",
+                    ns,
+                    &format!("{r}-extra"),
+                    &with_capi,
+                    json!({"spec": {}}),
+                ),
+            ),
+            (
+                resource(
+                    "cluster.x-k8s.io",
+                    "v1beta1",
+                    "MachineDeployment",
+                    "machinedeployments",
+                ),
+                object(
+                    "cluster.x-k8s.io/v1beta1",
+                    "MachineDeployment",
+                    ns,
+                    &format!("md-{bits}"),
+                    &with_capi,
+                    json!({"spec": {}}),
+                ),
             ),
             (
                 resource("cluster.x-k8s.io", "v1beta1", "Machine", "machines"),
-                object("cluster.x-k8s.io/v1beta1", "Machine", ns, &format!("m-{bits}"), &with_capi, json!({"spec": {}})),
+                object(
+                    "cluster.x-k8s.io/v1beta1",
+                    "Machine",
+                    ns,
+                    &format!("m-{bits}"),
+                    &with_capi,
+                    json!({"spec": {}}),
+                ),
             ),
-            (resource("", "v1", "Secret", "secrets"), object("v1", "Secret", ns, &format!("{r}-admin-kubeconfig"), &l, json!({"data": {}}))),
+            (
+                resource("", "v1", "Secret", "secrets"),
+                object(
+                    "v1",
+                    "Secret",
+                    ns,
+                    &format!("{r}-admin-kubeconfig"),
+                    &l,
+                    json!({"data": {}}),
+                ),
+            ),
             (
                 deployment_resource(),
-                object("apps/v1", "Deployment", ns, &format!("{r}-kcsi-controller"), &l, json!({"spec": {
+                object(
+                    "apps/v1",
+                    "Deployment",
+                    ns,
+                    &format!("{r}-kcsi-controller"),
+                    &l,
+                    json!({"spec": {
                     "replicas": 0, "selector": {"matchLabels": {"app": "kcsi"}},
-                    "template": {"metadata": {"labels": {"app": "kcsi"}}, "spec": {"containers": [{"name": "c", "image": "kcsi"}]}}}})),
+                    "template": {"metadata": {"labels": {"app": "kcsi"}}, "spec": {"containers": [{"name": "c", "image": "kcsi"}]}}}}),
+                ),
             ),
         ];
         for (ar, o) in objects {
@@ -376,28 +661,54 @@ async fn every_guarded_object_under_any_pair_of_identity_labels_is_reviewed_in_t
     }
     // Every parent in teardown (in custody since its creation).
     for &bits in &combos {
-        hrs.delete(&format!("kubernetes-cover-{bits}"), &DeleteParams::default()).await.expect("delete parent");
+        hrs.delete(
+            &format!("kubernetes-cover-{bits}"),
+            &DeleteParams::default(),
+        )
+        .await
+        .expect("delete parent");
     }
 
     let mut unreviewed = Vec::new();
     for (ar, name, r) in &expected {
         let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, ar);
         match api.delete(name, &dry()).await {
-            Err(kube::Error::Api(s)) if s.message.contains("volume-gate") && s.message.contains(&format!("tenant {r} ")) => {}
-            other => unreviewed.push(format!("{} {name}: {:?}", ar.kind, other.map(|_| "allowed"))),
+            Err(kube::Error::Api(s))
+                if s.message.contains("volume-gate")
+                    && s.message.contains(&format!("tenant {r} ")) => {}
+            other => unreviewed.push(format!(
+                "{} {name}: {:?}",
+                ar.kind,
+                other.map(|_| "allowed")
+            )),
         }
     }
     // And a relabel that strips or adds every identity label on a release
     // or a Cluster API object is refused as well.
     for bits in [0usize, (1 << KEYS.len()) - 1] {
         let r = format!("kubernetes-cover-{bits}");
-        for (ar, name) in [(hr.clone(), format!("{r}-coredns")), (cluster_resource(), format!("{r}-extra"))] {
+        for (ar, name) in [
+            (hr.clone(), format!("{r}-coredns")),
+            (cluster_resource(), format!("{r}-extra")),
+        ] {
             let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &ar);
-            for labels in [json!({CHILD: null, CAPI: null}), json!({PARENT_KIND: "Kubernetes", PARENT_GROUP: null, CAPI: "kubernetes-nobody"})] {
-                let pp = PatchParams { dry_run: true, ..Default::default() };
+            for labels in [
+                json!({CHILD: null, CAPI: null}),
+                json!({PARENT_KIND: "Kubernetes", PARENT_GROUP: null, CAPI: "kubernetes-nobody"}),
+            ] {
+                let pp = PatchParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
                 match api.patch(&name, &pp, &labels_patch(labels.clone())).await {
-                    Err(kube::Error::Api(s)) if s.message.contains("volume-gate") && s.message.contains("refusing to relabel") => {}
-                    other => unreviewed.push(format!("relabel {} {name} with {labels}: {:?}", ar.kind, other.map(|_| "allowed"))),
+                    Err(kube::Error::Api(s))
+                        if s.message.contains("volume-gate")
+                            && s.message.contains("refusing to relabel") => {}
+                    other => unreviewed.push(format!(
+                        "relabel {} {name} with {labels}: {:?}",
+                        ar.kind,
+                        other.map(|_| "allowed")
+                    )),
                 }
             }
         }
@@ -425,53 +736,126 @@ async fn the_parent_releases_objects_are_held_in_teardown_and_none_can_be_taken_
     let ns = "tenant-identity";
     let r = "kubernetes-identity";
     env.cp.namespace(ns).await;
-    let hrs: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &common::gate::helmrelease_resource());
+    let hrs: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), ns, &common::gate::helmrelease_resource());
     paper_parent(&hrs, r).await;
     let owned = json!({"meta.helm.sh/release-name": r, "meta.helm.sh/release-namespace": ns});
     let kcsi = format!("{r}-kcsi");
     let rbac = "rbac.authorization.k8s.io/v1";
     let objects: Vec<(ApiResource, bool, Value)> = vec![
-        (resource("", "v1", "ServiceAccount", "serviceaccounts"), true, json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": kcsi}})),
-        (resource("rbac.authorization.k8s.io", "v1", "Role", "roles"), true, json!({"apiVersion": rbac, "kind": "Role", "metadata": {"name": kcsi},
-            "rules": [{"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "verbs": ["get", "create", "delete"]}]})),
-        (resource("rbac.authorization.k8s.io", "v1", "RoleBinding", "rolebindings"), true, json!({"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": kcsi},
+        (
+            resource("", "v1", "ServiceAccount", "serviceaccounts"),
+            true,
+            json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": kcsi}}),
+        ),
+        (
+            resource("rbac.authorization.k8s.io", "v1", "Role", "roles"),
+            true,
+            json!({"apiVersion": rbac, "kind": "Role", "metadata": {"name": kcsi},
+            "rules": [{"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "verbs": ["get", "create", "delete"]}]}),
+        ),
+        (
+            resource(
+                "rbac.authorization.k8s.io",
+                "v1",
+                "RoleBinding",
+                "rolebindings",
+            ),
+            true,
+            json!({"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": kcsi},
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": kcsi},
-            "subjects": [{"kind": "ServiceAccount", "name": kcsi, "namespace": ns}]})),
-        (resource("rbac.authorization.k8s.io", "v1", "ClusterRole", "clusterroles"), false, json!({"apiVersion": rbac, "kind": "ClusterRole", "metadata": {"name": kcsi},
-            "rules": [{"apiGroups": [""], "resources": ["persistentvolumes"], "verbs": ["get"]}]})),
-        (resource("rbac.authorization.k8s.io", "v1", "ClusterRoleBinding", "clusterrolebindings"), false, json!({"apiVersion": rbac, "kind": "ClusterRoleBinding", "metadata": {"name": format!("{kcsi}-binding")},
+            "subjects": [{"kind": "ServiceAccount", "name": kcsi, "namespace": ns}]}),
+        ),
+        (
+            resource(
+                "rbac.authorization.k8s.io",
+                "v1",
+                "ClusterRole",
+                "clusterroles",
+            ),
+            false,
+            json!({"apiVersion": rbac, "kind": "ClusterRole", "metadata": {"name": kcsi},
+            "rules": [{"apiGroups": [""], "resources": ["persistentvolumes"], "verbs": ["get"]}]}),
+        ),
+        (
+            resource(
+                "rbac.authorization.k8s.io",
+                "v1",
+                "ClusterRoleBinding",
+                "clusterrolebindings",
+            ),
+            false,
+            json!({"apiVersion": rbac, "kind": "ClusterRoleBinding", "metadata": {"name": format!("{kcsi}-binding")},
             "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": kcsi},
-            "subjects": [{"kind": "ServiceAccount", "name": kcsi, "namespace": ns}]})),
-        (resource("", "v1", "ConfigMap", "configmaps"), true, json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "driver-config"}, "data": {"k": "v"}})),
+            "subjects": [{"kind": "ServiceAccount", "name": kcsi, "namespace": ns}]}),
+        ),
+        (
+            resource("", "v1", "ConfigMap", "configmaps"),
+            true,
+            json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "driver-config"}, "data": {"k": "v"}}),
+        ),
     ];
     let api_for = |ar: &ApiResource, namespaced: bool| -> Api<DynamicObject> {
-        if namespaced { Api::namespaced_with(client.clone(), ns, ar) } else { Api::all_with(client.clone(), ar) }
+        if namespaced {
+            Api::namespaced_with(client.clone(), ns, ar)
+        } else {
+            Api::all_with(client.clone(), ar)
+        }
     };
     for (ar, namespaced, doc) in &objects {
         let mut doc = doc.clone();
         doc["metadata"]["annotations"] = owned.clone();
         doc["metadata"]["labels"] = json!({"app.kubernetes.io/managed-by": "Helm"});
-        api_for(ar, *namespaced).create(&PostParams::default(), &serde_json::from_value(doc).unwrap()).await.expect("create a release object");
+        api_for(ar, *namespaced)
+            .create(
+                &PostParams::default(),
+                &serde_json::from_value(doc).unwrap(),
+            )
+            .await
+            .expect("create a release object");
     }
     // Outside teardown they go as usual (an upgrade may drop a template).
     let cm = api_for(&objects[5].0, true);
-    cm.delete("driver-config", &dry()).await.expect("a release object may be deleted outside teardown");
+    cm.delete("driver-config", &dry())
+        .await
+        .expect("a release object may be deleted outside teardown");
 
-    hrs.delete(r, &DeleteParams::default()).await.expect("delete the parent");
+    hrs.delete(r, &DeleteParams::default())
+        .await
+        .expect("delete the parent");
     let mut let_through = Vec::new();
     for (ar, namespaced, doc) in &objects {
         let name = doc["metadata"]["name"].as_str().unwrap();
         let api = api_for(ar, *namespaced);
         match api.delete(name, &DeleteParams::default()).await {
-            Err(kube::Error::Api(s)) if s.message.contains("volume-gate") && s.message.contains(&format!("tenant {r} ")) && s.message.contains("parent release") => {}
-            other => let_through.push(format!("DELETE {} {name}: {:?}", ar.kind, other.map(|_| "allowed"))),
+            Err(kube::Error::Api(s))
+                if s.message.contains("volume-gate")
+                    && s.message.contains(&format!("tenant {r} "))
+                    && s.message.contains("parent release") => {}
+            other => let_through.push(format!(
+                "DELETE {} {name}: {:?}",
+                ar.kind,
+                other.map(|_| "allowed")
+            )),
         }
         // Taking it out of the release first is refused the same way.
-        let away = Patch::Merge(json!({"metadata": {"annotations": {"meta.helm.sh/release-name": null, "meta.helm.sh/release-namespace": null}}}));
+        let away = Patch::Merge(
+            json!({"metadata": {"annotations": {"meta.helm.sh/release-name": null, "meta.helm.sh/release-namespace": null}}}),
+        );
         match api.patch(name, &PatchParams::default(), &away).await {
-            Err(kube::Error::Api(s)) if s.message.contains("volume-gate") && s.message.contains("refusing to relabel") => {}
-            other => let_through.push(format!("un-annotate {} {name}: {:?}", ar.kind, other.map(|_| "allowed"))),
+            Err(kube::Error::Api(s))
+                if s.message.contains("volume-gate")
+                    && s.message.contains("refusing to relabel") => {}
+            other => let_through.push(format!(
+                "un-annotate {} {name}: {:?}",
+                ar.kind,
+                other.map(|_| "allowed")
+            )),
         }
     }
-    assert!(let_through.is_empty(), "objects of the parent release not held in teardown:\n{}", let_through.join("\n"));
+    assert!(
+        let_through.is_empty(),
+        "objects of the parent release not held in teardown:\n{}",
+        let_through.join("\n")
+    );
 }

@@ -11,7 +11,18 @@ use volume_gate::record::{Inventory, Phase};
 
 /// Short bounds: a pass waits 8s for the PVs before Blocked.
 fn env() -> &'static common::Env {
-    let args = ["--wait-bound", "8s", "--retry-base", "1s", "--retry-max", "3s", "--probe-timeout", "3s", "--lease-duration", "3s"];
+    let args = [
+        "--wait-bound",
+        "8s",
+        "--retry-base",
+        "1s",
+        "--retry-max",
+        "3s",
+        "--probe-timeout",
+        "3s",
+        "--lease-duration",
+        "3s",
+    ];
     common::gated_with(args.map(String::from).to_vec())
 }
 
@@ -36,11 +47,22 @@ async fn a_stopped_driver_blocks_naming_each_remaining_volume_and_recovery_frees
     let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
     let message = record.message.unwrap_or_default();
     for h in &handles {
-        assert!(message.contains(h), "Blocked names volumeHandle {h}: {message}");
+        assert!(
+            message.contains(h),
+            "Blocked names volumeHandle {h}: {message}"
+        );
     }
-    assert!(message.contains("csi.volume-gate.test"), "and the driver: {message}");
-    t.wait_event("Warning", "Blocked", |note| note.contains(&handles[0])).await;
-    assert_eq!(env.sim.volumes_of(&t.namespace, &t.name), handles, "nothing freed, nothing lost while the driver is stopped");
+    assert!(
+        message.contains("csi.volume-gate.test"),
+        "and the driver: {message}"
+    );
+    t.wait_event("Warning", "Blocked", |note| note.contains(&handles[0]))
+        .await;
+    assert_eq!(
+        env.sim.volumes_of(&t.namespace, &t.name),
+        handles,
+        "nothing freed, nothing lost while the driver is stopped"
+    );
 
     // The driver comes back: the retry frees everything and the teardown ends.
     t.set_driver(&env.sim, true).await;
@@ -49,7 +71,8 @@ async fn a_stopped_driver_blocks_naming_each_remaining_volume_and_recovery_frees
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_worker_killed_after_the_inventory_and_again_mid_wait_is_replaced_and_the_next_one_finishes() {
+async fn a_worker_killed_after_the_inventory_and_again_mid_wait_is_replaced_and_the_next_one_finishes()
+ {
     let _serial = common::serial();
     let env = env();
     let t = tenant_with_volumes("killed", &["a", "b", "c"]).await;
@@ -64,11 +87,17 @@ async fn a_worker_killed_after_the_inventory_and_again_mid_wait_is_replaced_and_
     // Killed again while it waits for the PVs (the driver is stopped).
     let record = t
         .history
-        .next_record("a new pass waiting on the PVs", Duration::from_secs(60), |r| match (&r.phase, &r.message, &r.inventory) {
-            (Some(Phase::Releasing), Some(m), Some(_)) => m.contains("deleting claims") || m.contains("freed"),
-            (Some(Phase::Blocked), _, Some(_)) => true,
-            _ => false,
-        })
+        .next_record(
+            "a new pass waiting on the PVs",
+            Duration::from_secs(60),
+            |r| match (&r.phase, &r.message, &r.inventory) {
+                (Some(Phase::Releasing), Some(m), Some(_)) => {
+                    m.contains("deleting claims") || m.contains("freed")
+                }
+                (Some(Phase::Blocked), _, Some(_)) => true,
+                _ => false,
+            },
+        )
         .await;
     let inventory = record.inventory.expect("inventory");
     assert_eq!(inventory.total, 3, "the inventory survived the first kill");
@@ -77,7 +106,10 @@ async fn a_worker_killed_after_the_inventory_and_again_mid_wait_is_replaced_and_
 
     t.set_driver(&env.sim, true).await;
     t.wait_parent_gone(Duration::from_secs(120)).await;
-    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty(), "the third worker finished the job");
+    assert!(
+        env.sim.volumes_of(&t.namespace, &t.name).is_empty(),
+        "the third worker finished the job"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -92,7 +124,11 @@ async fn a_tenant_api_killed_mid_phase_blocks_and_the_phase_finishes_when_it_ret
     let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
     let message = record.message.unwrap_or_default();
     assert!(message.contains("tenant API"), "{message}");
-    assert_eq!(record.inventory.map(|i| i.total), Some(1), "the inventory is kept while the API is away");
+    assert_eq!(
+        record.inventory.map(|i| i.total),
+        Some(1),
+        "the inventory is kept while the API is away"
+    );
 
     env.cp.cluster_up(&t.cluster.name);
     t.set_driver(&env.sim, true).await;
@@ -115,20 +151,39 @@ async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_recor
 
     let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
     let message = record.message.clone().unwrap_or_default();
-    assert!(message.contains("Retain") && message.contains("override"), "{message}");
+    assert!(
+        message.contains("Retain") && message.contains("override"),
+        "{message}"
+    );
     let inv: Inventory = record.inventory.expect("inventory");
-    assert_eq!((inv.total, inv.left()), (2, 1), "the Delete volume was freed, the Retain one is residue");
+    assert_eq!(
+        (inv.total, inv.left()),
+        (2, 1),
+        "the Delete volume was freed, the Retain one is residue"
+    );
     let residue = env.sim.volumes_of(&t.namespace, &t.name);
     assert_eq!(residue.len(), 1);
-    assert!(message.contains(&residue[0]), "the residue is named by its volumeHandle: {message}");
+    assert!(
+        message.contains(&residue[0]),
+        "the residue is named by its volumeHandle: {message}"
+    );
 
     t.grant_override("platform-admins").await;
     let alice = env.cp.client_as("alice", &["platform-admins"]).await;
-    t.annotate_override(&alice, "retained by design; archived").await.expect("override accepted");
+    t.annotate_override(&alice, "retained by design; archived")
+        .await
+        .expect("override accepted");
     let note = t.wait_event("Warning", "Overridden", |_| true).await;
-    assert!(note.contains(&residue[0]) && note.contains("left on storage"), "the Warning names the disk left: {note}");
+    assert!(
+        note.contains(&residue[0]) && note.contains("left on storage"),
+        "the Warning names the disk left: {note}"
+    );
     t.wait_parent_gone(Duration::from_secs(120)).await;
-    assert_eq!(env.sim.volumes_of(&t.namespace, &t.name), residue, "exactly the residue stays, by decision");
+    assert_eq!(
+        env.sim.volumes_of(&t.namespace, &t.name),
+        residue,
+        "exactly the residue stays, by decision"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -139,12 +194,27 @@ async fn concurrent_changes_to_the_parent_survive_the_record_writes_and_the_cust
     let patch = |v: serde_json::Value| {
         let api = t.hr_api();
         let name = t.name.clone();
-        async move { api.patch(&name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&v)).await.expect("patch parent") }
+        async move {
+            api.patch(
+                &name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&v),
+            )
+            .await
+            .expect("patch parent")
+        }
     };
     // Two finalizers of others: one before ours (removed mid-phase, which
     // shifts our index), one that holds the parent after custody ends.
     let mut finalizers = vec!["example.com/early".to_string()];
-    finalizers.extend(t.parent().await.unwrap().metadata.finalizers.unwrap_or_default());
+    finalizers.extend(
+        t.parent()
+            .await
+            .unwrap()
+            .metadata
+            .finalizers
+            .unwrap_or_default(),
+    );
     finalizers.push("example.com/hold".to_string());
     patch(serde_json::json!({"metadata": {"finalizers": finalizers}})).await;
     t.set_driver(&env.sim, false).await;
@@ -152,21 +222,52 @@ async fn concurrent_changes_to_the_parent_survive_the_record_writes_and_the_cust
     t.wait_inventory().await;
     // Others write to the parent while the phase runs.
     patch(serde_json::json!({"metadata": {"annotations": {"example.com/owner": "team-a"}}})).await;
-    let remaining: Vec<String> =
-        t.parent().await.unwrap().metadata.finalizers.unwrap_or_default().into_iter().filter(|f| f != "example.com/early").collect();
+    let remaining: Vec<String> = t
+        .parent()
+        .await
+        .unwrap()
+        .metadata
+        .finalizers
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|f| f != "example.com/early")
+        .collect();
     patch(serde_json::json!({"metadata": {"finalizers": remaining}})).await;
 
     t.set_driver(&env.sim, true).await;
-    let after = common::wait::eventually("custody ended, the other finalizer kept", Duration::from_secs(90), || async {
-        let p = t.parent().await.ok_or("parent gone too early")?;
-        let f = p.metadata.finalizers.clone().unwrap_or_default();
-        if f.iter().any(|f| f == "volumes.cozystack.io/release") { Err(format!("{f:?}")) } else { Ok(p) }
-    })
+    let after = common::wait::eventually(
+        "custody ended, the other finalizer kept",
+        Duration::from_secs(90),
+        || async {
+            let p = t.parent().await.ok_or("parent gone too early")?;
+            let f = p.metadata.finalizers.clone().unwrap_or_default();
+            if f.iter().any(|f| f == "volumes.cozystack.io/release") {
+                Err(format!("{f:?}"))
+            } else {
+                Ok(p)
+            }
+        },
+    )
     .await;
     let annotations = after.metadata.annotations.unwrap_or_default();
-    assert_eq!(annotations.get("example.com/owner").map(String::as_str), Some("team-a"), "not clobbered by the record writes");
-    assert_eq!(annotations.get("volumes.cozystack.io/phase").map(String::as_str), Some("Released"));
-    assert!(after.metadata.finalizers.unwrap_or_default().contains(&"example.com/hold".to_string()));
+    assert_eq!(
+        annotations.get("example.com/owner").map(String::as_str),
+        Some("team-a"),
+        "not clobbered by the record writes"
+    );
+    assert_eq!(
+        annotations
+            .get("volumes.cozystack.io/phase")
+            .map(String::as_str),
+        Some("Released")
+    );
+    assert!(
+        after
+            .metadata
+            .finalizers
+            .unwrap_or_default()
+            .contains(&"example.com/hold".to_string())
+    );
     assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
     patch(serde_json::json!({"metadata": {"finalizers": null}})).await;
     t.wait_parent_gone(Duration::from_secs(60)).await;
@@ -186,20 +287,37 @@ async fn a_terminated_worker_exits_by_itself_and_the_next_one_leads() {
         let status = g.terminate_worker(Duration::from_secs(60));
         let log = g.worker_log();
         let status = status.unwrap_or_else(|e| panic!("{e}; its log:\n{log}"));
-        assert!(status.success(), "the worker exited with {status} after SIGTERM; its log:\n{log}");
+        assert!(
+            status.success(),
+            "the worker exited with {status} after SIGTERM; its log:\n{log}"
+        );
         g.start_worker();
         g.worker_identity()
     };
     let leases: kube::Api<k8s_openapi::api::coordination::v1::Lease> =
         kube::Api::namespaced(env.cp.management_client().await, "volume-gate");
-    common::wait::eventually("the new worker holds the Lease", Duration::from_secs(60), || async {
-        let l = leases.get("volume-gate-worker").await.map_err(|e| e.to_string())?;
-        let holder = l.spec.and_then(|s| s.holder_identity).unwrap_or_default();
-        if holder == next { Ok(()) } else { Err(format!("held by {holder:?}")) }
-    })
+    common::wait::eventually(
+        "the new worker holds the Lease",
+        Duration::from_secs(60),
+        || async {
+            let l = leases
+                .get("volume-gate-worker")
+                .await
+                .map_err(|e| e.to_string())?;
+            let holder = l.spec.and_then(|s| s.holder_identity).unwrap_or_default();
+            if holder == next {
+                Ok(())
+            } else {
+                Err(format!("held by {holder:?}"))
+            }
+        },
+    )
     .await;
     // And it acts: the tenant is released.
     t.delete_parent().await;
     t.wait_parent_gone(Duration::from_secs(120)).await;
-    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty(), "the new leader freed the volume");
+    assert!(
+        env.sim.volumes_of(&t.namespace, &t.name).is_empty(),
+        "the new leader freed the volume"
+    );
 }

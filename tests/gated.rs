@@ -5,10 +5,10 @@ mod common;
 
 use std::time::Duration;
 
-use common::tenant::{STORAGE_CLASS, Tenant};
 use common::history::Seen;
-use kube::api::{Api, DeleteParams, DynamicObject};
+use common::tenant::{STORAGE_CLASS, Tenant};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
+use kube::api::{Api, DeleteParams, DynamicObject};
 use serde_json::json;
 use volume_gate::record::Phase;
 
@@ -30,14 +30,41 @@ async fn deleting_a_tenant_frees_every_volume_with_the_gate_installed() {
     t.wait_parent_gone(Duration::from_secs(180)).await;
 
     let left = env.sim.volumes_of(&t.namespace, &t.name);
-    assert!(left.is_empty(), "volumes left on storage after the gated teardown: {left:?}");
+    assert!(
+        left.is_empty(),
+        "volumes left on storage after the gated teardown: {left:?}"
+    );
     // The write that records Released also asks Flux to retry the uninstall
     // now (what `flux reconcile` writes), and nothing before it did.
-    let versions: Vec<_> = t.history.all().into_iter().filter_map(|s| match s { Seen::Parent(p) => Some(p), Seen::Gone => None }).collect();
-    let request = |p: &DynamicObject| p.metadata.annotations.as_ref().and_then(|a| a.get("reconcile.fluxcd.io/requestedAt").cloned());
-    let released = versions.iter().position(|p| Seen::Parent(p.clone()).record().and_then(|r| r.phase) == Some(Phase::Released)).expect("a Released version");
-    assert!(request(&versions[released]).is_some(), "the Released write carries reconcile.fluxcd.io/requestedAt");
-    assert!(versions[..released].iter().all(|p| request(p).is_none()), "no retry request before Released");
+    let versions: Vec<_> = t
+        .history
+        .all()
+        .into_iter()
+        .filter_map(|s| match s {
+            Seen::Parent(p) => Some(p),
+            Seen::Gone => None,
+        })
+        .collect();
+    let request = |p: &DynamicObject| {
+        p.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("reconcile.fluxcd.io/requestedAt").cloned())
+    };
+    let released = versions
+        .iter()
+        .position(|p| {
+            Seen::Parent(p.clone()).record().and_then(|r| r.phase) == Some(Phase::Released)
+        })
+        .expect("a Released version");
+    assert!(
+        request(&versions[released]).is_some(),
+        "the Released write carries reconcile.fluxcd.io/requestedAt"
+    );
+    assert!(
+        versions[..released].iter().all(|p| request(p).is_none()),
+        "no retry request before Released"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -45,11 +72,27 @@ async fn a_refused_csi_release_delete_reaches_the_client_with_its_message() {
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("refuse")).await;
     t.wait_custody().await;
-    let err = t.hr_api().delete(&format!("{}-csi", t.name), &DeleteParams::default()).await.expect_err("refused");
+    let err = t
+        .hr_api()
+        .delete(&format!("{}-csi", t.name), &DeleteParams::default())
+        .await
+        .expect_err("refused");
     let msg = err.to_string();
-    assert!(msg.contains("volume-gate") && msg.contains("CSI driver release") && msg.contains(&t.name), "{msg}");
-    assert!(msg.contains("kubectl annotate"), "the message names the override command: {msg}");
-    assert!(t.hr_api().get_opt(&format!("{}-csi", t.name)).await.unwrap().is_some());
+    assert!(
+        msg.contains("volume-gate") && msg.contains("CSI driver release") && msg.contains(&t.name),
+        "{msg}"
+    );
+    assert!(
+        msg.contains("kubectl annotate"),
+        "the message names the override command: {msg}"
+    );
+    assert!(
+        t.hr_api()
+            .get_opt(&format!("{}-csi", t.name))
+            .await
+            .unwrap()
+            .is_some()
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -58,10 +101,25 @@ async fn a_dry_run_delete_of_the_parent_changes_nothing() {
     let t = Tenant::create(env.cp, &env.cp.unique("dryrun")).await;
     t.wait_custody().await;
     let before = t.parent().await.unwrap();
-    t.hr_api().delete(&t.name, &DeleteParams { dry_run: true, ..Default::default() }).await.expect("dry-run delete accepted");
+    t.hr_api()
+        .delete(
+            &t.name,
+            &DeleteParams {
+                dry_run: true,
+                ..Default::default()
+            },
+        )
+        .await
+        .expect("dry-run delete accepted");
     let after = t.parent().await.expect("parent still exists");
-    assert!(after.metadata.deletion_timestamp.is_none(), "a dry run set no deletionTimestamp");
-    assert_eq!(after.metadata.resource_version, before.metadata.resource_version, "nothing was written");
+    assert!(
+        after.metadata.deletion_timestamp.is_none(),
+        "a dry run set no deletionTimestamp"
+    );
+    assert_eq!(
+        after.metadata.resource_version, before.metadata.resource_version,
+        "nothing was written"
+    );
     assert_eq!(t.record().await.phase, None, "no phase started");
 }
 
@@ -74,18 +132,45 @@ async fn a_claim_keeps_pvc_protection_until_its_pod_is_gone() {
     t.pod("apps", "holder", &["held"]).await;
     t.wait_settled(1, 1).await;
     let claims: Api<PersistentVolumeClaim> = Api::namespaced(t.api.clone(), "apps");
-    claims.delete("held", &DeleteParams::default()).await.unwrap();
-    let c = claims.get("held").await.expect("claim still there while mounted");
+    claims
+        .delete("held", &DeleteParams::default())
+        .await
+        .unwrap();
+    let c = claims
+        .get("held")
+        .await
+        .expect("claim still there while mounted");
     assert!(c.metadata.deletion_timestamp.is_some());
     assert!(
-        c.metadata.finalizers.unwrap_or_default().contains(&"kubernetes.io/pvc-protection".to_string()),
+        c.metadata
+            .finalizers
+            .unwrap_or_default()
+            .contains(&"kubernetes.io/pvc-protection".to_string()),
         "the real controller manager added pvc-protection"
     );
-    Api::<Pod>::namespaced(t.api.clone(), "apps").delete("holder", &DeleteParams::default()).await.unwrap();
-    common::wait::eventually("claim gone once its pod is", Duration::from_secs(60), || {
-        let claims = claims.clone();
-        async move { if claims.get_opt("held").await.map_err(|e| e.to_string())?.is_none() { Ok(()) } else { Err("still there".into()) } }
-    })
+    Api::<Pod>::namespaced(t.api.clone(), "apps")
+        .delete("holder", &DeleteParams::default())
+        .await
+        .unwrap();
+    common::wait::eventually(
+        "claim gone once its pod is",
+        Duration::from_secs(60),
+        || {
+            let claims = claims.clone();
+            async move {
+                if claims
+                    .get_opt("held")
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .is_none()
+                {
+                    Ok(())
+                } else {
+                    Err("still there".into())
+                }
+            }
+        },
+    )
     .await;
 }
 
@@ -96,7 +181,10 @@ async fn deleting_the_tenant_namespace_leaves_zero_volumes() {
     t.wait_custody().await;
     t.incident_workload().await;
     let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(t.management.clone());
-    namespaces.delete(&t.namespace, &DeleteParams::default()).await.unwrap();
+    namespaces
+        .delete(&t.namespace, &DeleteParams::default())
+        .await
+        .unwrap();
     common::wait::eventually("tenant namespace gone", Duration::from_secs(240), || {
         let namespaces = namespaces.clone();
         let ns = t.namespace.clone();
@@ -104,13 +192,24 @@ async fn deleting_the_tenant_namespace_leaves_zero_volumes() {
             match namespaces.get_opt(&ns).await.map_err(|e| e.to_string())? {
                 None => Ok(()),
                 // What the namespace controller says is left, for the failure message.
-                Some(n) => Err(format!("terminating: {:?}", n.status.and_then(|s| s.conditions).unwrap_or_default().iter().map(|c| c.message.clone().unwrap_or_default()).collect::<Vec<_>>())),
+                Some(n) => Err(format!(
+                    "terminating: {:?}",
+                    n.status
+                        .and_then(|s| s.conditions)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|c| c.message.clone().unwrap_or_default())
+                        .collect::<Vec<_>>()
+                )),
             }
         }
     })
     .await;
     let left = env.sim.volumes_of(&t.namespace, &t.name);
-    assert!(left.is_empty(), "volumes left after deleting the namespace: {left:?}");
+    assert!(
+        left.is_empty(),
+        "volumes left after deleting the namespace: {left:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -121,31 +220,61 @@ async fn a_silent_tenant_api_blocks_loudly_and_an_authorized_override_finishes_t
     t.with_held_claims(&["data"]).await;
     // A port that accepts connections and never answers: an API server that exists and is silent.
     let silent = std::net::TcpListener::bind("127.0.0.1:0").unwrap();
-    t.point_kubeconfig_at(&format!("https://127.0.0.1:{}", silent.local_addr().unwrap().port())).await;
+    t.point_kubeconfig_at(&format!(
+        "https://127.0.0.1:{}",
+        silent.local_addr().unwrap().port()
+    ))
+    .await;
 
     t.delete_parent().await;
     let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
     let message = record.message.unwrap_or_default();
-    assert!(message.contains("did not answer /readyz within 3s"), "{message}");
-    t.wait_event("Warning", "Blocked", |note| note.contains("/readyz")).await;
+    assert!(
+        message.contains("did not answer /readyz within 3s"),
+        "{message}"
+    );
+    t.wait_event("Warning", "Blocked", |note| note.contains("/readyz"))
+        .await;
     // Nothing wedged silently: the CSI release is still held, and says why.
-    let err = t.hr_api().delete(&format!("{}-csi", t.name), &DeleteParams::default()).await.expect_err("held");
+    let err = t
+        .hr_api()
+        .delete(&format!("{}-csi", t.name), &DeleteParams::default())
+        .await
+        .expect_err("held");
     assert!(err.to_string().contains("phase Blocked"), "{err}");
 
     // Someone who may edit releases but lacks the override permission cannot abandon the volumes.
     grant_release_editing(&t, "editors").await;
-    let mallory = env.cp.client_as("mallory", &["editors", "system:authenticated"]).await;
-    let err = t.annotate_override(&mallory, "let me").await.expect_err("unauthorized override refused");
-    assert!(err.to_string().contains("may not record an override") && err.to_string().contains("\"override\""), "{err}");
+    let mallory = env
+        .cp
+        .client_as("mallory", &["editors", "system:authenticated"])
+        .await;
+    let err = t
+        .annotate_override(&mallory, "let me")
+        .await
+        .expect_err("unauthorized override refused");
+    assert!(
+        err.to_string().contains("may not record an override")
+            && err.to_string().contains("\"override\""),
+        "{err}"
+    );
 
     // An authorized person can, and the teardown then finishes.
     t.grant_override("platform-admins").await;
-    let alice = env.cp.client_as("alice", &["platform-admins", "system:authenticated"]).await;
-    t.annotate_override(&alice, "tenant abandoned; API unrecoverable (ticket 42)").await.expect("authorized override accepted");
-    let record = t.wait_phase(Phase::Overridden, Duration::from_secs(30)).await;
+    let alice = env
+        .cp
+        .client_as("alice", &["platform-admins", "system:authenticated"])
+        .await;
+    t.annotate_override(&alice, "tenant abandoned; API unrecoverable (ticket 42)")
+        .await
+        .expect("authorized override accepted");
+    let record = t
+        .wait_phase(Phase::Overridden, Duration::from_secs(30))
+        .await;
     let ov = record.override_.expect("override recorded");
     assert_eq!(ov.by.as_deref(), Some("alice"), "stamped from userInfo");
-    t.wait_event("Warning", "Overridden", |note| note.contains("alice")).await;
+    t.wait_event("Warning", "Overridden", |note| note.contains("alice"))
+        .await;
     t.wait_parent_gone(Duration::from_secs(120)).await;
     // The override abandoned the disk, by decision: it is still on storage.
     assert_eq!(env.sim.volumes_of(&t.namespace, &t.name).len(), 1);
@@ -159,20 +288,42 @@ async fn forged_record_stamps_and_custody_removal_are_refused() {
     t.wait_custody().await;
     let admin = t.hr_api();
     let forge = |key: &str, value: &str| json!({"metadata": {"annotations": {format!("volumes.cozystack.io/{key}"): value}}});
-    for (key, value) in [("phase", "Released"), ("volumes", "{}"), ("override-by", "root")] {
+    for (key, value) in [
+        ("phase", "Released"),
+        ("volumes", "{}"),
+        ("override-by", "root"),
+    ] {
         let err = admin
-            .patch(&t.name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&forge(key, value)))
+            .patch(
+                &t.name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&forge(key, value)),
+            )
             .await
             .expect_err("forged key refused");
         assert!(err.to_string().contains(key), "{key}: {err}");
     }
     let parent = t.parent().await.unwrap();
-    let finalizers: Vec<String> = parent.metadata.finalizers.unwrap_or_default().into_iter().filter(|f| f != "volumes.cozystack.io/release").collect();
+    let finalizers: Vec<String> = parent
+        .metadata
+        .finalizers
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|f| f != "volumes.cozystack.io/release")
+        .collect();
     let err = admin
-        .patch(&t.name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&json!({"metadata": {"finalizers": finalizers}})))
+        .patch(
+            &t.name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&json!({"metadata": {"finalizers": finalizers}})),
+        )
         .await
         .expect_err("custody finalizer removal refused");
-    assert!(err.to_string().contains("only the volume-gate worker ends custody"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("only the volume-gate worker ends custody"),
+        "{err}"
+    );
 }
 
 /// A Role letting `group` get and patch the tenant's releases: a tenant
@@ -187,7 +338,15 @@ async fn grant_release_editing(t: &Tenant, group: &str) {
         "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": group}]});
     common::manifests::apply(&t.management, &role).await;
     common::manifests::apply(&t.management, &binding).await;
-    common::tenant::wait_authorized(&t.management, group, &t.namespace, "helm.toolkit.fluxcd.io", "helmreleases", "patch").await;
+    common::tenant::wait_authorized(
+        &t.management,
+        group,
+        &t.namespace,
+        "helm.toolkit.fluxcd.io",
+        "helmreleases",
+        "patch",
+    )
+    .await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -199,16 +358,24 @@ async fn relabelling_a_child_away_from_a_tenant_in_teardown_is_refused() {
     // Hold the phase open: the driver is stuck, the tenant is being deleted.
     t.set_driver(&env.sim, false).await;
     t.delete_parent().await;
-    t.wait_phase(Phase::Releasing, Duration::from_secs(30)).await;
+    t.wait_phase(Phase::Releasing, Duration::from_secs(30))
+        .await;
     for child in ["cilium", "csi"] {
         let name = format!("{}-{child}", t.name);
         let patch = json!({"metadata": {"labels": {"cozystack.io/target-cluster-name": "kubernetes-nobody"}}});
         let err = t
             .hr_api()
-            .patch(&name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
+            .patch(
+                &name,
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            )
             .await
             .expect_err("relabel refused");
-        assert!(err.to_string().contains("refusing to relabel"), "{child}: {err}");
+        assert!(
+            err.to_string().contains("refusing to relabel"),
+            "{child}: {err}"
+        );
     }
     t.set_driver(&env.sim, true).await;
     t.wait_parent_gone(Duration::from_secs(120)).await;
@@ -219,22 +386,46 @@ async fn relabelling_a_child_away_from_a_tenant_in_teardown_is_refused() {
 async fn the_installed_webhook_configurations_are_the_shipped_ones_but_for_where_the_webhook_is() {
     let env = env();
     let client = env.cp.management_client().await;
-    for shipped in common::manifests::base_documents().iter().filter(|d| common::manifests::is_webhook_configuration(d)) {
+    for shipped in common::manifests::base_documents()
+        .iter()
+        .filter(|d| common::manifests::is_webhook_configuration(d))
+    {
         let kind = shipped["kind"].as_str().unwrap();
         let gvk = kube::core::GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", kind);
         let (ar, _) = kube::discovery::pinned_kind(&client, &gvk).await.unwrap();
-        let live = Api::<kube::api::DynamicObject>::all_with(client.clone(), &ar).get("volume-gate").await.unwrap();
+        let live = Api::<kube::api::DynamicObject>::all_with(client.clone(), &ar)
+            .get("volume-gate")
+            .await
+            .unwrap();
         let live_hooks = live.data["webhooks"].as_array().unwrap();
         let shipped_hooks = shipped["webhooks"].as_array().unwrap();
         assert_eq!(live_hooks.len(), shipped_hooks.len(), "{kind}");
         for (l, s) in live_hooks.iter().zip(shipped_hooks) {
-            for field in ["name", "rules", "failurePolicy", "sideEffects", "timeoutSeconds", "matchPolicy", "admissionReviewVersions", "matchConditions"] {
+            for field in [
+                "name",
+                "rules",
+                "failurePolicy",
+                "sideEffects",
+                "timeoutSeconds",
+                "matchPolicy",
+                "admissionReviewVersions",
+                "matchConditions",
+            ] {
                 assert_eq!(l[field], s[field], "{kind} {} {field}", s["name"]);
             }
             if !s["objectSelector"].is_null() {
-                assert_eq!(l["objectSelector"], s["objectSelector"], "{kind} {}", s["name"]);
+                assert_eq!(
+                    l["objectSelector"], s["objectSelector"],
+                    "{kind} {}",
+                    s["name"]
+                );
             }
-            assert!(l["clientConfig"]["url"].as_str().unwrap().ends_with(s["clientConfig"]["service"]["path"].as_str().unwrap()));
+            assert!(
+                l["clientConfig"]["url"]
+                    .as_str()
+                    .unwrap()
+                    .ends_with(s["clientConfig"]["service"]["path"].as_str().unwrap())
+            );
         }
     }
 }
@@ -249,23 +440,57 @@ async fn a_delete_collection_is_judged_object_by_object() {
     let t = Tenant::create(env.cp, &env.cp.unique("collection")).await;
     t.wait_custody().await;
     let csi = format!("{}-csi", t.name);
-    let dry = DeleteParams { dry_run: true, ..Default::default() };
+    let dry = DeleteParams {
+        dry_run: true,
+        ..Default::default()
+    };
     let by_name = |n: &str| kube::api::ListParams::default().fields(&format!("metadata.name={n}"));
-    let err = t.hr_api().delete_collection(&dry, &by_name(&csi)).await.expect_err("the CSI release is held");
-    assert!(err.to_string().contains(&format!("refusing to delete HelmRelease {}/{csi}", t.namespace)), "{err}");
+    let err = t
+        .hr_api()
+        .delete_collection(&dry, &by_name(&csi))
+        .await
+        .expect_err("the CSI release is held");
+    assert!(
+        err.to_string().contains(&format!(
+            "refusing to delete HelmRelease {}/{csi}",
+            t.namespace
+        )),
+        "{err}"
+    );
 
     // In teardown, the guarded objects are held too.
     t.with_held_claims(&["data"]).await;
     t.set_driver(&env.sim, false).await;
     t.delete_parent().await;
     t.wait_inventory().await;
-    let tcps: Api<kube::api::DynamicObject> = Api::namespaced_with(t.management.clone(), &t.namespace, &common::tenant::tcp_resource());
-    let err = tcps.delete_collection(&dry, &by_name(&t.name)).await.expect_err("the tenant control plane is held");
-    assert!(err.to_string().contains("refusing to delete TenantControlPlane"), "{err}");
-    let secrets: Api<k8s_openapi::api::core::v1::Secret> = Api::namespaced(t.management.clone(), &t.namespace);
+    let tcps: Api<kube::api::DynamicObject> = Api::namespaced_with(
+        t.management.clone(),
+        &t.namespace,
+        &common::tenant::tcp_resource(),
+    );
+    let err = tcps
+        .delete_collection(&dry, &by_name(&t.name))
+        .await
+        .expect_err("the tenant control plane is held");
+    assert!(
+        err.to_string()
+            .contains("refusing to delete TenantControlPlane"),
+        "{err}"
+    );
+    let secrets: Api<k8s_openapi::api::core::v1::Secret> =
+        Api::namespaced(t.management.clone(), &t.namespace);
     let kubeconfig = format!("{}-admin-kubeconfig", t.name);
-    let err = secrets.delete_collection(&dry, &by_name(&kubeconfig)).await.expect_err("the admin kubeconfig is held");
-    assert!(err.to_string().contains(&format!("refusing to delete Secret {}/{kubeconfig}", t.namespace)), "{err}");
+    let err = secrets
+        .delete_collection(&dry, &by_name(&kubeconfig))
+        .await
+        .expect_err("the admin kubeconfig is held");
+    assert!(
+        err.to_string().contains(&format!(
+            "refusing to delete Secret {}/{kubeconfig}",
+            t.namespace
+        )),
+        "{err}"
+    );
 
     t.set_driver(&env.sim, true).await;
     t.wait_parent_gone(Duration::from_secs(120)).await;
@@ -273,7 +498,8 @@ async fn a_delete_collection_is_judged_object_by_object() {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_hook_that_passes_early_cannot_uninstall_the_csi_controllers_identity_while_the_phase_runs() {
+async fn a_hook_that_passes_early_cannot_uninstall_the_csi_controllers_identity_while_the_phase_runs()
+ {
     // Cozystack's hook with the KamajiControlPlane already gone: step 3 is
     // a no-op, step 4's refusal only warns, the hook exits 0 and Helm's
     // uninstall deletes every object of the parent release it can. The
@@ -283,29 +509,61 @@ async fn a_hook_that_passes_early_cannot_uninstall_the_csi_controllers_identity_
     let t = Tenant::create(env.cp, &env.cp.unique("early")).await;
     t.wait_custody().await;
     t.with_held_claims(&["a", "b"]).await;
-    let kcps: Api<kube::api::DynamicObject> = Api::namespaced_with(t.management.clone(), &t.namespace, &common::tenant::kcp_resource());
-    kcps.delete(&t.name, &DeleteParams::default()).await.expect("outside teardown the control plane may go");
+    let kcps: Api<kube::api::DynamicObject> = Api::namespaced_with(
+        t.management.clone(),
+        &t.namespace,
+        &common::tenant::kcp_resource(),
+    );
+    kcps.delete(&t.name, &DeleteParams::default())
+        .await
+        .expect("outside teardown the control plane may go");
     // Hold the phase open (a driver that frees nothing yet) until the uninstall has been tried.
     t.set_driver(&env.sim, false).await;
     t.delete_parent().await;
     let key = format!("{}/{}", t.namespace, t.name);
-    let uninstall_refused = common::wait::eventually("the uninstall tried mid-phase", Duration::from_secs(120), || {
-        let log = env.sim.log();
-        let key = key.clone();
-        async move {
-            log.lines()
-                .find(|l| l.contains(&key) && l.contains(" uninstall-failed ") && l.contains("uninstallation completed with"))
-                .map(str::to_string)
-                .ok_or_else(|| "no uninstall attempt yet".to_string())
-        }
-    })
+    let uninstall_refused = common::wait::eventually(
+        "the uninstall tried mid-phase",
+        Duration::from_secs(120),
+        || {
+            let log = env.sim.log();
+            let key = key.clone();
+            async move {
+                log.lines()
+                    .find(|l| {
+                        l.contains(&key)
+                            && l.contains(" uninstall-failed ")
+                            && l.contains("uninstallation completed with")
+                    })
+                    .map(str::to_string)
+                    .ok_or_else(|| "no uninstall attempt yet".to_string())
+            }
+        },
+    )
     .await;
-    assert!(uninstall_refused.contains("volume-gate"), "the gate refused the uninstall's deletes: {uninstall_refused}");
+    assert!(
+        uninstall_refused.contains("volume-gate"),
+        "the gate refused the uninstall's deletes: {uninstall_refused}"
+    );
     assert_ne!(t.record().await.phase, Some(Phase::Released), "mid-phase");
-    let sa = Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(t.management.clone(), &t.namespace);
-    assert!(sa.get_opt(&format!("{}-kcsi", t.name)).await.unwrap().is_some(), "the controller's ServiceAccount stays");
+    let sa = Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(
+        t.management.clone(),
+        &t.namespace,
+    );
+    assert!(
+        sa.get_opt(&format!("{}-kcsi", t.name))
+            .await
+            .unwrap()
+            .is_some(),
+        "the controller's ServiceAccount stays"
+    );
     let crb = Api::<k8s_openapi::api::rbac::v1::ClusterRoleBinding>::all(t.management.clone());
-    assert!(crb.get_opt(&format!("{}-kcsi-binding", t.name)).await.unwrap().is_some(), "its ClusterRoleBinding stays");
+    assert!(
+        crb.get_opt(&format!("{}-kcsi-binding", t.name))
+            .await
+            .unwrap()
+            .is_some(),
+        "its ClusterRoleBinding stays"
+    );
 
     t.set_driver(&env.sim, true).await;
     t.wait_parent_gone(Duration::from_secs(180)).await;
@@ -313,10 +571,20 @@ async fn a_hook_that_passes_early_cannot_uninstall_the_csi_controllers_identity_
     assert!(left.is_empty(), "volumes left: {left:?}");
     let log = env.sim.log();
     assert!(
-        !log.lines().any(|l| l.contains(&key) && l.contains(" identity-missing ")),
+        !log.lines()
+            .any(|l| l.contains(&key) && l.contains(" identity-missing ")),
         "the driver never lacked its identity:\n{}",
-        log.lines().filter(|l| l.contains(&key)).collect::<Vec<_>>().join("\n")
+        log.lines()
+            .filter(|l| l.contains(&key))
+            .collect::<Vec<_>>()
+            .join("\n")
     );
     // And once done, the uninstall took the identity with the rest.
-    assert!(sa.get_opt(&format!("{}-kcsi", t.name)).await.unwrap().is_none(), "uninstalled after the phase");
+    assert!(
+        sa.get_opt(&format!("{}-kcsi", t.name))
+            .await
+            .unwrap()
+            .is_none(),
+        "uninstalled after the phase"
+    );
 }

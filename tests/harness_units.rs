@@ -14,8 +14,15 @@ fn the_harness_liveness_checks_pass_their_go_tests() {
         .env("GOWORK", "off")
         .output()
         .expect("run go test (Go must be on PATH, as for the harness)");
-    let text = format!("{}{}", String::from_utf8_lossy(&out.stdout), String::from_utf8_lossy(&out.stderr));
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
     eprintln!("{text}");
     assert!(out.status.success(), "go test ./liveness/ failed:\n{text}");
-    assert!(text.contains("--- PASS: TestAStartedChildIsAliveFromTheFirstCheck"), "the start race test ran:\n{text}");
+    assert!(
+        text.contains("--- PASS: TestAStartedChildIsAliveFromTheFirstCheck"),
+        "the start race test ran:\n{text}"
+    );
 }

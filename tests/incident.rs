@@ -15,7 +15,11 @@ async fn without_the_gate_tenant_teardown_leaks_every_volume() {
     let t = Tenant::create(env.cp, &env.cp.unique("leak")).await;
     t.incident_workload().await;
     let before = env.sim.volumes_of(&t.namespace, &t.name);
-    assert_eq!(before.len(), 4, "the driver provisioned one disk per claim: {before:?}");
+    assert_eq!(
+        before.len(),
+        4,
+        "the driver provisioned one disk per claim: {before:?}"
+    );
 
     t.delete_parent().await;
     t.wait_parent_gone(Duration::from_secs(120)).await;
@@ -27,5 +31,9 @@ async fn without_the_gate_tenant_teardown_leaks_every_volume() {
          volume stayed on storage with the tenant's data; this is the bug volume-gate closes"
     );
     // And nothing is left that could name them: the tenant API is gone.
-    assert!(env.sim.log().contains("stop"), "the tenant API server was stopped:\n{}", env.sim.log());
+    assert!(
+        env.sim.log().contains("stop"),
+        "the tenant API server was stopped:\n{}",
+        env.sim.log()
+    );
 }

@@ -28,7 +28,10 @@ const TRAFFIC_TASKS: usize = 4;
 const TRAFFIC_PERIOD: Duration = Duration::from_millis(20);
 
 fn tenant_count() -> usize {
-    std::env::var("VOLUME_GATE_LOAD_TENANTS").ok().and_then(|v| v.parse().ok()).unwrap_or(50)
+    std::env::var("VOLUME_GATE_LOAD_TENANTS")
+        .ok()
+        .and_then(|v| v.parse().ok())
+        .unwrap_or(50)
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, PartialOrd, Ord)]
@@ -57,7 +60,8 @@ struct Sample {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_volume_with_every_decision_right() {
+async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_volume_with_every_decision_right()
+ {
     let env = common::gated();
     let cp = env.cp;
     let n = tenant_count();
@@ -89,12 +93,20 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
         .into_values()
         .collect();
     let built = started.elapsed();
-    let volumes_before: usize = tenants.iter().map(|t| env.sim.volumes_of(&t.namespace, &t.name).len()).sum();
-    assert_eq!(volumes_before, 2 * n, "every tenant has its two volumes on storage");
+    let volumes_before: usize = tenants
+        .iter()
+        .map(|t| env.sim.volumes_of(&t.namespace, &t.name).len())
+        .sum();
+    assert_eq!(
+        volumes_before,
+        2 * n,
+        "every tenant has its two volumes on storage"
+    );
     let names: Arc<Vec<String>> = Arc::new(tenants.iter().map(|t| t.name.clone()).collect());
 
     let client = cp.management_client().await;
-    let hrs: Api<DynamicObject> = Api::namespaced_with(client.clone(), NAMESPACE, &helmrelease_resource());
+    let hrs: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), NAMESPACE, &helmrelease_resource());
     let stop = Arc::new(AtomicBool::new(false));
     let teardown_begun = Arc::new(AtomicBool::new(false));
     let samples: Arc<Mutex<Vec<Sample>>> = Arc::default();
@@ -104,27 +116,45 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
     // or gone; the parent's record is the only place "done" is written.
     let done_at: Arc<Mutex<BTreeMap<usize, Instant>>> = Arc::default();
     let observer = {
-        let (hrs, names, stop, done_at, violations) = (hrs.clone(), names.clone(), stop.clone(), done_at.clone(), violations.clone());
+        let (hrs, names, stop, done_at, violations) = (
+            hrs.clone(),
+            names.clone(),
+            stop.clone(),
+            done_at.clone(),
+            violations.clone(),
+        );
         tokio::spawn(async move {
             let keys = Keys::new("volumes.cozystack.io/");
             let lp = ListParams::default().labels("apps.cozystack.io/application.kind=Kubernetes");
             let mut tick = tokio::time::interval(Duration::from_millis(200));
             while !stop.load(Ordering::SeqCst) {
                 tick.tick().await;
-                let Ok(list) = hrs.list_metadata(&lp).await else { continue };
+                let Ok(list) = hrs.list_metadata(&lp).await else {
+                    continue;
+                };
                 let seen = Instant::now();
                 let mut done = done_at.lock().unwrap();
                 for (i, name) in names.iter().enumerate() {
-                    let parent = list.items.iter().find(|p| p.metadata.name.as_deref() == Some(name));
+                    let parent = list
+                        .items
+                        .iter()
+                        .find(|p| p.metadata.name.as_deref() == Some(name));
                     let is_done = match parent {
                         None => true,
                         Some(p) => {
-                            let r = Record::from_annotations(&keys, &p.metadata.annotations.clone().unwrap_or_default());
-                            let is_done = matches!(r.phase, Some(Phase::Released | Phase::Overridden));
+                            let r = Record::from_annotations(
+                                &keys,
+                                &p.metadata.annotations.clone().unwrap_or_default(),
+                            );
+                            let is_done =
+                                matches!(r.phase, Some(Phase::Released | Phase::Overridden));
                             // Done is final: a record that goes back from it
                             // makes the gate refuse what it had allowed.
                             if !is_done && done.contains_key(&i) {
-                                violations.lock().unwrap().push(format!("the record of {name} went back from done to {:?} ({:?})", r.phase, r.message));
+                                violations.lock().unwrap().push(format!(
+                                    "the record of {name} went back from done to {:?} ({:?})",
+                                    r.phase, r.message
+                                ));
                             }
                             is_done
                         }
@@ -190,27 +220,54 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
 
     // Some traffic before the teardown: nothing is refused then but the
     // CSI releases.
-    common::wait::eventually("traffic flowing before the teardown", Duration::from_secs(60), || {
-        let samples = samples.clone();
-        async move {
-            let seen = samples.lock().unwrap().len();
-            if seen >= 10 * TRAFFIC_TASKS { Ok(()) } else { Err(format!("{seen} requests answered")) }
-        }
-    })
+    common::wait::eventually(
+        "traffic flowing before the teardown",
+        Duration::from_secs(60),
+        || {
+            let samples = samples.clone();
+            async move {
+                let seen = samples.lock().unwrap().len();
+                if seen >= 10 * TRAFFIC_TASKS {
+                    Ok(())
+                } else {
+                    Err(format!("{seen} requests answered"))
+                }
+            }
+        },
+    )
     .await;
     let namespaces: Api<Namespace> = Api::all(client.clone());
     let t0 = Instant::now();
-    namespaces.delete(NAMESPACE, &DeleteParams::default()).await.expect("delete the namespace of all tenants");
+    namespaces
+        .delete(NAMESPACE, &DeleteParams::default())
+        .await
+        .expect("delete the namespace of all tenants");
     teardown_begun.store(true, Ordering::SeqCst);
-    common::wait::eventually(&format!("namespace {NAMESPACE} gone"), Duration::from_secs(1200), || {
-        let namespaces = namespaces.clone();
-        async move {
-            match namespaces.get_opt(NAMESPACE).await.map_err(|e| e.to_string())? {
-                None => Ok(()),
-                Some(ns) => Err(format!("terminating: {:?}", ns.status.and_then(|s| s.conditions).unwrap_or_default().iter().map(|c| c.message.clone()).collect::<Vec<_>>())),
+    common::wait::eventually(
+        &format!("namespace {NAMESPACE} gone"),
+        Duration::from_secs(1200),
+        || {
+            let namespaces = namespaces.clone();
+            async move {
+                match namespaces
+                    .get_opt(NAMESPACE)
+                    .await
+                    .map_err(|e| e.to_string())?
+                {
+                    None => Ok(()),
+                    Some(ns) => Err(format!(
+                        "terminating: {:?}",
+                        ns.status
+                            .and_then(|s| s.conditions)
+                            .unwrap_or_default()
+                            .iter()
+                            .map(|c| c.message.clone())
+                            .collect::<Vec<_>>()
+                    )),
+                }
             }
-        }
-    })
+        },
+    )
     .await;
     let teardown = t0.elapsed();
     stop.store(true, Ordering::SeqCst);
@@ -220,8 +277,14 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
     observer.await.expect("observer");
 
     // Every volume freed.
-    let left: Vec<String> = tenants.iter().flat_map(|t| env.sim.volumes_of(&t.namespace, &t.name)).collect();
-    assert!(left.is_empty(), "volumes left on storage after the namespace was deleted: {left:?}");
+    let left: Vec<String> = tenants
+        .iter()
+        .flat_map(|t| env.sim.volumes_of(&t.namespace, &t.name))
+        .collect();
+    assert!(
+        left.is_empty(),
+        "volumes left on storage after the namespace was deleted: {left:?}"
+    );
 
     // Every decision right, none failed.
     let samples = std::mem::take(&mut *samples.lock().unwrap());
@@ -239,26 +302,54 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
         *counts.entry((s.op, kind)).or_default() += 1;
         match (&s.outcome, s.op) {
             (Outcome::Failed(e), op) => violations.push(format!("{op:?} of {name} failed: {e}")),
-            (Outcome::Denied(m), Op::UpdateParent) => violations.push(format!("an ordinary annotation on {name} was refused: {m}")),
-            // Sent after the tenant was seen done: the fresh read must see it.
-            (Outcome::Denied(m), Op::DeleteCsi | Op::DeleteChild) if done_at.get(&s.tenant).is_some_and(|d| s.sent > *d) => {
-                violations.push(format!("{:?} of {name} refused after the tenant was done: {m}", s.op))
+            (Outcome::Denied(m), Op::UpdateParent) => {
+                violations.push(format!("an ordinary annotation on {name} was refused: {m}"))
             }
-            (Outcome::Denied(m), _) if !m.contains(name.as_str()) => violations.push(format!("a refusal that does not name the tenant {name}: {m}")),
+            // Sent after the tenant was seen done: the fresh read must see it.
+            (Outcome::Denied(m), Op::DeleteCsi | Op::DeleteChild)
+                if done_at.get(&s.tenant).is_some_and(|d| s.sent > *d) =>
+            {
+                violations.push(format!(
+                    "{:?} of {name} refused after the tenant was done: {m}",
+                    s.op
+                ))
+            }
+            (Outcome::Denied(m), _) if !m.contains(name.as_str()) => violations.push(format!(
+                "a refusal that does not name the tenant {name}: {m}"
+            )),
             _ => {}
         }
     }
-    let decided = samples.iter().filter(|s| matches!(s.outcome, Outcome::Allowed | Outcome::Denied(_))).count();
+    let decided = samples
+        .iter()
+        .filter(|s| matches!(s.outcome, Outcome::Allowed | Outcome::Denied(_)))
+        .count();
     println!(
         "{n} tenants built in {:.0}s; namespace deleted and gone in {:.0}s; {} requests ({decided} decided by the webhook): {counts:?}",
         built.as_secs_f64(),
         teardown.as_secs_f64(),
         samples.len()
     );
-    assert!(violations.is_empty(), "{} wrong or failed decisions, first 20:\n{}", violations.len(), violations.iter().take(20).cloned().collect::<Vec<_>>().join("\n"));
+    assert!(
+        violations.is_empty(),
+        "{} wrong or failed decisions, first 20:\n{}",
+        violations.len(),
+        violations
+            .iter()
+            .take(20)
+            .cloned()
+            .collect::<Vec<_>>()
+            .join("\n")
+    );
     let csi_refused = counts.get(&(Op::DeleteCsi, "denied")).copied().unwrap_or(0);
-    let child_refused = counts.get(&(Op::DeleteChild, "denied")).copied().unwrap_or(0);
-    assert!(csi_refused > 0 && child_refused > 0, "the traffic saw the gate refuse nothing: {counts:?}");
+    let child_refused = counts
+        .get(&(Op::DeleteChild, "denied"))
+        .copied()
+        .unwrap_or(0);
+    assert!(
+        csi_refused > 0 && child_refused > 0,
+        "the traffic saw the gate refuse nothing: {counts:?}"
+    );
     assert_eq!(done_at.len(), n, "every tenant was seen done or gone");
     tenants.clear();
 }

@@ -38,7 +38,10 @@ fn api(client: &kube::Client, ns: &str, ar: &ApiResource) -> Api<DynamicObject> 
 async fn create(client: &kube::Client, ns: &str, ar: &ApiResource, doc: Value) {
     let name = doc["metadata"]["name"].as_str().unwrap().to_string();
     api(client, ns, ar)
-        .create(&PostParams::default(), &serde_json::from_value(doc).unwrap())
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(doc).unwrap(),
+        )
         .await
         .unwrap_or_else(|e| panic!("create {} {ns}/{name}: {e}", ar.kind));
 }
@@ -72,14 +75,19 @@ fn parent_release(name: &str) -> Value {
 /// Requests the gate has answered so far (every endpoint, every verdict).
 async fn gate_requests() -> u64 {
     let port = env().gate.as_ref().unwrap().lock().unwrap().webhook_admin;
-    let (_, text) = common::gate::http_get(port, "/metrics").await.expect("webhook /metrics");
+    let (_, text) = common::gate::http_get(port, "/metrics")
+        .await
+        .expect("webhook /metrics");
     let count: u64 = text
         .lines()
         .filter(|l| l.starts_with("volume_gate_admission_duration_seconds_count"))
         .filter_map(|l| l.rsplit(' ').next()?.parse::<f64>().ok())
         .map(|v| v as u64)
         .sum();
-    assert!(text.contains("volume_gate_admission_duration_seconds"), "the webhook exports its request histogram:\n{text}");
+    assert!(
+        text.contains("volume_gate_admission_duration_seconds"),
+        "the webhook exports its request histogram:\n{text}"
+    );
     count
 }
 
@@ -92,28 +100,91 @@ async fn tenant_in_teardown(client: &kube::Client, ns: &str, r: &str) {
         json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
             "metadata": {"name": name, "labels": labels}, "spec": {"chart": {"spec": {"chart": "x"}}, "interval": "5m"}})
     };
-    create(client, ns, &hr(), hr_body(format!("{r}-csi"), json!({"cozystack.io/target-cluster-name": r}))).await;
-    create(client, ns, &hr(), hr_body(format!("{r}-coredns"), json!({"cozystack.io/target-cluster-name": r}))).await;
+    create(
+        client,
+        ns,
+        &hr(),
+        hr_body(
+            format!("{r}-csi"),
+            json!({"cozystack.io/target-cluster-name": r}),
+        ),
+    )
+    .await;
+    create(
+        client,
+        ns,
+        &hr(),
+        hr_body(
+            format!("{r}-coredns"),
+            json!({"cozystack.io/target-cluster-name": r}),
+        ),
+    )
+    .await;
     let plain = |api_version: &str, kind: &str, name: &str| json!({"apiVersion": api_version, "kind": kind, "metadata": {"name": name}, "spec": {}});
-    create(client, ns, &kcp_resource(), plain("controlplane.cluster.x-k8s.io/v1alpha1", "KamajiControlPlane", r)).await;
-    create(client, ns, &tcp_resource(), plain("kamaji.clastix.io/v1alpha1", "TenantControlPlane", r)).await;
-    create(client, ns, &resource("cluster.x-k8s.io", "v1beta1", "Cluster", "clusters"), plain("cluster.x-k8s.io/v1beta1", "Cluster", r)).await;
+    create(
+        client,
+        ns,
+        &kcp_resource(),
+        plain(
+            "controlplane.cluster.x-k8s.io/v1alpha1",
+            "KamajiControlPlane",
+            r,
+        ),
+    )
+    .await;
+    create(
+        client,
+        ns,
+        &tcp_resource(),
+        plain("kamaji.clastix.io/v1alpha1", "TenantControlPlane", r),
+    )
+    .await;
+    create(
+        client,
+        ns,
+        &resource("cluster.x-k8s.io", "v1beta1", "Cluster", "clusters"),
+        plain("cluster.x-k8s.io/v1beta1", "Cluster", r),
+    )
+    .await;
     create(client, ns, &resource("", "v1", "Secret", "secrets"), json!({"apiVersion": "v1", "kind": "Secret",
         "metadata": {"name": format!("{r}-admin-kubeconfig"), "labels": {"kamaji.clastix.io/component": "admin-kubeconfig"}}})).await;
-    create(client, ns, &deployment_resource(), flux_deployment(&format!("{r}-kcsi-controller"), r)).await;
+    create(
+        client,
+        ns,
+        &deployment_resource(),
+        flux_deployment(&format!("{r}-kcsi-controller"), r),
+    )
+    .await;
     create(client, ns, &resource("", "v1", "ServiceAccount", "serviceaccounts"), json!({"apiVersion": "v1", "kind": "ServiceAccount",
         "metadata": {"name": format!("{r}-kcsi"), "annotations": {"meta.helm.sh/release-name": r, "meta.helm.sh/release-namespace": ns}}})).await;
     let parents = api(client, ns, &hr());
-    common::wait::eventually(&format!("custody of {r}"), Duration::from_secs(30), || async {
-        let p = parents.get(r).await.map_err(|e| e.to_string())?;
-        if p.metadata.finalizers.unwrap_or_default().iter().any(|f| f == "volumes.cozystack.io/release") { Ok(()) } else { Err("no custody".into()) }
-    })
+    common::wait::eventually(
+        &format!("custody of {r}"),
+        Duration::from_secs(30),
+        || async {
+            let p = parents.get(r).await.map_err(|e| e.to_string())?;
+            if p.metadata
+                .finalizers
+                .unwrap_or_default()
+                .iter()
+                .any(|f| f == "volumes.cozystack.io/release")
+            {
+                Ok(())
+            } else {
+                Err("no custody".into())
+            }
+        },
+    )
     .await;
-    parents.delete(r, &DeleteParams::default()).await.expect("delete the parent: in custody, allowed without the gate");
+    parents
+        .delete(r, &DeleteParams::default())
+        .await
+        .expect("delete the parent: in custody, allowed without the gate");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_guarded_ones_are_refused() {
+async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_guarded_ones_are_refused()
+ {
     let env = env();
     let client = env.cp.management_client().await;
     let t = Tenant::create(env.cp, &env.cp.unique("daily")).await;
@@ -134,23 +205,64 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
     let before = gate_requests().await;
     for i in 0..100 {
         let ops: [(&Api<DynamicObject>, &str, Value); 10] = [
-            (&system, "cozy-cilium", json!({"spec": {"interval": format!("{}m", 5 + i % 3)}})),
-            (&system, "cozy-cilium", json!({"metadata": {"annotations": {"reconcile.fluxcd.io/requestedAt": format!("t{i}")}}})),
-            (&system, "cozy-cilium", json!({"metadata": {"labels": {"rollout": format!("r{i}")}}})),
+            (
+                &system,
+                "cozy-cilium",
+                json!({"spec": {"interval": format!("{}m", 5 + i % 3)}}),
+            ),
+            (
+                &system,
+                "cozy-cilium",
+                json!({"metadata": {"annotations": {"reconcile.fluxcd.io/requestedAt": format!("t{i}")}}}),
+            ),
+            (
+                &system,
+                "cozy-cilium",
+                json!({"metadata": {"labels": {"rollout": format!("r{i}")}}}),
+            ),
             (&releases, &r, json!({"spec": {"values": {"replicas": i}}})),
-            (&releases, &r, json!({"metadata": {"annotations": {"reconcile.fluxcd.io/requestedAt": format!("t{i}")}}})),
-            (&releases, &format!("{r}-cilium"), json!({"spec": {"values": {"i": i}}})),
-            (&releases, &format!("{r}-coredns"), json!({"spec": {"suspend": i % 2 == 0}})),
-            (&machines, "md-0-abcde", json!({"metadata": {"labels": {"node-role": format!("w{i}")}}})),
-            (&machines, "md-0-abcde", json!({"metadata": {"annotations": {"cluster.x-k8s.io/paused": format!("{}", i % 2 == 0)}}})),
-            (&machines, "md-0-abcde", json!({"metadata": {"finalizers": if i % 2 == 0 { json!(["machine.cluster.x-k8s.io"]) } else { json!(null) }}})),
+            (
+                &releases,
+                &r,
+                json!({"metadata": {"annotations": {"reconcile.fluxcd.io/requestedAt": format!("t{i}")}}}),
+            ),
+            (
+                &releases,
+                &format!("{r}-cilium"),
+                json!({"spec": {"values": {"i": i}}}),
+            ),
+            (
+                &releases,
+                &format!("{r}-coredns"),
+                json!({"spec": {"suspend": i % 2 == 0}}),
+            ),
+            (
+                &machines,
+                "md-0-abcde",
+                json!({"metadata": {"labels": {"node-role": format!("w{i}")}}}),
+            ),
+            (
+                &machines,
+                "md-0-abcde",
+                json!({"metadata": {"annotations": {"cluster.x-k8s.io/paused": format!("{}", i % 2 == 0)}}}),
+            ),
+            (
+                &machines,
+                "md-0-abcde",
+                json!({"metadata": {"finalizers": if i % 2 == 0 { json!(["machine.cluster.x-k8s.io"]) } else { json!(null) }}}),
+            ),
         ];
         for (api, name, patch) in ops {
-            api.patch(name, &pp, &merge(patch.clone())).await.unwrap_or_else(|e| panic!("everyday {name} {patch}: {e}"));
+            api.patch(name, &pp, &merge(patch.clone()))
+                .await
+                .unwrap_or_else(|e| panic!("everyday {name} {patch}: {e}"));
         }
     }
     let after = gate_requests().await;
-    eprintln!("1000 everyday operations: {} admission requests reached the gate", after - before);
+    eprintln!(
+        "1000 everyday operations: {} admission requests reached the gate",
+        after - before
+    );
     assert_eq!(after - before, 0, "everyday operations reached the gate");
 
     // A tenant in teardown, not done, for the guarded operations below.
@@ -204,13 +316,30 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
                 .map(drop)
         }),
     ];
-    let failed: Vec<String> = everyday.iter().filter_map(|(what, r)| r.as_ref().err().map(|e| format!("{what}: {e}"))).collect();
-    assert!(failed.is_empty(), "everyday operations refused while the gate is down:\n{}", failed.join("\n"));
+    let failed: Vec<String> = everyday
+        .iter()
+        .filter_map(|(what, r)| r.as_ref().err().map(|e| format!("{what}: {e}")))
+        .collect();
+    assert!(
+        failed.is_empty(),
+        "everyday operations refused while the gate is down:\n{}",
+        failed.join("\n")
+    );
 
     // Every guarded operation is refused.
-    let annotate = |k: &str, v: &str| merge(json!({"metadata": {"annotations": {format!("volumes.cozystack.io/{k}"): v}}}));
-    let custody_removed: Vec<String> =
-        t.parent().await.unwrap().metadata.finalizers.unwrap_or_default().into_iter().filter(|f| f != "volumes.cozystack.io/release").collect();
+    let annotate = |k: &str, v: &str| {
+        merge(json!({"metadata": {"annotations": {format!("volumes.cozystack.io/{k}"): v}}}))
+    };
+    let custody_removed: Vec<String> = t
+        .parent()
+        .await
+        .unwrap()
+        .metadata
+        .finalizers
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|f| f != "volumes.cozystack.io/release")
+        .collect();
     let leaving = |ar: &ApiResource| api(&client, ns2, ar);
     let guarded: Vec<(&str, Result<(), kube::Error>)> = vec![
         ("CSI release: delete", releases.delete(&format!("{r}-csi"), &DeleteParams::default()).await.map(drop)),
@@ -246,9 +375,18 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
     let mut let_through = Vec::new();
     for (what, result) in &guarded {
         match result {
-            Err(kube::Error::Api(s)) if s.message.contains("failed calling webhook") && s.message.contains("volume-gate") => {}
-            other => let_through.push(format!("{what}: {:?}", other.as_ref().map_err(|e| e.to_string()))),
+            Err(kube::Error::Api(s))
+                if s.message.contains("failed calling webhook")
+                    && s.message.contains("volume-gate") => {}
+            other => let_through.push(format!(
+                "{what}: {:?}",
+                other.as_ref().map_err(|e| e.to_string())
+            )),
         }
     }
-    assert!(let_through.is_empty(), "guarded operations not refused while the gate is down:\n{}", let_through.join("\n"));
+    assert!(
+        let_through.is_empty(),
+        "guarded operations not refused while the gate is down:\n{}",
+        let_through.join("\n")
+    );
 }

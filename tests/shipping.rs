@@ -16,7 +16,10 @@ use serde_json::{Value, json};
 fn key(doc: &Value) -> (String, String, String) {
     (
         doc["kind"].as_str().unwrap_or("").to_string(),
-        doc["metadata"]["namespace"].as_str().unwrap_or("").to_string(),
+        doc["metadata"]["namespace"]
+            .as_str()
+            .unwrap_or("")
+            .to_string(),
         doc["metadata"]["name"].as_str().unwrap_or("").to_string(),
     )
 }
@@ -24,22 +27,44 @@ fn key(doc: &Value) -> (String, String, String) {
 /// `kubectl kustomize DIR` with the harness's kubectl, parsed.
 fn render(dir: &str) -> BTreeMap<(String, String, String), Value> {
     let cp = control_plane();
-    let out = Command::new(&cp.harness).args(["kubectl", "kustomize"]).arg(repo_root().join(dir)).output().expect("kubectl kustomize");
-    assert!(out.status.success(), "kustomize {dir}: {}", String::from_utf8_lossy(&out.stderr));
-    let docs: Vec<Value> = serde_saphyr::from_multiple(&String::from_utf8(out.stdout).unwrap()).expect("rendered YAML");
-    docs.into_iter().filter(|d| !d.is_null()).map(|d| (key(&d), d)).collect()
+    let out = Command::new(&cp.harness)
+        .args(["kubectl", "kustomize"])
+        .arg(repo_root().join(dir))
+        .output()
+        .expect("kubectl kustomize");
+    assert!(
+        out.status.success(),
+        "kustomize {dir}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let docs: Vec<Value> = serde_saphyr::from_multiple(&String::from_utf8(out.stdout).unwrap())
+        .expect("rendered YAML");
+    docs.into_iter()
+        .filter(|d| !d.is_null())
+        .map(|d| (key(&d), d))
+        .collect()
 }
 
 #[test]
 fn the_kustomize_base_renders_exactly_the_documents_the_tests_install() {
     let rendered = render("manifests");
-    let shipped: BTreeMap<_, _> = common::manifests::base_documents().into_iter().map(|d| (key(&d), d)).collect();
-    assert_eq!(rendered.keys().collect::<Vec<_>>(), shipped.keys().collect::<Vec<_>>(), "same objects");
+    let shipped: BTreeMap<_, _> = common::manifests::base_documents()
+        .into_iter()
+        .map(|d| (key(&d), d))
+        .collect();
+    assert_eq!(
+        rendered.keys().collect::<Vec<_>>(),
+        shipped.keys().collect::<Vec<_>>(),
+        "same objects"
+    );
     for (k, doc) in &shipped {
         let mut expected = doc.clone();
         // The base's only transform: the image name and tag.
         if k.0 == "Deployment" {
-            for c in expected["spec"]["template"]["spec"]["containers"].as_array_mut().unwrap() {
+            for c in expected["spec"]["template"]["spec"]["containers"]
+                .as_array_mut()
+                .unwrap()
+            {
                 assert_eq!(c["image"], "volume-gate");
                 c["image"] = json!("ghcr.io/cozystack/volume-gate:0.1.0");
             }
@@ -51,31 +76,68 @@ fn the_kustomize_base_renders_exactly_the_documents_the_tests_install() {
 #[test]
 fn the_cert_manager_overlay_injects_the_ca_into_both_webhook_configurations() {
     let rendered = render("manifests/overlays/cert-manager");
-    for kind in ["ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"] {
+    for kind in [
+        "ValidatingWebhookConfiguration",
+        "MutatingWebhookConfiguration",
+    ] {
         let doc = &rendered[&(kind.to_string(), String::new(), "volume-gate".to_string())];
-        assert_eq!(doc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"], "volume-gate/volume-gate-webhook", "{kind}");
+        assert_eq!(
+            doc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+            "volume-gate/volume-gate-webhook",
+            "{kind}"
+        );
     }
-    let cert = &rendered[&("Certificate".to_string(), "volume-gate".to_string(), "volume-gate-webhook".to_string())];
-    assert_eq!(cert["spec"]["secretName"], "volume-gate-webhook-tls", "the Secret the webhook Deployment mounts");
+    let cert = &rendered[&(
+        "Certificate".to_string(),
+        "volume-gate".to_string(),
+        "volume-gate-webhook".to_string(),
+    )];
+    assert_eq!(
+        cert["spec"]["secretName"], "volume-gate-webhook-tls",
+        "the Secret the webhook Deployment mounts"
+    );
 }
 
 #[test]
 fn every_deployment_argument_is_a_flag_the_binary_has() {
-    for doc in common::manifests::base_documents().iter().filter(|d| d["kind"] == "Deployment") {
+    for doc in common::manifests::base_documents()
+        .iter()
+        .filter(|d| d["kind"] == "Deployment")
+    {
         let c = &doc["spec"]["template"]["spec"]["containers"][0];
-        let args: Vec<String> = c["args"].as_array().unwrap().iter().map(|a| a.as_str().unwrap().to_string()).collect();
-        let help = Command::new(binary()).arg(&args[0]).arg("--help").output().unwrap();
+        let args: Vec<String> = c["args"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string())
+            .collect();
+        let help = Command::new(binary())
+            .arg(&args[0])
+            .arg("--help")
+            .output()
+            .unwrap();
         let help = String::from_utf8(help.stdout).unwrap();
         for a in &args[1..] {
             let flag = a.split('=').next().unwrap();
-            assert!(help.contains(flag), "{} passes {flag}, which `volume-gate {} --help` does not list", key(doc).2, args[0]);
+            assert!(
+                help.contains(flag),
+                "{} passes {flag}, which `volume-gate {} --help` does not list",
+                key(doc).2,
+                args[0]
+            );
         }
         let sc = &c["securityContext"];
         assert_eq!(sc["readOnlyRootFilesystem"], true);
         assert_eq!(sc["allowPrivilegeEscalation"], false);
-        assert_eq!(doc["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"], true);
+        assert_eq!(
+            doc["spec"]["template"]["spec"]["securityContext"]["runAsNonRoot"],
+            true
+        );
         for probe in ["livenessProbe", "readinessProbe"] {
-            assert_eq!(c[probe]["httpGet"]["port"], "admin", "{probe} on the admin port");
+            assert_eq!(
+                c[probe]["httpGet"]["port"], "admin",
+                "{probe} on the admin port"
+            );
         }
     }
 }
@@ -88,7 +150,11 @@ fn every_rbac_rule_is_justified_by_a_comment() {
         for (i, line) in lines.iter().enumerate() {
             if line.trim_start().starts_with("- apiGroups:") && i > 0 {
                 let prev = lines[i - 1].trim_start();
-                assert!(prev.starts_with('#'), "{file}:{}: rule without a justifying comment above it", i + 1);
+                assert!(
+                    prev.starts_with('#'),
+                    "{file}:{}: rule without a justifying comment above it",
+                    i + 1
+                );
             }
         }
     }
@@ -100,11 +166,23 @@ fn the_dockerfile_is_multi_stage_locked_and_non_root() {
     let froms: Vec<&str> = text.lines().filter(|l| l.starts_with("FROM ")).collect();
     assert_eq!(froms.len(), 2, "a build stage and a runtime stage");
     for f in &froms {
-        assert!(!f.contains(":latest") && f.split_whitespace().nth(1).unwrap().contains(':'), "pinned base: {f}");
+        assert!(
+            !f.contains(":latest") && f.split_whitespace().nth(1).unwrap().contains(':'),
+            "pinned base: {f}"
+        );
     }
-    assert!(text.contains("cargo build --release --locked"), "locked release build");
-    let user = text.lines().rfind(|l| l.starts_with("USER ")).expect("a USER line");
-    assert!(!user.contains("root") && !user.contains(" 0"), "runs as non-root: {user}");
+    assert!(
+        text.contains("cargo build --release --locked"),
+        "locked release build"
+    );
+    let user = text
+        .lines()
+        .rfind(|l| l.starts_with("USER "))
+        .expect("a USER line");
+    assert!(
+        !user.contains("root") && !user.contains(" 0"),
+        "runs as non-root: {user}"
+    );
     assert!(text.contains("ENTRYPOINT [\"/usr/local/bin/volume-gate\"]"));
 }
 
@@ -114,11 +192,18 @@ async fn the_certificate_script_installs_then_rotates_without_changing_the_ca_bu
     let _serial = common::serial();
     let cp = control_plane();
     let client = cp.management_client().await;
-    for doc in common::manifests::base_documents().iter().filter(|d| !common::manifests::is_workload(d)) {
+    for doc in common::manifests::base_documents()
+        .iter()
+        .filter(|d| !common::manifests::is_workload(d))
+    {
         common::manifests::apply(&client, doc).await;
     }
     let dir = cp.state.join("script-certs");
-    let kubectl = format!("{} kubectl --kubeconfig {}", cp.harness.display(), cp.management.kubeconfig.display());
+    let kubectl = format!(
+        "{} kubectl --kubeconfig {}",
+        cp.harness.display(),
+        cp.management.kubeconfig.display()
+    );
     let run = || {
         let out = Command::new("bash")
             .arg(repo_root().join("certs-scripts/install-certs.sh"))
@@ -133,36 +218,89 @@ async fn the_certificate_script_installs_then_rotates_without_changing_the_ca_bu
     };
     let first = run();
     assert!(first.contains("generating a new CA"), "{first}");
-    let ca = std::fs::read_to_string(dir.join("ca-bundle.b64")).unwrap().trim().to_string();
+    let ca = std::fs::read_to_string(dir.join("ca-bundle.b64"))
+        .unwrap()
+        .trim()
+        .to_string();
     let leaf1 = std::fs::read(dir.join("tls.crt")).unwrap();
     let hooks = |kind: &'static str| {
         let client = client.clone();
         async move {
-            let ar = kube::discovery::pinned_kind(&client, &kube::core::GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", kind))
+            let ar = kube::discovery::pinned_kind(
+                &client,
+                &kube::core::GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", kind),
+            )
+            .await
+            .unwrap()
+            .0;
+            let cfg = Api::<DynamicObject>::all_with(client, &ar)
+                .get("volume-gate")
                 .await
+                .unwrap();
+            cfg.data["webhooks"]
+                .as_array()
                 .unwrap()
-                .0;
-            let cfg = Api::<DynamicObject>::all_with(client, &ar).get("volume-gate").await.unwrap();
-            cfg.data["webhooks"].as_array().unwrap().iter().map(|w| w["clientConfig"]["caBundle"].as_str().unwrap_or("").to_string()).collect::<Vec<_>>()
+                .iter()
+                .map(|w| {
+                    w["clientConfig"]["caBundle"]
+                        .as_str()
+                        .unwrap_or("")
+                        .to_string()
+                })
+                .collect::<Vec<_>>()
         }
     };
-    for kind in ["ValidatingWebhookConfiguration", "MutatingWebhookConfiguration"] {
+    for kind in [
+        "ValidatingWebhookConfiguration",
+        "MutatingWebhookConfiguration",
+    ] {
         let bundles = hooks(kind).await;
-        assert!(!bundles.is_empty() && bundles.iter().all(|b| *b == ca), "{kind}: every webhook trusts the CA");
+        assert!(
+            !bundles.is_empty() && bundles.iter().all(|b| *b == ca),
+            "{kind}: every webhook trusts the CA"
+        );
     }
-    let secret = Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), "volume-gate").get("volume-gate-webhook-tls").await.unwrap();
-    assert_eq!(secret.data.unwrap()["tls.crt"].0, leaf1, "the Secret holds the serving certificate");
+    let secret =
+        Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), "volume-gate")
+            .get("volume-gate-webhook-tls")
+            .await
+            .unwrap();
+    assert_eq!(
+        secret.data.unwrap()["tls.crt"].0,
+        leaf1,
+        "the Secret holds the serving certificate"
+    );
 
     let second = run();
-    assert!(second.contains("rotating the serving certificate"), "{second}");
-    assert_eq!(std::fs::read_to_string(dir.join("ca-bundle.b64")).unwrap().trim(), ca, "rotation keeps the CA");
+    assert!(
+        second.contains("rotating the serving certificate"),
+        "{second}"
+    );
+    assert_eq!(
+        std::fs::read_to_string(dir.join("ca-bundle.b64"))
+            .unwrap()
+            .trim(),
+        ca,
+        "rotation keeps the CA"
+    );
     let leaf2 = std::fs::read(dir.join("tls.crt")).unwrap();
     assert_ne!(leaf1, leaf2, "a new serving certificate");
-    let secret = Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), "volume-gate").get("volume-gate-webhook-tls").await.unwrap();
+    let secret =
+        Api::<k8s_openapi::api::core::v1::Secret>::namespaced(client.clone(), "volume-gate")
+            .get("volume-gate-webhook-tls")
+            .await
+            .unwrap();
     assert_eq!(secret.data.unwrap()["tls.crt"].0, leaf2);
     // Leave no gate configuration behind that points at nothing.
-    for kind in ["validatingwebhookconfiguration", "mutatingwebhookconfiguration"] {
-        let s = cp.kubectl(&cp.management.kubeconfig).args(["delete", kind, "volume-gate"]).output().unwrap();
+    for kind in [
+        "validatingwebhookconfiguration",
+        "mutatingwebhookconfiguration",
+    ] {
+        let s = cp
+            .kubectl(&cp.management.kubeconfig)
+            .args(["delete", kind, "volume-gate"])
+            .output()
+            .unwrap();
         assert!(s.status.success());
     }
 }
@@ -175,46 +313,91 @@ async fn custody_adopt_and_release_change_only_tenants_not_being_deleted() {
     let ns = cp.unique("custody");
     cp.namespace(&ns).await;
     let client = cp.management_client().await;
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &helmrelease_resource());
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), &ns, &helmrelease_resource());
     for name in ["kubernetes-a", "kubernetes-b"] {
         let mut hr = DynamicObject::new(name, &helmrelease_resource()).within(&ns);
         hr.metadata.labels = Some(
-            [("apps.cozystack.io/application.kind", "Kubernetes"), ("apps.cozystack.io/application.group", "apps.cozystack.io")]
-                .map(|(k, v)| (k.to_string(), v.to_string()))
-                .into(),
+            [
+                ("apps.cozystack.io/application.kind", "Kubernetes"),
+                ("apps.cozystack.io/application.group", "apps.cozystack.io"),
+            ]
+            .map(|(k, v)| (k.to_string(), v.to_string()))
+            .into(),
         );
         hr.metadata.finalizers = Some(vec!["finalizers.fluxcd.io".into()]);
         hr.data = json!({"spec": {}});
         api.create(&PostParams::default(), &hr).await.unwrap();
     }
     // b is being deleted: custody commands leave it to the worker.
-    api.delete("kubernetes-b", &DeleteParams::default()).await.unwrap();
+    api.delete("kubernetes-b", &DeleteParams::default())
+        .await
+        .unwrap();
     let cli = |args: &[&str]| {
-        let out = Command::new(binary()).args(args).env("KUBECONFIG", &cp.management.kubeconfig).output().unwrap();
-        assert!(out.status.success(), "{args:?}: {}", String::from_utf8_lossy(&out.stderr));
+        let out = Command::new(binary())
+            .args(args)
+            .env("KUBECONFIG", &cp.management.kubeconfig)
+            .output()
+            .unwrap();
+        assert!(
+            out.status.success(),
+            "{args:?}: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
         String::from_utf8(out.stdout).unwrap()
     };
     let finalizers = |name: &'static str| {
         let api = api.clone();
-        async move { api.get(name).await.unwrap().metadata.finalizers.unwrap_or_default() }
+        async move {
+            api.get(name)
+                .await
+                .unwrap()
+                .metadata
+                .finalizers
+                .unwrap_or_default()
+        }
     };
     let out = cli(&["custody", "adopt", "-n", &ns]);
-    assert!(out.contains(&format!("{ns}/kubernetes-a: custody taken")) && out.contains("kubernetes-b: being deleted"), "{out}");
-    assert!(finalizers("kubernetes-a").await.contains(&"volumes.cozystack.io/release".to_string()));
-    assert!(!finalizers("kubernetes-b").await.contains(&"volumes.cozystack.io/release".to_string()));
+    assert!(
+        out.contains(&format!("{ns}/kubernetes-a: custody taken"))
+            && out.contains("kubernetes-b: being deleted"),
+        "{out}"
+    );
+    assert!(
+        finalizers("kubernetes-a")
+            .await
+            .contains(&"volumes.cozystack.io/release".to_string())
+    );
+    assert!(
+        !finalizers("kubernetes-b")
+            .await
+            .contains(&"volumes.cozystack.io/release".to_string())
+    );
 
     let status: Value = serde_json::from_str(&cli(&["status", "-n", &ns, "-o", "json"])).unwrap();
     let rows = status.as_array().unwrap();
     assert_eq!(rows.len(), 2);
     assert_eq!(rows[0]["name"], "kubernetes-a");
-    assert_eq!((rows[0]["inCustody"].clone(), rows[0]["phase"].clone()), (json!(true), json!("NotStarted")));
+    assert_eq!(
+        (rows[0]["inCustody"].clone(), rows[0]["phase"].clone()),
+        (json!(true), json!("NotStarted"))
+    );
     assert_eq!(rows[1]["deleting"], true);
     let table = cli(&["status", "-n", &ns]);
-    assert!(table.starts_with("NAMESPACE") && table.contains("kubernetes-a") && table.contains("Deleting"), "{table}");
+    assert!(
+        table.starts_with("NAMESPACE")
+            && table.contains("kubernetes-a")
+            && table.contains("Deleting"),
+        "{table}"
+    );
 
     let out = cli(&["custody", "release", "-n", &ns]);
     assert!(out.contains("custody released"), "{out}");
-    assert_eq!(finalizers("kubernetes-a").await, vec!["finalizers.fluxcd.io".to_string()], "only the custody finalizer went");
+    assert_eq!(
+        finalizers("kubernetes-a").await,
+        vec!["finalizers.fluxcd.io".to_string()],
+        "only the custody finalizer went"
+    );
 }
 
 /// Every quoted name in the webhooks' CEL conditions and objectSelectors, and
@@ -225,8 +408,18 @@ async fn custody_adopt_and_release_change_only_tenants_not_being_deleted() {
 fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
     use volume_gate::profile::Profile;
     let p = Profile::cozystack();
-    let suffix = |pattern: &str| pattern.split_once("{tenant}").map(|(_, s)| s.to_string()).expect("pattern with {tenant}");
-    let kcsi = p.guarded.iter().filter_map(|g| g.name.as_deref()).find(|n| n.ends_with("-kcsi-controller")).expect("kcsi entry");
+    let suffix = |pattern: &str| {
+        pattern
+            .split_once("{tenant}")
+            .map(|(_, s)| s.to_string())
+            .expect("pattern with {tenant}")
+    };
+    let kcsi = p
+        .guarded
+        .iter()
+        .filter_map(|g| g.name.as_deref())
+        .find(|n| n.ends_with("-kcsi-controller"))
+        .expect("kcsi entry");
     let mut profile_names: Vec<String> = vec![
         p.custody_finalizer.clone(),
         p.annotation_prefix.clone(),
@@ -247,19 +440,47 @@ fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
 
     let mut quoted: Vec<String> = Vec::new();
     let mut selector_keys: Vec<String> = Vec::new();
-    for doc in common::manifests::base_documents().iter().filter(|d| common::manifests::is_webhook_configuration(d)) {
+    for doc in common::manifests::base_documents()
+        .iter()
+        .filter(|d| common::manifests::is_webhook_configuration(d))
+    {
         for w in doc["webhooks"].as_array().unwrap() {
             for c in w["matchConditions"].as_array().into_iter().flatten() {
                 let expr = c["expression"].as_str().unwrap();
                 quoted.extend(expr.split('\'').skip(1).step_by(2).map(str::to_string));
             }
             let sel = &w["objectSelector"];
-            selector_keys.extend(sel["matchLabels"].as_object().into_iter().flatten().map(|(k, _)| k.clone()));
-            selector_keys.extend(sel["matchExpressions"].as_array().into_iter().flatten().map(|e| e["key"].as_str().unwrap().to_string()));
+            selector_keys.extend(
+                sel["matchLabels"]
+                    .as_object()
+                    .into_iter()
+                    .flatten()
+                    .map(|(k, _)| k.clone()),
+            );
+            selector_keys.extend(
+                sel["matchExpressions"]
+                    .as_array()
+                    .into_iter()
+                    .flatten()
+                    .map(|e| e["key"].as_str().unwrap().to_string()),
+            );
         }
     }
-    let unknown: Vec<&String> = quoted.iter().chain(&selector_keys).filter(|q| !profile_names.contains(q) && !operations.contains(&q.as_str())).collect();
-    assert!(unknown.is_empty(), "names in the webhook configurations that the profile does not have: {unknown:?}");
-    let unused: Vec<&String> = profile_names.iter().filter(|n| !quoted.contains(n) && !selector_keys.contains(n)).collect();
-    assert!(unused.is_empty(), "profile names no webhook condition or selector uses: {unused:?}");
+    let unknown: Vec<&String> = quoted
+        .iter()
+        .chain(&selector_keys)
+        .filter(|q| !profile_names.contains(q) && !operations.contains(&q.as_str()))
+        .collect();
+    assert!(
+        unknown.is_empty(),
+        "names in the webhook configurations that the profile does not have: {unknown:?}"
+    );
+    let unused: Vec<&String> = profile_names
+        .iter()
+        .filter(|n| !quoted.contains(n) && !selector_keys.contains(n))
+        .collect();
+    assert!(
+        unused.is_empty(),
+        "profile names no webhook condition or selector uses: {unused:?}"
+    );
 }

@@ -30,7 +30,12 @@ fn snapshot_resource() -> ApiResource {
 }
 
 fn content_resource() -> ApiResource {
-    resource(SNAPSHOT_GROUP, "v1", "VolumeSnapshotContent", "volumesnapshotcontents")
+    resource(
+        SNAPSHOT_GROUP,
+        "v1",
+        "VolumeSnapshotContent",
+        "volumesnapshotcontents",
+    )
 }
 
 /// Whether the tenant API serves the snapshot group at all.
@@ -42,16 +47,35 @@ async fn snapshot_api_served(t: &Tenant) -> Result<bool, String> {
 /// Installs the snapshot CRDs in the tenant cluster and waits until the
 /// three resources are served.
 async fn install_snapshot_api(t: &Tenant) {
-    common::manifests::apply_file(&t.api, &repo_root().join("tests/fixtures/crds/tenant-snapshots/snapshot.storage.k8s.io.yaml")).await;
-    eventually("snapshot.storage.k8s.io/v1 served by the tenant API", Duration::from_secs(30), || async {
-        let list = t.api.list_api_group_resources("snapshot.storage.k8s.io/v1").await.map_err(|e| e.to_string())?;
-        let names: Vec<&str> = list.resources.iter().map(|r| r.name.as_str()).collect();
-        if ["volumesnapshots", "volumesnapshotcontents", "volumesnapshotclasses"].iter().all(|n| names.contains(n)) {
-            Ok(())
-        } else {
-            Err(format!("{names:?}"))
-        }
-    })
+    common::manifests::apply_file(
+        &t.api,
+        &repo_root().join("tests/fixtures/crds/tenant-snapshots/snapshot.storage.k8s.io.yaml"),
+    )
+    .await;
+    eventually(
+        "snapshot.storage.k8s.io/v1 served by the tenant API",
+        Duration::from_secs(30),
+        || async {
+            let list = t
+                .api
+                .list_api_group_resources("snapshot.storage.k8s.io/v1")
+                .await
+                .map_err(|e| e.to_string())?;
+            let names: Vec<&str> = list.resources.iter().map(|r| r.name.as_str()).collect();
+            if [
+                "volumesnapshots",
+                "volumesnapshotcontents",
+                "volumesnapshotclasses",
+            ]
+            .iter()
+            .all(|n| names.contains(n))
+            {
+                Ok(())
+            } else {
+                Err(format!("{names:?}"))
+            }
+        },
+    )
     .await;
 }
 
@@ -65,7 +89,10 @@ struct Seen {
 }
 
 /// Watches `ar` in the tenant cluster from now on, recording deletions.
-fn watch_deletions(t: &Tenant, ar: &ApiResource) -> (Arc<Mutex<Seen>>, tokio::task::JoinHandle<()>) {
+fn watch_deletions(
+    t: &Tenant,
+    ar: &ApiResource,
+) -> (Arc<Mutex<Seen>>, tokio::task::JoinHandle<()>) {
     let seen = Arc::new(Mutex::new(Seen::default()));
     let api: Api<DynamicObject> = Api::all_with(t.api.clone(), ar);
     let s = seen.clone();
@@ -92,15 +119,30 @@ fn watch_deletions(t: &Tenant, ar: &ApiResource) -> (Arc<Mutex<Seen>>, tokio::ta
 }
 
 async fn wait_synced(seen: &Arc<Mutex<Seen>>, what: &str) {
-    eventually(&format!("watch on {what} synced"), Duration::from_secs(30), || {
-        let synced = seen.lock().unwrap().synced;
-        async move { if synced { Ok(()) } else { Err("listing".into()) } }
-    })
+    eventually(
+        &format!("watch on {what} synced"),
+        Duration::from_secs(30),
+        || {
+            let synced = seen.lock().unwrap().synced;
+            async move {
+                if synced {
+                    Ok(())
+                } else {
+                    Err("listing".into())
+                }
+            }
+        },
+    )
     .await;
 }
 
 /// Records every (phase, message) the parent shows until it is gone.
-fn follow_record(t: &Tenant) -> (Arc<Mutex<Vec<(Option<Phase>, Option<String>)>>>, tokio::task::JoinHandle<()>) {
+fn follow_record(
+    t: &Tenant,
+) -> (
+    Arc<Mutex<Vec<(Option<Phase>, Option<String>)>>>,
+    tokio::task::JoinHandle<()>,
+) {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let (api, name, s) = (t.hr_api(), t.name.clone(), seen.clone());
     let task = tokio::spawn(async move {
@@ -108,7 +150,10 @@ fn follow_record(t: &Tenant) -> (Arc<Mutex<Vec<(Option<Phase>, Option<String>)>>
             match api.get_opt(&name).await {
                 Ok(None) => return,
                 Ok(Some(p)) => {
-                    let r = Record::from_annotations(&Keys::new("volumes.cozystack.io/"), &p.metadata.annotations.unwrap_or_default());
+                    let r = Record::from_annotations(
+                        &Keys::new("volumes.cozystack.io/"),
+                        &p.metadata.annotations.unwrap_or_default(),
+                    );
                     let entry = (r.phase, r.message);
                     let mut seen = s.lock().unwrap();
                     if seen.last() != Some(&entry) {
@@ -124,12 +169,14 @@ fn follow_record(t: &Tenant) -> (Arc<Mutex<Vec<(Option<Phase>, Option<String>)>>
 }
 
 fn storage_record(env: &common::Env, file: &str) -> Value {
-    let text = std::fs::read_to_string(env.sim.storage.join(file)).unwrap_or_else(|e| panic!("read {file}: {e}"));
+    let text = std::fs::read_to_string(env.sim.storage.join(file))
+        .unwrap_or_else(|e| panic!("read {file}: {e}"));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("parse {file}: {e}"))
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_tenants_volume_snapshot_is_deleted_by_the_worker_and_storage_keeps_nothing_of_the_tenant() {
+async fn a_tenants_volume_snapshot_is_deleted_by_the_worker_and_storage_keeps_nothing_of_the_tenant()
+ {
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("snap")).await;
     t.wait_custody().await;
@@ -148,36 +195,81 @@ async fn a_tenants_volume_snapshot_is_deleted_by_the_worker_and_storage_keeps_no
     let volumes = env.sim.volumes_of(&t.namespace, &t.name);
     assert_eq!(volumes.len(), 1, "one volume provisioned: {volumes:?}");
 
-    let snapshots: Api<DynamicObject> = Api::namespaced_with(t.api.clone(), "apps", &snapshot_resource());
+    let snapshots: Api<DynamicObject> =
+        Api::namespaced_with(t.api.clone(), "apps", &snapshot_resource());
     let mut vs = DynamicObject::new("data-snap", &snapshot_resource()).within("apps");
     vs.data = json!({"spec": {"volumeSnapshotClassName": "sim-snapshots", "source": {"persistentVolumeClaimName": "data"}}});
-    let vs = snapshots.create(&PostParams::default(), &vs).await.expect("create VolumeSnapshot");
+    let vs = snapshots
+        .create(&PostParams::default(), &vs)
+        .await
+        .expect("create VolumeSnapshot");
     let uid = vs.metadata.uid.clone().expect("uid");
 
     // The driver takes it: ready, bound to a content, recorded on storage.
-    let content_name = eventually("VolumeSnapshot ready and bound", Duration::from_secs(90), || {
-        let snapshots = snapshots.clone();
-        async move {
-            let vs = snapshots.get("data-snap").await.map_err(|e| e.to_string())?;
-            let ready = vs.data.pointer("/status/readyToUse").and_then(Value::as_bool) == Some(true);
-            match vs.data.pointer("/status/boundVolumeSnapshotContentName").and_then(Value::as_str) {
-                Some(c) if ready => Ok(c.to_string()),
-                _ => Err(format!("status {:?}", vs.data.get("status"))),
+    let content_name = eventually(
+        "VolumeSnapshot ready and bound",
+        Duration::from_secs(90),
+        || {
+            let snapshots = snapshots.clone();
+            async move {
+                let vs = snapshots
+                    .get("data-snap")
+                    .await
+                    .map_err(|e| e.to_string())?;
+                let ready = vs
+                    .data
+                    .pointer("/status/readyToUse")
+                    .and_then(Value::as_bool)
+                    == Some(true);
+                match vs
+                    .data
+                    .pointer("/status/boundVolumeSnapshotContentName")
+                    .and_then(Value::as_str)
+                {
+                    Some(c) if ready => Ok(c.to_string()),
+                    _ => Err(format!("status {:?}", vs.data.get("status"))),
+                }
             }
-        }
-    })
+        },
+    )
     .await;
     let snap_file = format!("{}.{}.snap-{uid}", t.namespace, t.name);
     let on_storage = env.sim.volumes_of(&t.namespace, &t.name);
-    assert!(on_storage.contains(&snap_file), "the snapshot is on storage as {snap_file}: {on_storage:?}");
-    assert_eq!(on_storage.len(), 2, "one volume and one snapshot: {on_storage:?}");
+    assert!(
+        on_storage.contains(&snap_file),
+        "the snapshot is on storage as {snap_file}: {on_storage:?}"
+    );
+    assert_eq!(
+        on_storage.len(),
+        2,
+        "one volume and one snapshot: {on_storage:?}"
+    );
     let rec = storage_record(env, &snap_file);
     assert_eq!(rec["kind"], "snapshot");
-    assert_eq!(rec["sourceVolumeHandle"], json!(volumes[0]), "taken of the tenant's volume");
+    assert_eq!(
+        rec["sourceVolumeHandle"],
+        json!(volumes[0]),
+        "taken of the tenant's volume"
+    );
     let contents: Api<DynamicObject> = Api::all_with(t.api.clone(), &content_resource());
-    let content = contents.get(&content_name).await.expect("VolumeSnapshotContent");
-    assert_eq!(content.data.pointer("/spec/deletionPolicy").and_then(Value::as_str), Some("Delete"));
-    assert_eq!(content.data.pointer("/status/snapshotHandle").and_then(Value::as_str), Some(snap_file.as_str()));
+    let content = contents
+        .get(&content_name)
+        .await
+        .expect("VolumeSnapshotContent");
+    assert_eq!(
+        content
+            .data
+            .pointer("/spec/deletionPolicy")
+            .and_then(Value::as_str),
+        Some("Delete")
+    );
+    assert_eq!(
+        content
+            .data
+            .pointer("/status/snapshotHandle")
+            .and_then(Value::as_str),
+        Some(snap_file.as_str())
+    );
 
     // Watch the snapshot API through the teardown: the tenant API server is
     // stopped at its end, so what happened to them must be seen as it happens.
@@ -195,31 +287,68 @@ async fn a_tenants_volume_snapshot_is_deleted_by_the_worker_and_storage_keeps_no
     // and Flux never touch the tenant cluster's objects), and it had to be
     // done while the driver was still there to free the snapshot.
     let vs_seen = vs_seen.lock().unwrap();
-    assert!(vs_seen.terminating.iter().any(|n| n == "data-snap"), "the VolumeSnapshot was deleted: {vs_seen:?}");
-    assert!(vs_seen.deleted.iter().any(|n| n == "data-snap"), "and went: {vs_seen:?}");
+    assert!(
+        vs_seen.terminating.iter().any(|n| n == "data-snap"),
+        "the VolumeSnapshot was deleted: {vs_seen:?}"
+    );
+    assert!(
+        vs_seen.deleted.iter().any(|n| n == "data-snap"),
+        "and went: {vs_seen:?}"
+    );
     let vsc_seen = vsc_seen.lock().unwrap();
-    assert!(vsc_seen.deleted.contains(&content_name), "its content {content_name} went: {vsc_seen:?}");
+    assert!(
+        vsc_seen.deleted.contains(&content_name),
+        "its content {content_name} went: {vsc_seen:?}"
+    );
 
     let log = env.sim.log();
     let tenant_key = format!(" {}/{} ", t.namespace, t.name);
     let ours: Vec<&str> = log.lines().filter(|l| l.contains(&tenant_key)).collect();
     let freed = ours
         .iter()
-        .position(|l| l.contains(" deleted ") && l.contains(&format!("snapshot {snap_file} (content {content_name})")))
-        .unwrap_or_else(|| panic!("the driver freed the snapshot on storage:\n{}", ours.join("\n")));
-    let deactivated = ours.iter().position(|l| l.contains(" deactivated ")).unwrap_or(usize::MAX);
-    assert!(freed < deactivated, "the snapshot was freed before the driver went:\n{}", ours.join("\n"));
+        .position(|l| {
+            l.contains(" deleted ")
+                && l.contains(&format!("snapshot {snap_file} (content {content_name})"))
+        })
+        .unwrap_or_else(|| {
+            panic!(
+                "the driver freed the snapshot on storage:\n{}",
+                ours.join("\n")
+            )
+        });
+    let deactivated = ours
+        .iter()
+        .position(|l| l.contains(" deactivated "))
+        .unwrap_or(usize::MAX);
+    assert!(
+        freed < deactivated,
+        "the snapshot was freed before the driver went:\n{}",
+        ours.join("\n")
+    );
 
     let events = eventually("Released event", Duration::from_secs(30), || async {
         let ev = t.events().await;
-        if ev.iter().any(|(_, r, _)| r == "Released") { Ok(ev) } else { Err(format!("{ev:?}")) }
+        if ev.iter().any(|(_, r, _)| r == "Released") {
+            Ok(ev)
+        } else {
+            Err(format!("{ev:?}"))
+        }
     })
     .await;
-    assert!(!events.iter().any(|(ty, _, _)| ty == "Warning"), "released without a warning: {events:?}");
+    assert!(
+        !events.iter().any(|(ty, _, _)| ty == "Warning"),
+        "released without a warning: {events:?}"
+    );
 
     let left = env.sim.volumes_of(&t.namespace, &t.name);
-    assert!(!left.contains(&snap_file), "the snapshot was freed: {left:?}");
-    assert!(left.is_empty(), "storage holds nothing of the tenant (no volume, no snapshot): {left:?}");
+    assert!(
+        !left.contains(&snap_file),
+        "the snapshot was freed: {left:?}"
+    );
+    assert!(
+        left.is_empty(),
+        "storage holds nothing of the tenant (no volume, no snapshot): {left:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -227,7 +356,11 @@ async fn a_tenant_without_the_snapshot_api_is_released_and_never_reports_a_snaps
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("nosnap")).await;
     t.wait_custody().await;
-    assert_eq!(snapshot_api_served(&t).await, Ok(false), "this tenant cluster has no snapshot API");
+    assert_eq!(
+        snapshot_api_served(&t).await,
+        Ok(false),
+        "this tenant cluster has no snapshot API"
+    );
     t.tenant_namespace("apps").await;
     t.claim("apps", "data", STORAGE_CLASS).await;
     t.pod("apps", "holder", &["data"]).await;
@@ -240,22 +373,44 @@ async fn a_tenant_without_the_snapshot_api_is_released_and_never_reports_a_snaps
     follower.abort();
 
     let records = records.lock().unwrap().clone();
-    assert!(records.iter().any(|(p, _)| p.is_some()), "the record was followed: {records:?}");
-    assert!(!records.iter().any(|(p, _)| *p == Some(Phase::Blocked)), "never Blocked: {records:?}");
+    assert!(
+        records.iter().any(|(p, _)| p.is_some()),
+        "the record was followed: {records:?}"
+    );
+    assert!(
+        !records.iter().any(|(p, _)| *p == Some(Phase::Blocked)),
+        "never Blocked: {records:?}"
+    );
     for (_, message) in &records {
         let m = message.as_deref().unwrap_or_default().to_lowercase();
-        assert!(!m.contains("snapshot"), "the record mentions snapshots: {message:?}");
+        assert!(
+            !m.contains("snapshot"),
+            "the record mentions snapshots: {message:?}"
+        );
     }
 
     let events = eventually("Released event", Duration::from_secs(30), || async {
         let ev = t.events().await;
-        if ev.iter().any(|(_, r, _)| r == "Released") { Ok(ev) } else { Err(format!("{ev:?}")) }
+        if ev.iter().any(|(_, r, _)| r == "Released") {
+            Ok(ev)
+        } else {
+            Err(format!("{ev:?}"))
+        }
     })
     .await;
-    assert!(!events.iter().any(|(ty, _, _)| ty == "Warning"), "no Warning: {events:?}");
+    assert!(
+        !events.iter().any(|(ty, _, _)| ty == "Warning"),
+        "no Warning: {events:?}"
+    );
     for (_, reason, note) in &events {
-        assert!(!note.to_lowercase().contains("snapshot"), "event {reason} mentions snapshots: {note}");
+        assert!(
+            !note.to_lowercase().contains("snapshot"),
+            "event {reason} mentions snapshots: {note}"
+        );
     }
     let left = env.sim.volumes_of(&t.namespace, &t.name);
-    assert!(left.is_empty(), "storage holds nothing of the tenant: {left:?}");
+    assert!(
+        left.is_empty(),
+        "storage holds nothing of the tenant: {left:?}"
+    );
 }

@@ -70,7 +70,12 @@ impl Webhook {
         let config = kube::Config::new(UNREACHABLE_API.parse().unwrap());
         let client = kube::Client::try_from(config).unwrap();
         let metrics = Metrics::new();
-        let gate = Arc::new(Gate::new(Profile::cozystack(), WORKER.to_string(), client, metrics.clone()));
+        let gate = Arc::new(Gate::new(
+            Profile::cozystack(),
+            WORKER.to_string(),
+            client,
+            metrics.clone(),
+        ));
 
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
         let addr = listener.local_addr().unwrap();
@@ -81,7 +86,14 @@ impl Webhook {
             router(gate, DEFAULT_MAX_BODY_BYTES),
             shutdown.clone(),
         ));
-        Self { addr, ca_pem: bundle.ca.cert, metrics, shutdown, task, _dir: dir }
+        Self {
+            addr,
+            ca_pem: bundle.ca.cert,
+            metrics,
+            shutdown,
+            task,
+            _dir: dir,
+        }
     }
 
     async fn h2(&self) -> Client {
@@ -113,12 +125,15 @@ impl Webhook {
 /// Trusts only `ca_pem`; offers exactly `alpn`.
 fn connector(ca_pem: &str, alpn: &[u8]) -> TlsConnector {
     let mut roots = RootCertStore::empty();
-    roots.add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap()).unwrap();
-    let mut config = ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    roots
+        .add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap())
+        .unwrap();
+    let mut config =
+        ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
     config.alpn_protocols = vec![alpn.to_vec()];
     config.resumption = Resumption::disabled();
     TlsConnector::from(Arc::new(config))
@@ -146,13 +161,23 @@ impl Answer {
     /// The body as JSON, checked to be a well-formed AdmissionReview v1 response.
     fn review(&self) -> Value {
         assert_eq!(self.content_type, "application/json", "{self:?}");
-        let v: Value = serde_json::from_slice(&self.body)
-            .unwrap_or_else(|e| panic!("the answer is not JSON ({e}): {:?}", String::from_utf8_lossy(&self.body)));
+        let v: Value = serde_json::from_slice(&self.body).unwrap_or_else(|e| {
+            panic!(
+                "the answer is not JSON ({e}): {:?}",
+                String::from_utf8_lossy(&self.body)
+            )
+        });
         assert_eq!(v["apiVersion"], "admission.k8s.io/v1", "{v}");
         assert_eq!(v["kind"], "AdmissionReview", "{v}");
         assert!(v["response"].is_object(), "{v}");
-        assert!(v["response"]["uid"].is_string(), "response.uid must be a string: {v}");
-        assert!(v["response"]["allowed"].is_boolean(), "response.allowed must be a boolean: {v}");
+        assert!(
+            v["response"]["uid"].is_string(),
+            "response.uid must be a string: {v}"
+        );
+        assert!(
+            v["response"]["allowed"].is_boolean(),
+            "response.allowed must be a boolean: {v}"
+        );
         v
     }
 
@@ -171,7 +196,11 @@ impl Client {
             .connect(ServerName::try_from("127.0.0.1").unwrap(), tcp)
             .await
             .expect("a client trusting the generated CA accepts the webhook's certificate");
-        assert_eq!(tls.get_ref().1.alpn_protocol(), Some(alpn), "negotiated protocol");
+        assert_eq!(
+            tls.get_ref().1.alpn_protocol(),
+            Some(alpn),
+            "negotiated protocol"
+        );
         let io = TokioIo::new(tls);
         let sender = if alpn == b"h2" {
             let (sender, conn) = http2::handshake(TokioExecutor::new(), io).await.unwrap();
@@ -188,7 +217,9 @@ impl Client {
     /// Another handle on the same HTTP/2 connection.
     fn stream(&self) -> Self {
         match &self.sender {
-            Sender::H2(s) => Self { sender: Sender::H2(s.clone()) },
+            Sender::H2(s) => Self {
+                sender: Sender::H2(s.clone()),
+            },
             Sender::H1(_) => panic!("HTTP/1.1 connections are not multiplexed"),
         }
     }
@@ -221,16 +252,28 @@ impl Client {
         }
         .unwrap_or_else(|e| panic!("POST {path}: {e:?}"));
         let status = response.status();
-        let content_type =
-            response.headers().get(header::CONTENT_TYPE).map(|v| v.to_str().unwrap().to_string()).unwrap_or_default();
+        let content_type = response
+            .headers()
+            .get(header::CONTENT_TYPE)
+            .map(|v| v.to_str().unwrap().to_string())
+            .unwrap_or_default();
         let body = response.into_body().collect().await.unwrap().to_bytes();
-        Answer { status, content_type, body }
+        Answer {
+            status,
+            content_type,
+            body,
+        }
     }
 
     /// POSTs a review and returns its `response`, asserting HTTP 200.
     async fn review(&mut self, path: &str, review: &Value) -> Value {
         let answer = self.post(path, serde_json::to_vec(review).unwrap()).await;
-        assert_eq!(answer.status, StatusCode::OK, "{}", String::from_utf8_lossy(&answer.body));
+        assert_eq!(
+            answer.status,
+            StatusCode::OK,
+            "{}",
+            String::from_utf8_lossy(&answer.body)
+        );
         answer.response()
     }
 }
@@ -240,7 +283,8 @@ impl Client {
 // ---------------------------------------------------------------------------
 
 fn helmrelease(name: &str, labels: Value, annotations: Value, finalizers: &[&str]) -> Value {
-    let mut metadata = json!({"name": name, "namespace": NAMESPACE, "labels": labels, "annotations": annotations});
+    let mut metadata =
+        json!({"name": name, "namespace": NAMESPACE, "labels": labels, "annotations": annotations});
     if !finalizers.is_empty() {
         metadata["finalizers"] = json!(finalizers);
     }
@@ -305,12 +349,27 @@ fn request_for(
 fn title(operation: &str) -> String {
     let lower = operation.to_lowercase();
     let mut chars = lower.chars();
-    chars.next().map(|c| c.to_uppercase().chain(chars).collect()).unwrap_or_default()
+    chars
+        .next()
+        .map(|c| c.to_uppercase().chain(chars).collect())
+        .unwrap_or_default()
 }
 
-const HELMRELEASE: (&str, &str, &str, &str) = ("helm.toolkit.fluxcd.io", "v2", "HelmRelease", "helmreleases");
+const HELMRELEASE: (&str, &str, &str, &str) = (
+    "helm.toolkit.fluxcd.io",
+    "v2",
+    "HelmRelease",
+    "helmreleases",
+);
 
-fn hr_request(uid: &str, operation: &str, name: &str, user: &str, object: Option<Value>, old: Option<Value>) -> Value {
+fn hr_request(
+    uid: &str,
+    operation: &str,
+    name: &str,
+    user: &str,
+    object: Option<Value>,
+    old: Option<Value>,
+) -> Value {
     request_for(uid, HELMRELEASE, operation, name, user, object, old, false)
 }
 
@@ -321,42 +380,93 @@ fn review(request: Value) -> Value {
 /// DELETE of the parent as the API server sends it (oldObject, no object).
 fn parent_delete(uid: &str, finalizers: &[&str], dry_run: bool) -> Value {
     let old = parent(json!({}), finalizers);
-    review(request_for(uid, HELMRELEASE, "DELETE", TENANT, "alice", None, Some(old), dry_run))
+    review(request_for(
+        uid,
+        HELMRELEASE,
+        "DELETE",
+        TENANT,
+        "alice",
+        None,
+        Some(old),
+        dry_run,
+    ))
 }
 
 /// DELETE of the tenant's CSI driver release.
 fn csi_delete(uid: &str, dry_run: bool) -> Value {
     let name = format!("{TENANT}-csi");
-    let old = helmrelease(&name, json!({"cozystack.io/target-cluster-name": TENANT}), json!({}), &[]);
-    review(request_for(uid, HELMRELEASE, "DELETE", &name, "alice", None, Some(old), dry_run))
+    let old = helmrelease(
+        &name,
+        json!({"cozystack.io/target-cluster-name": TENANT}),
+        json!({}),
+        &[],
+    );
+    review(request_for(
+        uid,
+        HELMRELEASE,
+        "DELETE",
+        &name,
+        "alice",
+        None,
+        Some(old),
+        dry_run,
+    ))
 }
 
 /// A forged phase on an UPDATE of the parent, by `user`.
 fn forged_phase_update(uid: &str, user: &str) -> Value {
     let old = parent(json!({}), &[FINALIZER]);
-    let new = parent(json!({"volumes.cozystack.io/phase": "Released"}), &[FINALIZER]);
-    review(hr_request(uid, "UPDATE", TENANT, user, Some(new), Some(old)))
+    let new = parent(
+        json!({"volumes.cozystack.io/phase": "Released"}),
+        &[FINALIZER],
+    );
+    review(hr_request(
+        uid,
+        "UPDATE",
+        TENANT,
+        user,
+        Some(new),
+        Some(old),
+    ))
 }
 
 fn parent_create(uid: &str) -> Value {
-    review(hr_request(uid, "CREATE", TENANT, "alice", Some(parent(json!({}), &[])), None))
+    review(hr_request(
+        uid,
+        "CREATE",
+        TENANT,
+        "alice",
+        Some(parent(json!({}), &[])),
+        None,
+    ))
 }
 
 fn decode_patch(response: &Value) -> json_patch::Patch {
     assert_eq!(response["patchType"], "JSONPatch", "{response}");
-    let text = response["patch"].as_str().unwrap_or_else(|| panic!("patch must be a base64 string, got {response}"));
-    let bytes = base64::engine::general_purpose::STANDARD.decode(text).expect("patch is standard base64");
+    let text = response["patch"]
+        .as_str()
+        .unwrap_or_else(|| panic!("patch must be a base64 string, got {response}"));
+    let bytes = base64::engine::general_purpose::STANDARD
+        .decode(text)
+        .expect("patch is standard base64");
     serde_json::from_slice(&bytes).expect("patch decodes to an RFC 6902 JSON Patch")
 }
 
 fn denied(response: &Value) -> &str {
     assert_eq!(response["allowed"], false, "{response}");
-    response["status"]["message"].as_str().unwrap_or_else(|| panic!("a denial carries a message: {response}"))
+    response["status"]["message"]
+        .as_str()
+        .unwrap_or_else(|| panic!("a denial carries a message: {response}"))
 }
 
 fn assert_allowed(response: &Value) {
     assert_eq!(response["allowed"], true, "{response}");
-    assert!(response.get("status").is_none_or(|s| s.get("code").is_none_or(|c| c == 200)), "{response}");
+    assert!(
+        response
+            .get("status")
+            .is_none_or(|s| s.get("code").is_none_or(|c| c == 200)),
+        "{response}"
+    );
 }
 
 // ---------------------------------------------------------------------------
@@ -368,17 +478,34 @@ async fn validate_refuses_a_forged_record_from_a_person_and_accepts_it_from_the_
     let server = Webhook::start().await;
     let mut client = server.h2().await;
 
-    let response = client.review("/validate", &forged_phase_update("uid-forged-by-alice", "alice")).await;
+    let response = client
+        .review(
+            "/validate",
+            &forged_phase_update("uid-forged-by-alice", "alice"),
+        )
+        .await;
     assert_eq!(response["uid"], "uid-forged-by-alice");
     let message = denied(&response);
     assert_eq!(response["status"]["code"], 403, "{response}");
-    assert!(message.contains("volumes.cozystack.io/phase"), "the message names the key: {message}");
-    assert!(message.contains("alice"), "the message names the requester: {message}");
+    assert!(
+        message.contains("volumes.cozystack.io/phase"),
+        "the message names the key: {message}"
+    );
+    assert!(
+        message.contains("alice"),
+        "the message names the requester: {message}"
+    );
 
-    let response = client.review("/validate", &forged_phase_update("uid-by-worker", WORKER)).await;
+    let response = client
+        .review("/validate", &forged_phase_update("uid-by-worker", WORKER))
+        .await;
     assert_eq!(response["uid"], "uid-by-worker");
     assert_allowed(&response);
-    assert_eq!(server.api_reads(), 0, "record guards are decided from the request alone");
+    assert_eq!(
+        server.api_reads(),
+        0,
+        "record guards are decided from the request alone"
+    );
     server.stop().await;
 }
 
@@ -387,20 +514,39 @@ async fn delete_of_a_parent_in_custody_is_allowed_without_an_api_read() {
     let server = Webhook::start().await;
     let mut client = server.h2().await;
 
-    let response = client.review("/validate", &parent_delete("uid-in-custody", &[FINALIZER], false)).await;
+    let response = client
+        .review(
+            "/validate",
+            &parent_delete("uid-in-custody", &[FINALIZER], false),
+        )
+        .await;
     assert_eq!(response["uid"], "uid-in-custody");
     assert_allowed(&response);
-    assert_eq!(server.api_reads(), 0, "custody is judged from oldObject, with no read");
+    assert_eq!(
+        server.api_reads(),
+        0,
+        "custody is judged from oldObject, with no read"
+    );
 
-    let response = client.review("/validate", &parent_delete("uid-no-custody", &["other.example.com/keep"], false)).await;
+    let response = client
+        .review(
+            "/validate",
+            &parent_delete("uid-no-custody", &["other.example.com/keep"], false),
+        )
+        .await;
     assert_eq!(response["uid"], "uid-no-custody");
     let message = denied(&response);
     assert_eq!(response["status"]["code"], 403, "{response}");
     assert!(message.contains("not yet in custody"), "{message}");
     assert!(message.contains(FINALIZER), "{message}");
 
-    let response = client.review("/validate", &parent_delete("uid-no-finalizers", &[], false)).await;
-    assert!(denied(&response).contains("not yet in custody"), "{response}");
+    let response = client
+        .review("/validate", &parent_delete("uid-no-finalizers", &[], false))
+        .await;
+    assert!(
+        denied(&response).contains("not yet in custody"),
+        "{response}"
+    );
     assert_eq!(server.api_reads(), 0);
     server.stop().await;
 }
@@ -410,32 +556,72 @@ async fn an_allow_that_needs_a_read_is_refused_when_the_api_server_is_unreachabl
     let server = Webhook::start().await;
     let mut client = server.h2().await;
 
-    let response = client.review("/validate", &csi_delete("uid-csi", false)).await;
+    let response = client
+        .review("/validate", &csi_delete("uid-csi", false))
+        .await;
     assert_eq!(response["uid"], "uid-csi");
     let message = denied(&response);
-    assert!(message.contains(&format!("cannot read tenant {NAMESPACE}/{TENANT}")), "{message}");
-    assert!(message.contains(&format!("{TENANT}-csi")), "the message names the object: {message}");
+    assert!(
+        message.contains(&format!("cannot read tenant {NAMESPACE}/{TENANT}")),
+        "{message}"
+    );
+    assert!(
+        message.contains(&format!("{TENANT}-csi")),
+        "the message names the object: {message}"
+    );
     assert!(server.api_reads() >= 1, "the decision tried a read");
 
     // A child release (addons are toggled by deleting them: allowed only when
     // not in teardown, which takes a fresh read) and guarded dependencies.
-    let child = helmrelease(&format!("{TENANT}-monitoring-agents"), json!({"cozystack.io/target-cluster-name": TENANT}), json!({}), &[]);
+    let child = helmrelease(
+        &format!("{TENANT}-monitoring-agents"),
+        json!({"cozystack.io/target-cluster-name": TENANT}),
+        json!({}),
+        &[],
+    );
     let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": format!("{TENANT}-admin-kubeconfig"), "namespace": NAMESPACE}});
     let machine = json!({"apiVersion": "cluster.x-k8s.io/v1beta1", "kind": "Machine",
         "metadata": {"name": "kubernetes-x-md0-abcde", "namespace": NAMESPACE, "labels": {"cluster.x-k8s.io/cluster-name": TENANT}}});
     let cases = [
-        ("uid-child", HELMRELEASE, format!("{TENANT}-monitoring-agents"), child),
-        ("uid-secret", ("", "v1", "Secret", "secrets"), format!("{TENANT}-admin-kubeconfig"), secret),
-        ("uid-machine", ("cluster.x-k8s.io", "v1beta1", "Machine", "machines"), "kubernetes-x-md0-abcde".to_string(), machine),
+        (
+            "uid-child",
+            HELMRELEASE,
+            format!("{TENANT}-monitoring-agents"),
+            child,
+        ),
+        (
+            "uid-secret",
+            ("", "v1", "Secret", "secrets"),
+            format!("{TENANT}-admin-kubeconfig"),
+            secret,
+        ),
+        (
+            "uid-machine",
+            ("cluster.x-k8s.io", "v1beta1", "Machine", "machines"),
+            "kubernetes-x-md0-abcde".to_string(),
+            machine,
+        ),
     ];
     for (uid, gvk, name, old) in cases {
         let reads_before = server.api_reads();
-        let request = review(request_for(uid, gvk, "DELETE", &name, "alice", None, Some(old), false));
+        let request = review(request_for(
+            uid,
+            gvk,
+            "DELETE",
+            &name,
+            "alice",
+            None,
+            Some(old),
+            false,
+        ));
         let response = client.review("/validate", &request).await;
         assert_eq!(response["uid"], uid);
         let message = denied(&response);
         assert!(message.contains("cannot read tenant"), "{uid}: {message}");
-        assert!(server.api_reads() > reads_before, "{uid}: the decision tried a read");
+        assert!(
+            server.api_reads() > reads_before,
+            "{uid}: the decision tried a read"
+        );
     }
     server.stop().await;
 }
@@ -449,7 +635,10 @@ async fn mutate_adds_the_custody_finalizer_as_a_base64_json_patch() {
     let response = client.review("/mutate", &request).await;
     assert_eq!(response["uid"], "uid-create");
     assert_allowed(&response);
-    assert!(response["patch"].is_string(), "the patch is a base64 string, not a number array: {response}");
+    assert!(
+        response["patch"].is_string(),
+        "the patch is a base64 string, not a number array: {response}"
+    );
     let patch = decode_patch(&response);
     assert_eq!(
         serde_json::to_value(&patch).unwrap(),
@@ -461,18 +650,38 @@ async fn mutate_adds_the_custody_finalizer_as_a_base64_json_patch() {
     assert_eq!(object["metadata"]["name"], TENANT, "nothing else changed");
 
     // Already in custody: nothing to add, no patch at all.
-    let with = review(hr_request("uid-create-2", "CREATE", TENANT, "alice", Some(parent(json!({}), &[FINALIZER])), None));
+    let with = review(hr_request(
+        "uid-create-2",
+        "CREATE",
+        TENANT,
+        "alice",
+        Some(parent(json!({}), &[FINALIZER])),
+        None,
+    ));
     let response = client.review("/mutate", &with).await;
     assert_allowed(&response);
-    assert!(response.get("patch").is_none() && response.get("patchType").is_none(), "{response}");
+    assert!(
+        response.get("patch").is_none() && response.get("patchType").is_none(),
+        "{response}"
+    );
 
     // Another finalizer present: the custody finalizer is appended.
-    let other = review(hr_request("uid-create-3", "CREATE", TENANT, "alice", Some(parent(json!({}), &["a.example.com/x"])), None));
+    let other = review(hr_request(
+        "uid-create-3",
+        "CREATE",
+        TENANT,
+        "alice",
+        Some(parent(json!({}), &["a.example.com/x"])),
+        None,
+    ));
     let response = client.review("/mutate", &other).await;
     let patch = decode_patch(&response);
     let mut object = other["request"]["object"].clone();
     json_patch::patch(&mut object, &patch).unwrap();
-    assert_eq!(object["metadata"]["finalizers"], json!(["a.example.com/x", FINALIZER]));
+    assert_eq!(
+        object["metadata"]["finalizers"],
+        json!(["a.example.com/x", FINALIZER])
+    );
     assert_eq!(server.api_reads(), 0, "mutation never reads");
     server.stop().await;
 }
@@ -483,8 +692,18 @@ async fn mutate_stamps_an_override_with_the_requester_and_the_time() {
     let mut client = server.h2().await;
 
     let old = parent(json!({}), &[FINALIZER]);
-    let new = parent(json!({"volumes.cozystack.io/override": "customer gone, volumes abandoned"}), &[FINALIZER]);
-    let request = review(hr_request("uid-override", "UPDATE", TENANT, "bob", Some(new.clone()), Some(old)));
+    let new = parent(
+        json!({"volumes.cozystack.io/override": "customer gone, volumes abandoned"}),
+        &[FINALIZER],
+    );
+    let request = review(hr_request(
+        "uid-override",
+        "UPDATE",
+        TENANT,
+        "bob",
+        Some(new.clone()),
+        Some(old),
+    ));
     let before = jiff::Timestamp::now();
     let response = client.review("/mutate", &request).await;
     let after = jiff::Timestamp::now();
@@ -495,16 +714,34 @@ async fn mutate_stamps_an_override_with_the_requester_and_the_time() {
     let mut object = new.clone();
     json_patch::patch(&mut object, &patch).expect("the stamp patch applies");
     let annotations = &object["metadata"]["annotations"];
-    assert_eq!(annotations["volumes.cozystack.io/override-by"], "bob", "{object}");
-    assert_eq!(annotations["volumes.cozystack.io/override"], "customer gone, volumes abandoned");
-    let at = annotations["volumes.cozystack.io/override-at"].as_str().expect("override-at is stamped");
-    let stamped: jiff::Timestamp = at.parse().unwrap_or_else(|e| panic!("override-at {at:?} is not RFC 3339: {e}"));
-    assert!(at.ends_with('Z') && at.as_bytes()[10] == b'T', "override-at {at:?} is RFC 3339 UTC");
+    assert_eq!(
+        annotations["volumes.cozystack.io/override-by"], "bob",
+        "{object}"
+    );
+    assert_eq!(
+        annotations["volumes.cozystack.io/override"],
+        "customer gone, volumes abandoned"
+    );
+    let at = annotations["volumes.cozystack.io/override-at"]
+        .as_str()
+        .expect("override-at is stamped");
+    let stamped: jiff::Timestamp = at
+        .parse()
+        .unwrap_or_else(|e| panic!("override-at {at:?} is not RFC 3339: {e}"));
     assert!(
-        stamped.as_second() >= before.as_second() - 1 && stamped.as_second() <= after.as_second() + 1,
+        at.ends_with('Z') && at.as_bytes()[10] == b'T',
+        "override-at {at:?} is RFC 3339 UTC"
+    );
+    assert!(
+        stamped.as_second() >= before.as_second() - 1
+            && stamped.as_second() <= after.as_second() + 1,
         "override-at {at} is the time of the request ({before}..{after})"
     );
-    assert_eq!(object["metadata"]["finalizers"], json!([FINALIZER]), "no other change");
+    assert_eq!(
+        object["metadata"]["finalizers"],
+        json!([FINALIZER]),
+        "no other change"
+    );
 
     // A client-supplied stamp is overwritten, never accepted.
     let forged = parent(
@@ -512,12 +749,25 @@ async fn mutate_stamps_an_override_with_the_requester_and_the_time() {
                "volumes.cozystack.io/override-at": "2001-01-01T00:00:00Z"}),
         &[FINALIZER],
     );
-    let request = review(hr_request("uid-override-forged", "UPDATE", TENANT, "bob", Some(forged.clone()), Some(parent(json!({}), &[FINALIZER]))));
+    let request = review(hr_request(
+        "uid-override-forged",
+        "UPDATE",
+        TENANT,
+        "bob",
+        Some(forged.clone()),
+        Some(parent(json!({}), &[FINALIZER])),
+    ));
     let response = client.review("/mutate", &request).await;
     let mut object = forged;
     json_patch::patch(&mut object, &decode_patch(&response)).unwrap();
-    assert_eq!(object["metadata"]["annotations"]["volumes.cozystack.io/override-by"], "bob");
-    assert_ne!(object["metadata"]["annotations"]["volumes.cozystack.io/override-at"], "2001-01-01T00:00:00Z");
+    assert_eq!(
+        object["metadata"]["annotations"]["volumes.cozystack.io/override-by"],
+        "bob"
+    );
+    assert_ne!(
+        object["metadata"]["annotations"]["volumes.cozystack.io/override-at"],
+        "2001-01-01T00:00:00Z"
+    );
     server.stop().await;
 }
 
@@ -528,19 +778,40 @@ async fn a_stamped_override_is_refused_when_the_access_review_cannot_be_made() {
 
     // What the API server does: mutate first, then validate the patched object.
     let old = parent(json!({}), &[FINALIZER]);
-    let new = parent(json!({"volumes.cozystack.io/override": "customer gone"}), &[FINALIZER]);
-    let request = review(hr_request("uid-sar", "UPDATE", TENANT, "bob", Some(new.clone()), Some(old.clone())));
+    let new = parent(
+        json!({"volumes.cozystack.io/override": "customer gone"}),
+        &[FINALIZER],
+    );
+    let request = review(hr_request(
+        "uid-sar",
+        "UPDATE",
+        TENANT,
+        "bob",
+        Some(new.clone()),
+        Some(old.clone()),
+    ));
     let response = client.review("/mutate", &request).await;
     let mut patched = new;
     json_patch::patch(&mut patched, &decode_patch(&response)).unwrap();
 
-    let request = review(hr_request("uid-sar", "UPDATE", TENANT, "bob", Some(patched), Some(old)));
+    let request = review(hr_request(
+        "uid-sar",
+        "UPDATE",
+        TENANT,
+        "bob",
+        Some(patched),
+        Some(old),
+    ));
     let response = client.review("/validate", &request).await;
     assert_eq!(response["uid"], "uid-sar");
     let message = denied(&response);
     assert!(message.contains("SubjectAccessReview failed"), "{message}");
     assert!(message.contains("bob"), "{message}");
-    assert_eq!(server.api_reads(), 1, "exactly one SubjectAccessReview was attempted");
+    assert_eq!(
+        server.api_reads(),
+        1,
+        "exactly one SubjectAccessReview was attempted"
+    );
     server.stop().await;
 }
 
@@ -550,15 +821,32 @@ async fn dry_run_gets_exactly_the_answer_of_a_real_request() {
     let mut client = server.h2().await;
 
     for finalizers in [&[FINALIZER][..], &[][..]] {
-        let real = client.post("/validate", serde_json::to_vec(&parent_delete("uid-dry", finalizers, false)).unwrap()).await;
-        let dry = client.post("/validate", serde_json::to_vec(&parent_delete("uid-dry", finalizers, true)).unwrap()).await;
+        let real = client
+            .post(
+                "/validate",
+                serde_json::to_vec(&parent_delete("uid-dry", finalizers, false)).unwrap(),
+            )
+            .await;
+        let dry = client
+            .post(
+                "/validate",
+                serde_json::to_vec(&parent_delete("uid-dry", finalizers, true)).unwrap(),
+            )
+            .await;
         assert_eq!(real.status, StatusCode::OK);
         assert_eq!(dry.status, real.status);
         assert_eq!(dry.review(), real.review(), "finalizers {finalizers:?}");
-        assert_eq!(dry.body, real.body, "byte for byte, finalizers {finalizers:?}");
+        assert_eq!(
+            dry.body, real.body,
+            "byte for byte, finalizers {finalizers:?}"
+        );
     }
-    let real = client.review("/validate", &csi_delete("uid-dry-csi", false)).await;
-    let dry = client.review("/validate", &csi_delete("uid-dry-csi", true)).await;
+    let real = client
+        .review("/validate", &csi_delete("uid-dry-csi", false))
+        .await;
+    let dry = client
+        .review("/validate", &csi_delete("uid-dry-csi", true))
+        .await;
     assert_eq!(real["allowed"], false);
     assert_eq!(dry, real);
     server.stop().await;
@@ -570,7 +858,16 @@ async fn only_gated_operations_are_refused_an_unknown_kind_is_allowed() {
     let mut client = server.h2().await;
 
     let configmap = json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "settings", "namespace": NAMESPACE}});
-    let request = review(request_for("uid-cm", ("", "v1", "ConfigMap", "configmaps"), "DELETE", "settings", "alice", None, Some(configmap), false));
+    let request = review(request_for(
+        "uid-cm",
+        ("", "v1", "ConfigMap", "configmaps"),
+        "DELETE",
+        "settings",
+        "alice",
+        None,
+        Some(configmap),
+        false,
+    ));
     for endpoint in ["/validate", "/mutate"] {
         let response = client.review(endpoint, &request).await;
         assert_eq!(response["uid"], "uid-cm");
@@ -579,7 +876,14 @@ async fn only_gated_operations_are_refused_an_unknown_kind_is_allowed() {
     }
     // A HelmRelease that is no tenant's: not gated either.
     let unrelated = helmrelease("ingress-nginx", json!({"app": "ingress"}), json!({}), &[]);
-    let request = review(hr_request("uid-unrelated", "DELETE", "ingress-nginx", "alice", None, Some(unrelated)));
+    let request = review(hr_request(
+        "uid-unrelated",
+        "DELETE",
+        "ingress-nginx",
+        "alice",
+        None,
+        Some(unrelated),
+    ));
     assert_allowed(&client.review("/validate", &request).await);
     assert_eq!(server.api_reads(), 0, "nothing unrelated is read");
     server.stop().await;
@@ -589,10 +893,14 @@ async fn only_gated_operations_are_refused_an_unknown_kind_is_allowed() {
 async fn http1_clients_get_the_same_answers() {
     let server = Webhook::start().await;
     let mut client = server.h1().await;
-    let response = client.review("/validate", &forged_phase_update("uid-h1", "alice")).await;
+    let response = client
+        .review("/validate", &forged_phase_update("uid-h1", "alice"))
+        .await;
     assert_eq!(response["uid"], "uid-h1");
     assert!(denied(&response).contains("alice"));
-    let response = client.review("/mutate", &parent_create("uid-h1-mutate")).await;
+    let response = client
+        .review("/mutate", &parent_create("uid-h1-mutate"))
+        .await;
     assert_eq!(response["uid"], "uid-h1-mutate");
     decode_patch(&response);
     server.stop().await;
@@ -624,7 +932,8 @@ fn malformed_cases() -> Vec<Malformed> {
     empty_uid["request"]["uid"] = json!("");
 
     let no_request = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"});
-    let null_request = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": null});
+    let null_request =
+        json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": null});
 
     let mut unknown_op = parent_delete("uid-unknown-op", &[FINALIZER], false);
     unknown_op["request"]["operation"] = json!("EXPLODE");
@@ -642,27 +951,116 @@ fn malformed_cases() -> Vec<Malformed> {
     let bad = StatusCode::BAD_REQUEST;
     let ok = StatusCode::OK;
     vec![
-        Malformed { what: "not JSON", body: b"this is not an AdmissionReview".to_vec(), status: bad, uid: "", says: "not JSON" },
-        Malformed { what: "truncated JSON", body: valid[..valid.len() / 2].to_vec(), status: bad, uid: "", says: "not JSON" },
-        Malformed { what: "truncated by one byte", body: valid[..valid.len() - 1].to_vec(), status: bad, uid: "", says: "not JSON" },
-        Malformed { what: "v1beta1", body: body(&v1beta1), status: ok, uid: "uid-v1beta1", says: "admissionReviewVersions" },
-        Malformed { what: "wrong kind", body: body(&wrong_kind), status: ok, uid: "uid-wrong-kind", says: "AdmissionResponse" },
-        Malformed { what: "missing uid", body: body(&no_uid), status: bad, uid: "", says: "no uid" },
-        Malformed { what: "empty uid", body: body(&empty_uid), status: bad, uid: "", says: "no uid" },
-        Malformed { what: "missing request", body: body(&no_request), status: bad, uid: "", says: "no request" },
-        Malformed { what: "null request", body: body(&null_request), status: bad, uid: "", says: "no request" },
-        Malformed { what: "unknown operation", body: body(&unknown_op), status: ok, uid: "uid-unknown-op", says: "malformed" },
-        Malformed { what: "a JSON array", body: b"[1,2,3]".to_vec(), status: bad, uid: "", says: "expected apiVersion" },
-        Malformed { what: "JSON null", body: b"null".to_vec(), status: bad, uid: "", says: "expected apiVersion" },
-        Malformed { what: "4 MiB body", body: huge, status: StatusCode::PAYLOAD_TOO_LARGE, uid: "", says: "exceeds" },
-        Malformed { what: "empty body", body: Vec::new(), status: bad, uid: "", says: "not JSON" },
+        Malformed {
+            what: "not JSON",
+            body: b"this is not an AdmissionReview".to_vec(),
+            status: bad,
+            uid: "",
+            says: "not JSON",
+        },
+        Malformed {
+            what: "truncated JSON",
+            body: valid[..valid.len() / 2].to_vec(),
+            status: bad,
+            uid: "",
+            says: "not JSON",
+        },
+        Malformed {
+            what: "truncated by one byte",
+            body: valid[..valid.len() - 1].to_vec(),
+            status: bad,
+            uid: "",
+            says: "not JSON",
+        },
+        Malformed {
+            what: "v1beta1",
+            body: body(&v1beta1),
+            status: ok,
+            uid: "uid-v1beta1",
+            says: "admissionReviewVersions",
+        },
+        Malformed {
+            what: "wrong kind",
+            body: body(&wrong_kind),
+            status: ok,
+            uid: "uid-wrong-kind",
+            says: "AdmissionResponse",
+        },
+        Malformed {
+            what: "missing uid",
+            body: body(&no_uid),
+            status: bad,
+            uid: "",
+            says: "no uid",
+        },
+        Malformed {
+            what: "empty uid",
+            body: body(&empty_uid),
+            status: bad,
+            uid: "",
+            says: "no uid",
+        },
+        Malformed {
+            what: "missing request",
+            body: body(&no_request),
+            status: bad,
+            uid: "",
+            says: "no request",
+        },
+        Malformed {
+            what: "null request",
+            body: body(&null_request),
+            status: bad,
+            uid: "",
+            says: "no request",
+        },
+        Malformed {
+            what: "unknown operation",
+            body: body(&unknown_op),
+            status: ok,
+            uid: "uid-unknown-op",
+            says: "malformed",
+        },
+        Malformed {
+            what: "a JSON array",
+            body: b"[1,2,3]".to_vec(),
+            status: bad,
+            uid: "",
+            says: "expected apiVersion",
+        },
+        Malformed {
+            what: "JSON null",
+            body: b"null".to_vec(),
+            status: bad,
+            uid: "",
+            says: "expected apiVersion",
+        },
+        Malformed {
+            what: "4 MiB body",
+            body: huge,
+            status: StatusCode::PAYLOAD_TOO_LARGE,
+            uid: "",
+            says: "exceeds",
+        },
+        Malformed {
+            what: "empty body",
+            body: Vec::new(),
+            status: bad,
+            uid: "",
+            says: "not JSON",
+        },
     ]
 }
 
 async fn check_malformed(client: &mut Client, endpoint: &str, case: Malformed) {
     let what = format!("{endpoint}, {}", case.what);
     let answer = client.post(endpoint, case.body).await;
-    assert_eq!(answer.status, case.status, "{what}: {}", String::from_utf8_lossy(&answer.body));
+    assert_eq!(
+        answer.status,
+        case.status,
+        "{what}: {}",
+        String::from_utf8_lossy(&answer.body)
+    );
     let text = String::from_utf8_lossy(&answer.body);
     assert!(!text.contains("\"allowed\":true"), "{what}: {text}");
     let response = answer.response();
@@ -670,8 +1068,15 @@ async fn check_malformed(client: &mut Client, endpoint: &str, case: Malformed) {
     assert_eq!(response["allowed"], false, "{what}: {response}");
     assert_eq!(response["status"]["code"], 400, "{what}: {response}");
     let message = response["status"]["message"].as_str().unwrap_or_default();
-    assert!(message.contains("invalid AdmissionReview"), "{what}: {message}");
-    assert!(message.contains(case.says), "{what}: expected {:?} in {message}", case.says);
+    assert!(
+        message.contains("invalid AdmissionReview"),
+        "{what}: {message}"
+    );
+    assert!(
+        message.contains(case.says),
+        "{what}: expected {:?} in {message}",
+        case.says
+    );
     assert!(response.get("patch").is_none(), "{what}: {response}");
 }
 
@@ -685,7 +1090,12 @@ async fn malformed_reviews_are_refused_with_a_well_formed_answer_on_both_endpoin
         }
     }
     // The connection survived all of it.
-    let response = client.review("/validate", &parent_delete("uid-after", &[FINALIZER], false)).await;
+    let response = client
+        .review(
+            "/validate",
+            &parent_delete("uid-after", &[FINALIZER], false),
+        )
+        .await;
     assert_allowed(&response);
     assert_eq!(server.api_reads(), 0);
     server.stop().await;
@@ -695,7 +1105,10 @@ async fn malformed_reviews_are_refused_with_a_well_formed_answer_on_both_endpoin
 async fn an_oversized_review_over_http1_is_refused_with_a_well_formed_answer() {
     let server = Webhook::start().await;
     for endpoint in ["/validate", "/mutate"] {
-        let case = malformed_cases().into_iter().find(|c| c.what == "4 MiB body").unwrap();
+        let case = malformed_cases()
+            .into_iter()
+            .find(|c| c.what == "4 MiB body")
+            .unwrap();
         let mut client = server.h1().await;
         check_malformed(&mut client, endpoint, case).await;
     }
@@ -731,9 +1144,21 @@ async fn decisions_and_their_durations_are_counted() {
     let server = Webhook::start().await;
     let mut client = server.h2().await;
     for i in 0..5 {
-        client.review("/validate", &forged_phase_update(&format!("uid-m-deny-{i}"), "alice")).await;
-        client.review("/validate", &parent_delete(&format!("uid-m-allow-{i}"), &[FINALIZER], false)).await;
-        client.review("/mutate", &parent_create(&format!("uid-m-mutate-{i}"))).await;
+        client
+            .review(
+                "/validate",
+                &forged_phase_update(&format!("uid-m-deny-{i}"), "alice"),
+            )
+            .await;
+        client
+            .review(
+                "/validate",
+                &parent_delete(&format!("uid-m-allow-{i}"), &[FINALIZER], false),
+            )
+            .await;
+        client
+            .review("/mutate", &parent_create(&format!("uid-m-mutate-{i}")))
+            .await;
     }
     client.post("/validate", &b"garbage"[..]).await;
 
@@ -742,7 +1167,9 @@ async fn decisions_and_their_durations_are_counted() {
     let count = |verdict: &str, reason: &str| -> f64 {
         decisions
             .iter()
-            .filter(|(l, _)| label(l, "verdict") == Some(verdict) && label(l, "reason") == Some(reason))
+            .filter(|(l, _)| {
+                label(l, "verdict") == Some(verdict) && label(l, "reason") == Some(reason)
+            })
             .map(|(_, v)| v)
             .sum()
     };
@@ -750,7 +1177,13 @@ async fn decisions_and_their_durations_are_counted() {
     assert_eq!(count("allowed", "in-custody"), 5.0, "{text}");
     assert_eq!(count("allowed", "mutated"), 5.0, "{text}");
     assert_eq!(count("denied", "invalid-review"), 1.0, "{text}");
-    assert!(decisions.iter().any(|(l, _)| label(l, "target") == Some("parent") && label(l, "operation") == Some("UPDATE")), "{text}");
+    assert!(
+        decisions
+            .iter()
+            .any(|(l, _)| label(l, "target") == Some("parent")
+                && label(l, "operation") == Some("UPDATE")),
+        "{text}"
+    );
 
     let buckets = samples(&text, "volume_gate_admission_duration_seconds_bucket");
     for endpoint in ["validate", "mutate"] {
@@ -759,19 +1192,43 @@ async fn decisions_and_their_durations_are_counted() {
             .filter(|(l, _)| label(l, "endpoint") == Some(endpoint))
             .map(|(l, v)| (label(l, "le").unwrap().parse::<f64>().unwrap(), *v))
             .collect();
-        assert!(mine.iter().any(|(le, _)| *le <= 0.0001), "{endpoint}: a bucket at or below 100µs: {text}");
+        assert!(
+            mine.iter().any(|(le, _)| *le <= 0.0001),
+            "{endpoint}: a bucket at or below 100µs: {text}"
+        );
         // Decisions without reads take a few hundred µs even in a debug build.
-        let sub_ms = mine.iter().filter(|(le, _)| *le < 0.001).map(|(_, v)| *v).fold(0.0, f64::max);
-        assert!(sub_ms >= 1.0, "{endpoint}: no answer took under a millisecond: {text}");
-        let total = mine.iter().find(|(le, _)| le.is_infinite()).map(|(_, v)| *v).unwrap_or_else(|| panic!("{endpoint}: +Inf bucket: {text}"));
+        let sub_ms = mine
+            .iter()
+            .filter(|(le, _)| *le < 0.001)
+            .map(|(_, v)| *v)
+            .fold(0.0, f64::max);
+        assert!(
+            sub_ms >= 1.0,
+            "{endpoint}: no answer took under a millisecond: {text}"
+        );
+        let total = mine
+            .iter()
+            .find(|(le, _)| le.is_infinite())
+            .map(|(_, v)| *v)
+            .unwrap_or_else(|| panic!("{endpoint}: +Inf bucket: {text}"));
         let expected = if endpoint == "validate" { 11.0 } else { 5.0 };
-        assert_eq!(total, expected, "{endpoint}: every answer is observed once: {text}");
+        assert_eq!(
+            total, expected,
+            "{endpoint}: every answer is observed once: {text}"
+        );
         let counts = samples(&text, "volume_gate_admission_duration_seconds_count");
-        let count = counts.iter().find(|(l, _)| label(l, "endpoint") == Some(endpoint)).map(|(_, v)| *v);
+        let count = counts
+            .iter()
+            .find(|(l, _)| label(l, "endpoint") == Some(endpoint))
+            .map(|(_, v)| *v);
         assert_eq!(count, Some(expected), "{text}");
     }
     assert_eq!(server.api_reads(), 0);
-    assert_eq!(samples(&text, "volume_gate_admission_api_reads_total"), [("", 0.0)], "{text}");
+    assert_eq!(
+        samples(&text, "volume_gate_admission_api_reads_total"),
+        [("", 0.0)],
+        "{text}"
+    );
     server.stop().await;
 }
 
@@ -800,10 +1257,15 @@ async fn two_hundred_requests_over_twenty_streams_of_one_connection_are_all_answ
             let mut failures = Vec::new();
             for i in (stream..REQUESTS).step_by(STREAMS) {
                 let (endpoint, request, allowed) = expected(i);
-                let answer = client.post(endpoint, serde_json::to_vec(&request).unwrap()).await;
+                let answer = client
+                    .post(endpoint, serde_json::to_vec(&request).unwrap())
+                    .await;
                 let response = answer.response();
                 let uid = format!("uid-concurrent-{i:03}");
-                if answer.status != StatusCode::OK || response["uid"] != uid.as_str() || response["allowed"] != allowed {
+                if answer.status != StatusCode::OK
+                    || response["uid"] != uid.as_str()
+                    || response["allowed"] != allowed
+                {
                     failures.push(format!("request {i}: HTTP {} {response}", answer.status));
                 }
                 if i % 5 == 3 {
@@ -820,9 +1282,16 @@ async fn two_hundred_requests_over_twenty_streams_of_one_connection_are_all_answ
     for task in tasks {
         failures.extend(task.await.unwrap());
     }
-    assert!(failures.is_empty(), "{} of {REQUESTS} answered wrongly: {failures:#?}", failures.len());
+    assert!(
+        failures.is_empty(),
+        "{} of {REQUESTS} answered wrongly: {failures:#?}",
+        failures.len()
+    );
     let text = server.metrics.encode();
-    let total: f64 = samples(&text, "volume_gate_admission_decisions_total").iter().map(|(_, v)| v).sum();
+    let total: f64 = samples(&text, "volume_gate_admission_decisions_total")
+        .iter()
+        .map(|(_, v)| v)
+        .sum();
     assert_eq!(total, REQUESTS as f64, "{text}");
     server.stop().await;
 }

@@ -59,19 +59,28 @@ impl Target {
 /// strictest answer wins, so no identity can hide another (a Cluster once
 /// went through as "parent absent" for tenant `R-extra`, because only the
 /// first guarded entry that yielded a tenant was looked at).
-pub fn identities(profile: &Profile, kind: &GroupKind, name: &str, labels: &BTreeMap<String, String>) -> Vec<Target> {
+pub fn identities(
+    profile: &Profile,
+    kind: &GroupKind,
+    name: &str,
+    labels: &BTreeMap<String, String>,
+) -> Vec<Target> {
     let mut out: Vec<Target> = Vec::new();
     let mut push = |t: Target| {
         // One identity per tenant: the first (the strictest) stands for it,
         // except that a parent is its own tenant and is always kept.
-        let dup = out.iter().any(|o| !matches!(o, Target::Parent { .. }) && o.tenant() == t.tenant());
+        let dup = out
+            .iter()
+            .any(|o| !matches!(o, Target::Parent { .. }) && o.tenant() == t.tenant());
         if !dup {
             out.push(t);
         }
     };
     if *kind == profile.parent_kind() {
         if profile.is_parent(labels) {
-            push(Target::Parent { tenant: name.to_string() });
+            push(Target::Parent {
+                tenant: name.to_string(),
+            });
         }
         // The name decides what a CSI release is: a label can be rewritten
         // to point at another (or no) tenant, a name cannot.
@@ -79,26 +88,43 @@ pub fn identities(profile: &Profile, kind: &GroupKind, name: &str, labels: &BTre
             push(Target::CsiRelease { tenant });
         }
         if let Some(tenant) = labels.get(&profile.child_label).filter(|t| !t.is_empty()) {
-            push(Target::Child { tenant: tenant.clone() });
+            push(Target::Child {
+                tenant: tenant.clone(),
+            });
         }
         return out;
     }
-    for g in profile.guarded.iter().filter(|g| g.group == kind.group && g.kind == kind.kind) {
+    for g in profile
+        .guarded
+        .iter()
+        .filter(|g| g.group == kind.group && g.kind == kind.kind)
+    {
         let tenant = match (&g.name, &g.label) {
             (Some(pattern), _) => tenant_from_name(pattern, name),
             (None, Some(label)) => labels.get(label).filter(|t| !t.is_empty()).cloned(),
             (None, None) => None,
         };
         if let Some(tenant) = tenant {
-            push(Target::Guarded { tenant, role: g.role.clone() });
+            push(Target::Guarded {
+                tenant,
+                role: g.role.clone(),
+            });
         }
     }
     out
 }
 
 /// What an object primarily is (its first identity), for logs and metrics.
-pub fn classify(profile: &Profile, kind: &GroupKind, name: &str, labels: &BTreeMap<String, String>) -> Target {
-    identities(profile, kind, name, labels).into_iter().next().unwrap_or(Target::Unrelated)
+pub fn classify(
+    profile: &Profile,
+    kind: &GroupKind,
+    name: &str,
+    labels: &BTreeMap<String, String>,
+) -> Target {
+    identities(profile, kind, name, labels)
+        .into_iter()
+        .next()
+        .unwrap_or(Target::Unrelated)
 }
 
 /// The label keys that decide what an object of `kind` is for the gate:
@@ -110,7 +136,13 @@ pub fn identity_labels<'a>(profile: &'a Profile, kind: &GroupKind) -> Vec<&'a st
         keys.extend(profile.parent.match_labels.keys().map(String::as_str));
         keys.push(&profile.child_label);
     }
-    keys.extend(profile.guarded.iter().filter(|g| g.group == kind.group && g.kind == kind.kind).filter_map(|g| g.label.as_deref()));
+    keys.extend(
+        profile
+            .guarded
+            .iter()
+            .filter(|g| g.group == kind.group && g.kind == kind.kind)
+            .filter_map(|g| g.label.as_deref()),
+    );
     keys.sort_unstable();
     keys.dedup();
     keys
@@ -121,22 +153,42 @@ pub fn identity_labels<'a>(profile: &'a Profile, kind: &GroupKind) -> Vec<&'a st
 /// object in a namespace belongs to a release of that namespace only (a
 /// tenant may annotate its own objects, not make them another's); a
 /// cluster-scoped one names its release's namespace.
-pub fn release_of(profile: &Profile, request_namespace: &str, labels: &BTreeMap<String, String>, annotations: &BTreeMap<String, String>) -> Option<(String, String)> {
+pub fn release_of(
+    profile: &Profile,
+    request_namespace: &str,
+    labels: &BTreeMap<String, String>,
+    annotations: &BTreeMap<String, String>,
+) -> Option<(String, String)> {
     let r = &profile.release;
     let by = |name: Option<&String>, namespace: Option<&String>| {
         let name = name.filter(|n| !n.is_empty())?;
-        let namespace = if request_namespace.is_empty() { namespace.filter(|n| !n.is_empty())?.clone() } else { request_namespace.to_string() };
+        let namespace = if request_namespace.is_empty() {
+            namespace.filter(|n| !n.is_empty())?.clone()
+        } else {
+            request_namespace.to_string()
+        };
         Some((namespace, name.clone()))
     };
-    by(annotations.get(&r.name_annotation), annotations.get(&r.namespace_annotation))
-        .or_else(|| by(labels.get(&r.name_label), labels.get(&r.namespace_label)))
+    by(
+        annotations.get(&r.name_annotation),
+        annotations.get(&r.namespace_annotation),
+    )
+    .or_else(|| by(labels.get(&r.name_label), labels.get(&r.namespace_label)))
 }
 
 /// The object as part of a parent release, unless another identity already
 /// stands for the same tenant.
-pub fn with_release_identity(mut ids: Vec<Target>, request_namespace: &str, release: Option<(String, String)>) -> Vec<Target> {
+pub fn with_release_identity(
+    mut ids: Vec<Target>,
+    request_namespace: &str,
+    release: Option<(String, String)>,
+) -> Vec<Target> {
     if let Some((namespace, tenant)) = release {
-        let same_tenant = |t: &Target| !matches!(t, Target::Parent { .. }) && t.tenant() == Some(tenant.as_str()) && namespace == request_namespace;
+        let same_tenant = |t: &Target| {
+            !matches!(t, Target::Parent { .. })
+                && t.tenant() == Some(tenant.as_str())
+                && namespace == request_namespace
+        };
         if !ids.iter().any(same_tenant) {
             ids.push(Target::ReleaseObject { tenant, namespace });
         }
@@ -147,7 +199,12 @@ pub fn with_release_identity(mut ids: Vec<Target>, request_namespace: &str, rele
 /// The label and annotation keys that make an object part of a release.
 pub fn release_keys(profile: &Profile) -> [&str; 4] {
     let r = &profile.release;
-    [&r.name_annotation, &r.namespace_annotation, &r.name_label, &r.namespace_label]
+    [
+        &r.name_annotation,
+        &r.namespace_annotation,
+        &r.name_label,
+        &r.namespace_label,
+    ]
 }
 
 /// The parent's state as read for a decision.
@@ -168,7 +225,13 @@ impl ParentFacts {
     /// The facts of parent release `namespace`/`tenant` seen as `view` (its
     /// namespace not read yet). The namespace is the request's, never one
     /// the object's body claims.
-    pub fn of(profile: &Profile, keys: &Keys, namespace: &str, tenant: &str, view: &ObjectMetaView) -> Self {
+    pub fn of(
+        profile: &Profile,
+        keys: &Keys,
+        namespace: &str,
+        tenant: &str,
+        view: &ObjectMetaView,
+    ) -> Self {
         ParentFacts {
             namespace: namespace.to_string(),
             name: tenant.to_string(),
@@ -187,8 +250,10 @@ impl ParentFacts {
 /// Whether the decision for `target` needs the namespace read, given the
 /// parent: only when "not in teardown" could lead to an allow.
 pub fn needs_namespace(target: &Target, parent: &ParentFacts) -> bool {
-    matches!(target, Target::Child { .. } | Target::Guarded { .. } | Target::ReleaseObject { .. })
-        && !parent.deleting
+    matches!(
+        target,
+        Target::Child { .. } | Target::Guarded { .. } | Target::ReleaseObject { .. }
+    ) && !parent.deleting
         && !parent.record.is_done()
         && parent.namespace_deleting.is_none()
 }
@@ -198,13 +263,23 @@ pub type Reason = &'static str;
 
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Verdict {
-    Allow { reason: Reason, warnings: Vec<String> },
-    Deny { reason: Reason, code: u16, message: String },
+    Allow {
+        reason: Reason,
+        warnings: Vec<String>,
+    },
+    Deny {
+        reason: Reason,
+        code: u16,
+        message: String,
+    },
 }
 
 impl Verdict {
     pub fn allow(reason: Reason) -> Self {
-        Verdict::Allow { reason, warnings: Vec::new() }
+        Verdict::Allow {
+            reason,
+            warnings: Vec::new(),
+        }
     }
 
     pub fn allowed(&self) -> bool {
@@ -220,12 +295,20 @@ impl Verdict {
 
 /// Refused by policy (HTTP 403 in the Status the client sees).
 fn forbid(reason: Reason, message: String) -> Verdict {
-    Verdict::Deny { reason, code: 403, message: format!("volume-gate: {message}") }
+    Verdict::Deny {
+        reason,
+        code: 403,
+        message: format!("volume-gate: {message}"),
+    }
 }
 
 /// Could not judge: refused, never allowed.
 pub fn cannot_judge(message: impl std::fmt::Display) -> Verdict {
-    Verdict::Deny { reason: "cannot-judge", code: 400, message: format!("volume-gate: {message}") }
+    Verdict::Deny {
+        reason: "cannot-judge",
+        code: 400,
+        message: format!("volume-gate: {message}"),
+    }
 }
 
 /// The object being deleted, for messages.
@@ -250,7 +333,11 @@ impl std::fmt::Display for Subject<'_> {
 }
 
 /// DELETE of the parent itself, judged from the object being deleted.
-pub fn decide_parent_delete(profile: &Profile, subject: Subject<'_>, parent: &ParentFacts) -> Verdict {
+pub fn decide_parent_delete(
+    profile: &Profile,
+    subject: Subject<'_>,
+    parent: &ParentFacts,
+) -> Verdict {
     if parent.record.is_done() {
         return Verdict::allow("done");
     }
@@ -311,19 +398,32 @@ pub fn decide_dependent_delete(
         Target::CsiRelease { .. } => held(
             "csi-release-held",
             "the tenant's CSI driver release",
-            if parent.teardown() { "is being torn down" } else { "exists" },
+            if parent.teardown() {
+                "is being torn down"
+            } else {
+                "exists"
+            },
         ),
-        Target::Child { .. } | Target::Guarded { .. } | Target::ReleaseObject { .. } if parent.teardown() => {
+        Target::Child { .. } | Target::Guarded { .. } | Target::ReleaseObject { .. }
+            if parent.teardown() =>
+        {
             let what = match target {
                 Target::Guarded { role, .. } => role.as_str(),
-                Target::ReleaseObject { .. } => "an object of the tenant's parent release, such as the CSI controller's identity",
+                Target::ReleaseObject { .. } => {
+                    "an object of the tenant's parent release, such as the CSI controller's identity"
+                }
                 _ => "a child release the driver may need",
             };
             held("teardown-held", what, "is being torn down")
         }
-        Target::Child { .. } | Target::Guarded { .. } | Target::ReleaseObject { .. } if parent.namespace_deleting.is_none() && !parent.deleting => {
+        Target::Child { .. } | Target::Guarded { .. } | Target::ReleaseObject { .. }
+            if parent.namespace_deleting.is_none() && !parent.deleting =>
+        {
             // The caller skipped the namespace read: never allow on a guess.
-            cannot_judge(format!("refusing to {} {subject}: the state of namespace {} was not read", subject.action, parent.namespace))
+            cannot_judge(format!(
+                "refusing to {} {subject}: the state of namespace {} was not read",
+                subject.action, parent.namespace
+            ))
         }
         Target::Child { .. } => Verdict::allow("not-in-teardown"),
         Target::Guarded { .. } | Target::ReleaseObject { .. } => Verdict::allow("not-in-teardown"),
@@ -339,10 +439,19 @@ pub fn decide_dependent_delete(
 /// change, each to be judged like its delete (the CSI release is held until
 /// done, the rest during teardown); none when no such label changes.
 /// Parents are judged by [`guard_update`].
-pub fn relabel_targets(profile: &Profile, kind: &GroupKind, name: &str, old: &BTreeMap<String, String>, new: &BTreeMap<String, String>) -> Vec<Target> {
+pub fn relabel_targets(
+    profile: &Profile,
+    kind: &GroupKind,
+    name: &str,
+    old: &BTreeMap<String, String>,
+    new: &BTreeMap<String, String>,
+) -> Vec<Target> {
     let before = identities(profile, kind, name, old);
     let after = identities(profile, kind, name, new);
-    let relabelled = identity_labels(profile, kind).iter().any(|k| old.get(*k) != new.get(*k)) || before != after;
+    let relabelled = identity_labels(profile, kind)
+        .iter()
+        .any(|k| old.get(*k) != new.get(*k))
+        || before != after;
     if !relabelled {
         return Vec::new();
     }
@@ -363,17 +472,26 @@ pub fn strictest(verdicts: Vec<Verdict>) -> Verdict {
     for v in verdicts {
         match v {
             Verdict::Deny { .. } => return v,
-            Verdict::Allow { reason: r, warnings } => {
+            Verdict::Allow {
+                reason: r,
+                warnings,
+            } => {
                 reason.get_or_insert(r);
                 all_warnings.extend(warnings);
             }
         }
     }
-    Verdict::Allow { reason: reason.unwrap_or("unrelated"), warnings: all_warnings }
+    Verdict::Allow {
+        reason: reason.unwrap_or("unrelated"),
+        warnings: all_warnings,
+    }
 }
 
 mod update;
-pub use update::{Change, Mutation, ObjectMetaView, Requester, UpdateVerdict, guard_update, mutate, override_refused, to_json_patch};
+pub use update::{
+    Change, Mutation, ObjectMetaView, Requester, UpdateVerdict, guard_update, mutate,
+    override_refused, to_json_patch,
+};
 
 #[cfg(test)]
 mod tests;

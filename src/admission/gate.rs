@@ -5,14 +5,17 @@
 
 use std::sync::Arc;
 
-use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
+use k8s_openapi::api::authorization::v1::{
+    ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+};
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, ApiResource, PostParams};
 use kube::core::admission::Operation;
 use kube::core::{DynamicObject, PartialObjectMeta};
 
 use super::decide::{
-    self, Change, ObjectMetaView, ParentFacts, Requester, Subject, Target, UpdateVerdict, Verdict, cannot_judge, classify,
+    self, Change, ObjectMetaView, ParentFacts, Requester, Subject, Target, UpdateVerdict, Verdict,
+    cannot_judge, classify,
 };
 use super::review;
 use crate::metrics::Metrics;
@@ -30,20 +33,40 @@ pub struct Gate {
 }
 
 impl Gate {
-    pub fn new(profile: Profile, worker_identity: String, client: kube::Client, metrics: Arc<Metrics>) -> Self {
+    pub fn new(
+        profile: Profile,
+        worker_identity: String,
+        client: kube::Client,
+        metrics: Arc<Metrics>,
+    ) -> Self {
         let parent_resource = profile.parent_resource();
-        Self { keys: Keys::new(&profile.annotation_prefix), profile, worker_identity, client, metrics, parent_resource }
+        Self {
+            keys: Keys::new(&profile.annotation_prefix),
+            profile,
+            worker_identity,
+            client,
+            metrics,
+            parent_resource,
+        }
     }
 
     fn requester<'a>(&self, req: &'a review::Request) -> Requester<'a> {
         let username = req.user_info.username.as_deref().unwrap_or("");
-        Requester { username, is_worker: !username.is_empty() && username == self.worker_identity }
+        Requester {
+            username,
+            is_worker: !username.is_empty() && username == self.worker_identity,
+        }
     }
 
     /// The parent as it is now in the API server: a GET, never a cache, so an
     /// allow never rests on a view that has not seen a deletion yet.
-    async fn read_parent(&self, namespace: &str, tenant: &str) -> Result<Option<ParentFacts>, kube::Error> {
-        let api: Api<DynamicObject> = Api::namespaced_with(self.client.clone(), namespace, &self.parent_resource);
+    async fn read_parent(
+        &self,
+        namespace: &str,
+        tenant: &str,
+    ) -> Result<Option<ParentFacts>, kube::Error> {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), namespace, &self.parent_resource);
         self.metrics.api_reads.inc();
         let Some(meta) = api.get_metadata_opt(tenant).await? else {
             return Ok(None);
@@ -51,7 +74,12 @@ impl Gate {
         Ok(self.parent_facts(namespace, tenant, &meta))
     }
 
-    fn parent_facts(&self, namespace: &str, tenant: &str, meta: &PartialObjectMeta<DynamicObject>) -> Option<ParentFacts> {
+    fn parent_facts(
+        &self,
+        namespace: &str,
+        tenant: &str,
+        meta: &PartialObjectMeta<DynamicObject>,
+    ) -> Option<ParentFacts> {
         let m = &meta.metadata;
         let view = ObjectMetaView {
             namespace: namespace.to_string(),
@@ -61,13 +89,18 @@ impl Gate {
             finalizers: m.finalizers.clone().unwrap_or_default(),
             deleting: m.deletion_timestamp.is_some(),
         };
-        self.profile.is_parent(&view.labels).then(|| ParentFacts::of(&self.profile, &self.keys, namespace, tenant, &view))
+        self.profile
+            .is_parent(&view.labels)
+            .then(|| ParentFacts::of(&self.profile, &self.keys, namespace, tenant, &view))
     }
 
     async fn namespace_deleting(&self, namespace: &str) -> Result<bool, kube::Error> {
         let api: Api<Namespace> = Api::all(self.client.clone());
         self.metrics.api_reads.inc();
-        Ok(api.get_metadata_opt(namespace).await?.is_none_or(|ns| ns.metadata.deletion_timestamp.is_some()))
+        Ok(api
+            .get_metadata_opt(namespace)
+            .await?
+            .is_none_or(|ns| ns.metadata.deletion_timestamp.is_some()))
     }
 
     /// The validating decision for one request.
@@ -78,31 +111,64 @@ impl Gate {
         match req.operation {
             Operation::Delete => {
                 if name.is_empty() {
-                    return (Target::Unrelated, cannot_judge(format!("DELETE of {kind} in namespace {namespace:?} names no object")));
+                    return (
+                        Target::Unrelated,
+                        cannot_judge(format!(
+                            "DELETE of {kind} in namespace {namespace:?} names no object"
+                        )),
+                    );
                 }
                 let Some(old) = req.old_object.as_ref() else {
                     // Without the object its labels are unknown: never guess.
                     let target = classify(&self.profile, &kind, name, &Default::default());
-                    return (target, cannot_judge(format!("DELETE of {kind} {namespace}/{name} carries no oldObject")));
+                    return (
+                        target,
+                        cannot_judge(format!(
+                            "DELETE of {kind} {namespace}/{name} carries no oldObject"
+                        )),
+                    );
                 };
                 let labels = review::labels_of(Some(old));
-                let subject = Subject { kind: &kind, namespace, name, action: "delete" };
+                let subject = Subject {
+                    kind: &kind,
+                    namespace,
+                    name,
+                    action: "delete",
+                };
                 let mut judged = Vec::new();
                 let ids = decide::identities(&self.profile, &kind, name, &labels);
-                for target in decide::with_release_identity(ids, namespace, self.release_of(namespace, Some(old))) {
+                for target in decide::with_release_identity(
+                    ids,
+                    namespace,
+                    self.release_of(namespace, name, Some(old)),
+                ) {
                     let verdict = match &target {
                         Target::Parent { tenant } => {
                             let view = review::meta_view(old, namespace, name);
-                            let facts = ParentFacts::of(&self.profile, &self.keys, namespace, tenant, &view);
+                            let facts = ParentFacts::of(
+                                &self.profile,
+                                &self.keys,
+                                namespace,
+                                tenant,
+                                &view,
+                            );
                             decide::decide_parent_delete(&self.profile, subject, &facts)
                         }
-                        Target::CsiRelease { tenant } | Target::Child { tenant } | Target::Guarded { tenant, .. } => {
+                        Target::CsiRelease { tenant }
+                        | Target::Child { tenant }
+                        | Target::Guarded { tenant, .. } => {
                             let tenant = tenant.clone();
-                            self.decide_dependent(&target, subject, namespace, &tenant).await
+                            self.decide_dependent(&target, subject, namespace, &tenant)
+                                .await
                         }
-                        Target::ReleaseObject { tenant, namespace: parent_namespace } => {
-                            let (tenant, parent_namespace) = (tenant.clone(), parent_namespace.clone());
-                            self.decide_dependent(&target, subject, &parent_namespace, &tenant).await
+                        Target::ReleaseObject {
+                            tenant,
+                            namespace: parent_namespace,
+                        } => {
+                            let (tenant, parent_namespace) =
+                                (tenant.clone(), parent_namespace.clone());
+                            self.decide_dependent(&target, subject, &parent_namespace, &tenant)
+                                .await
                         }
                         Target::Unrelated => Verdict::allow("unrelated"),
                     };
@@ -116,19 +182,37 @@ impl Gate {
                 if req.operation == Operation::Update {
                     let old = review::labels_of(req.old_object.as_ref());
                     let new = review::labels_of(req.object.as_ref());
-                    let subject = Subject { kind: &kind, namespace, name, action: "relabel" };
+                    let subject = Subject {
+                        kind: &kind,
+                        namespace,
+                        name,
+                        action: "relabel",
+                    };
                     for target in decide::relabel_targets(&self.profile, &kind, name, &old, &new) {
-                        let tenant = target.tenant().expect("a dependent has a tenant").to_string();
-                        let verdict = self.decide_dependent(&target, subject, namespace, &tenant).await;
+                        let tenant = target
+                            .tenant()
+                            .expect("a dependent has a tenant")
+                            .to_string();
+                        let verdict = self
+                            .decide_dependent(&target, subject, namespace, &tenant)
+                            .await;
                         judged.push((target, verdict));
                     }
                     // Taken out of (or put into) a parent release: judged as
                     // the delete of an object of each release concerned.
-                    let (before, after) = (self.release_of(namespace, req.old_object.as_ref()), self.release_of(namespace, req.object.as_ref()));
+                    let (before, after) = (
+                        self.release_of(namespace, name, req.old_object.as_ref()),
+                        self.release_of(namespace, name, req.object.as_ref()),
+                    );
                     if before != after {
                         for (parent_namespace, tenant) in before.into_iter().chain(after) {
-                            let target = Target::ReleaseObject { tenant: tenant.clone(), namespace: parent_namespace.clone() };
-                            let verdict = self.decide_dependent(&target, subject, &parent_namespace, &tenant).await;
+                            let target = Target::ReleaseObject {
+                                tenant: tenant.clone(),
+                                namespace: parent_namespace.clone(),
+                            };
+                            let verdict = self
+                                .decide_dependent(&target, subject, &parent_namespace, &tenant)
+                                .await;
                             judged.push((target, verdict));
                         }
                     }
@@ -142,30 +226,68 @@ impl Gate {
         }
     }
 
-    /// The parent release `obj` belongs to, `(namespace, release)`.
-    fn release_of(&self, namespace: &str, obj: Option<&review::Object>) -> Option<(String, String)> {
-        let view = review::meta_view(obj?, namespace, "");
+    /// The parent release `obj` belongs to, `(namespace, release)`, unless
+    /// it is one of that release's teardown hook objects (not held).
+    /// `name` is the request's, never the body's.
+    fn release_of(
+        &self,
+        namespace: &str,
+        name: &str,
+        obj: Option<&review::Object>,
+    ) -> Option<(String, String)> {
+        let view = review::meta_view(obj?, namespace, name);
         decide::release_of(&self.profile, namespace, &view.labels, &view.annotations)
+            .filter(|(_, release)| !self.profile.is_release_hook(name, release))
     }
 
     /// The guards on CREATE/UPDATE of a release: record, override, custody.
-    async fn guard_release(&self, req: &review::Request, kind: &crate::profile::GroupKind, namespace: &str, name: &str) -> (Target, Verdict) {
+    async fn guard_release(
+        &self,
+        req: &review::Request,
+        kind: &crate::profile::GroupKind,
+        namespace: &str,
+        name: &str,
+    ) -> (Target, Verdict) {
         let Some(new) = req.object.as_ref() else {
-            return (Target::Unrelated, cannot_judge(format!("{kind} {namespace}/{name} carries no object")));
+            return (
+                Target::Unrelated,
+                cannot_judge(format!("{kind} {namespace}/{name} carries no object")),
+            );
         };
         let new_view = review::meta_view(new, namespace, name);
-        let old_view = req.old_object.as_ref().map(|o| review::meta_view(o, namespace, name));
+        let old_view = req
+            .old_object
+            .as_ref()
+            .map(|o| review::meta_view(o, namespace, name));
         let target = classify(&self.profile, kind, &new_view.name, &new_view.labels);
         let who = self.requester(req);
-        let change = Change { old: old_view.as_ref(), new: &new_view };
-        let verdict = match decide::guard_update(&self.profile, &self.keys, change, who, jiff::Timestamp::now()) {
+        let change = Change {
+            old: old_view.as_ref(),
+            new: &new_view,
+        };
+        let verdict = match decide::guard_update(
+            &self.profile,
+            &self.keys,
+            change,
+            who,
+            jiff::Timestamp::now(),
+        ) {
             UpdateVerdict::Final(v) => v,
-            UpdateVerdict::NeedsOverridePermission { namespace, tenant } => self.check_override_permission(req, &namespace, &tenant).await,
+            UpdateVerdict::NeedsOverridePermission { namespace, tenant } => {
+                self.check_override_permission(req, &namespace, &tenant)
+                    .await
+            }
         };
         (target, verdict)
     }
 
-    async fn decide_dependent(&self, target: &Target, subject: Subject<'_>, namespace: &str, tenant: &str) -> Verdict {
+    async fn decide_dependent(
+        &self,
+        target: &Target,
+        subject: Subject<'_>,
+        namespace: &str,
+        tenant: &str,
+    ) -> Verdict {
         // Both go into URL paths: a '/' would read some other object (and a
         // 404 there reads as "no parent"). The API server never sends such
         // names; a forged review gets a refusal (found by fuzzing).
@@ -178,21 +300,35 @@ impl Gate {
         let mut parent = match self.read_parent(namespace, tenant).await {
             Ok(p) => p,
             Err(e) => {
-                return cannot_judge(format!("refusing to {} {subject}: cannot read tenant {namespace}/{tenant}: {e}", subject.action));
+                return cannot_judge(format!(
+                    "refusing to {} {subject}: cannot read tenant {namespace}/{tenant}: {e}",
+                    subject.action
+                ));
             }
         };
-        if let Some(p) = parent.as_mut().filter(|p| decide::needs_namespace(target, p)) {
+        if let Some(p) = parent
+            .as_mut()
+            .filter(|p| decide::needs_namespace(target, p))
+        {
             match self.namespace_deleting(namespace).await {
                 Ok(deleting) => p.namespace_deleting = Some(deleting),
                 Err(e) => {
-                    return cannot_judge(format!("refusing to {} {subject}: cannot read namespace {namespace}: {e}", subject.action));
+                    return cannot_judge(format!(
+                        "refusing to {} {subject}: cannot read namespace {namespace}: {e}",
+                        subject.action
+                    ));
                 }
             }
         }
         decide::decide_dependent_delete(&self.profile, target, subject, parent.as_ref())
     }
 
-    async fn check_override_permission(&self, req: &review::Request, namespace: &str, tenant: &str) -> Verdict {
+    async fn check_override_permission(
+        &self,
+        req: &review::Request,
+        namespace: &str,
+        tenant: &str,
+    ) -> Verdict {
         let u = &req.user_info;
         let username = u.username.clone().unwrap_or_default();
         let p = &self.profile.override_permission;
@@ -222,7 +358,13 @@ impl Gate {
                 if status.allowed && !status.denied.unwrap_or(false) {
                     Verdict::allow("override-authorized")
                 } else {
-                    decide::override_refused(&self.profile, &username, namespace, tenant, status.reason.as_deref().unwrap_or(""))
+                    decide::override_refused(
+                        &self.profile,
+                        &username,
+                        namespace,
+                        tenant,
+                        status.reason.as_deref().unwrap_or(""),
+                    )
                 }
             }
             Err(e) => cannot_judge(format!(
@@ -235,19 +377,44 @@ impl Gate {
     pub fn mutate(&self, req: &review::Request) -> (Target, Verdict, Option<json_patch::Patch>) {
         let kind = review::group_kind(req);
         let namespace = req.namespace.as_deref().unwrap_or("");
-        if !matches!(req.operation, Operation::Create | Operation::Update) || kind != self.profile.parent_kind() {
+        if !matches!(req.operation, Operation::Create | Operation::Update)
+            || kind != self.profile.parent_kind()
+        {
             return (Target::Unrelated, Verdict::allow("unrelated"), None);
         }
         let Some(new) = req.object.as_ref() else {
-            return (Target::Unrelated, cannot_judge(format!("{kind} {namespace}/{} carries no object", review::request_name(req))), None);
+            return (
+                Target::Unrelated,
+                cannot_judge(format!(
+                    "{kind} {namespace}/{} carries no object",
+                    review::request_name(req)
+                )),
+                None,
+            );
         };
         let name = review::request_name(req);
         let new_view = review::meta_view(new, namespace, name);
-        let old_view = req.old_object.as_ref().map(|o| review::meta_view(o, namespace, name));
+        let old_view = req
+            .old_object
+            .as_ref()
+            .map(|o| review::meta_view(o, namespace, name));
         let target = classify(&self.profile, &kind, &new_view.name, &new_view.labels);
-        let change = Change { old: old_view.as_ref(), new: &new_view };
-        let mutations = decide::mutate(&self.profile, &self.keys, change, self.requester(req), jiff::Timestamp::now());
-        let reason = if mutations.is_empty() { "unchanged" } else { "mutated" };
+        let change = Change {
+            old: old_view.as_ref(),
+            new: &new_view,
+        };
+        let mutations = decide::mutate(
+            &self.profile,
+            &self.keys,
+            change,
+            self.requester(req),
+            jiff::Timestamp::now(),
+        );
+        let reason = if mutations.is_empty() {
+            "unchanged"
+        } else {
+            "mutated"
+        };
         let patch = decide::to_json_patch(&self.profile, &self.keys, &mutations);
         (target, Verdict::allow(reason), Some(patch))
     }
@@ -261,13 +428,19 @@ fn strictest_of(judged: Vec<(Target, Verdict)>) -> (Target, Verdict) {
         .find(|(_, v)| !v.allowed())
         .or(judged.first())
         .map_or(Target::Unrelated, |(t, _)| t.clone());
-    (target, decide::strictest(judged.into_iter().map(|(_, v)| v).collect()))
+    (
+        target,
+        decide::strictest(judged.into_iter().map(|(_, v)| v).collect()),
+    )
 }
 
 /// A DNS-1123 subdomain, what Kubernetes allows as a namespace or object
 /// name (and so safe in a URL path).
 fn is_object_name(s: &str) -> bool {
-    !s.is_empty() && s.len() <= 253 && s.bytes().all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+    !s.is_empty()
+        && s.len() <= 253
+        && s.bytes()
+            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
 }
 
 /// The gate's read paths against a scripted API server: what it reads, and
@@ -281,16 +454,29 @@ mod tests {
 
     const WORKER: &str = "system:serviceaccount:volume-gate:volume-gate-worker";
     const NS: &str = "tenant-a";
-    const PARENT: &str = "/apis/helm.toolkit.fluxcd.io/v2/namespaces/tenant-a/helmreleases/kubernetes-a";
+    const PARENT: &str =
+        "/apis/helm.toolkit.fluxcd.io/v2/namespaces/tenant-a/helmreleases/kubernetes-a";
     const NAMESPACE: &str = "/api/v1/namespaces/tenant-a";
     const SAR: &str = "/apis/authorization.k8s.io/v1/subjectaccessreviews";
 
     fn gate(api: &Arc<FakeApi>) -> Gate {
-        Gate::new(Profile::cozystack(), WORKER.into(), api.client(), Metrics::new())
+        Gate::new(
+            Profile::cozystack(),
+            WORKER.into(),
+            api.client(),
+            Metrics::new(),
+        )
     }
 
-    fn review(operation: &str, object: Option<Value>, old: Option<Value>, name: &str, user: &str) -> review::Request {
-        let kind = json!({"group": "helm.toolkit.fluxcd.io", "version": "v2", "kind": "HelmRelease"});
+    fn review(
+        operation: &str,
+        object: Option<Value>,
+        old: Option<Value>,
+        name: &str,
+        user: &str,
+    ) -> review::Request {
+        let kind =
+            json!({"group": "helm.toolkit.fluxcd.io", "version": "v2", "kind": "HelmRelease"});
         let body = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
             "uid": "u-1", "kind": kind, "resource": {"group": "helm.toolkit.fluxcd.io", "version": "v2", "resource": "helmreleases"},
             "name": name, "namespace": NS, "operation": operation, "userInfo": {"username": user},
@@ -308,7 +494,11 @@ mod tests {
     }
 
     fn child_delete(name: &str) -> review::Request {
-        let old = release(name, json!({"cozystack.io/target-cluster-name": "kubernetes-a"}), json!({}));
+        let old = release(
+            name,
+            json!({"cozystack.io/target-cluster-name": "kubernetes-a"}),
+            json!({}),
+        );
         review("DELETE", None, Some(old), name, "flux")
     }
 
@@ -331,21 +521,91 @@ mod tests {
         let api = FakeApi::new();
         api.get(PARENT, parent(false, json!({})));
         api.get(NAMESPACE, partial_metadata(json!({"name": NS})));
-        let (target, verdict) = gate(&api).validate(&child_delete("kubernetes-a-coredns")).await;
-        assert_eq!(target, Target::Child { tenant: "kubernetes-a".into() });
+        let (target, verdict) = gate(&api)
+            .validate(&child_delete("kubernetes-a-coredns"))
+            .await;
+        assert_eq!(
+            target,
+            Target::Child {
+                tenant: "kubernetes-a".into()
+            }
+        );
         assert_eq!(verdict, Verdict::allow("not-in-teardown"));
-        assert_eq!(reads(&api), [format!("GET {PARENT}"), format!("GET {NAMESPACE}")]);
+        assert_eq!(
+            reads(&api),
+            [format!("GET {PARENT}"), format!("GET {NAMESPACE}")]
+        );
     }
 
     #[tokio::test]
     async fn a_child_in_a_deleting_namespace_is_refused_naming_the_tenant() {
         let api = FakeApi::new();
         api.get(PARENT, parent(false, json!({})));
-        api.get(NAMESPACE, partial_metadata(json!({"name": NS, "deletionTimestamp": "2026-01-01T00:00:00Z"})));
-        let (_, verdict) = gate(&api).validate(&child_delete("kubernetes-a-coredns")).await;
-        let Verdict::Deny { reason, message, .. } = verdict else { panic!("allowed") };
+        api.get(
+            NAMESPACE,
+            partial_metadata(json!({"name": NS, "deletionTimestamp": "2026-01-01T00:00:00Z"})),
+        );
+        let (_, verdict) = gate(&api)
+            .validate(&child_delete("kubernetes-a-coredns"))
+            .await;
+        let Verdict::Deny {
+            reason, message, ..
+        } = verdict
+        else {
+            panic!("allowed")
+        };
         assert_eq!(reason, "teardown-held");
-        assert!(message.contains("tenant kubernetes-a in namespace tenant-a is being torn down"), "{message}");
+        assert!(
+            message.contains("tenant kubernetes-a in namespace tenant-a is being torn down"),
+            "{message}"
+        );
+    }
+
+    /// A DELETE of ServiceAccount `name` that helm-controller installed with
+    /// release kubernetes-a.
+    fn release_sa_delete(name: &str) -> review::Request {
+        let old = json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": NS,
+            "labels": {"helm.toolkit.fluxcd.io/name": "kubernetes-a", "helm.toolkit.fluxcd.io/namespace": NS}}});
+        let body = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": "u-1", "kind": {"group": "", "version": "v1", "kind": "ServiceAccount"},
+            "resource": {"group": "", "version": "v1", "resource": "serviceaccounts"},
+            "name": name, "namespace": NS, "operation": "DELETE", "userInfo": {"username": "helm-controller"},
+            "oldObject": old, "dryRun": false}});
+        review::decode(&serde_json::to_vec(&body).unwrap()).expect("a valid review")
+    }
+
+    #[tokio::test]
+    async fn the_teardown_hooks_own_objects_are_not_held_by_name_while_the_drivers_identity_is() {
+        let api = FakeApi::new();
+        api.get(
+            PARENT,
+            parent(true, json!({"volumes.cozystack.io/phase": "Releasing"})),
+        );
+        let (target, verdict) = gate(&api)
+            .validate(&release_sa_delete("kubernetes-a-kcsi"))
+            .await;
+        assert_eq!(
+            target,
+            Target::ReleaseObject {
+                tenant: "kubernetes-a".into(),
+                namespace: NS.into()
+            }
+        );
+        assert_eq!(verdict.reason(), "teardown-held");
+        // Helm deletes the hook's ServiceAccount when the hook fails
+        // (hook-failed) and before it runs again (before-hook-creation).
+        let (target, verdict) = gate(&api)
+            .validate(&release_sa_delete("kubernetes-a-cleanup"))
+            .await;
+        assert_eq!(
+            (target, verdict),
+            (Target::Unrelated, Verdict::allow("unrelated"))
+        );
+        assert_eq!(
+            reads(&api),
+            [format!("GET {PARENT}")],
+            "the hook's object needs no read"
+        );
     }
 
     #[tokio::test]
@@ -353,8 +613,13 @@ mod tests {
         let api = FakeApi::new();
         api.fail("GET", PARENT, 500);
         let (_, verdict) = gate(&api).validate(&child_delete("kubernetes-a-csi")).await;
-        let Verdict::Deny { message, .. } = verdict else { panic!("allowed on a failed read") };
-        assert!(message.contains("cannot read tenant tenant-a/kubernetes-a"), "{message}");
+        let Verdict::Deny { message, .. } = verdict else {
+            panic!("allowed on a failed read")
+        };
+        assert!(
+            message.contains("cannot read tenant tenant-a/kubernetes-a"),
+            "{message}"
+        );
         assert_eq!(reads(&api), [format!("GET {PARENT}")]);
     }
 
@@ -363,30 +628,52 @@ mod tests {
         let api = FakeApi::new();
         api.get(PARENT, parent(false, json!({})));
         api.fail("GET", NAMESPACE, 503);
-        let (_, verdict) = gate(&api).validate(&child_delete("kubernetes-a-coredns")).await;
-        let Verdict::Deny { message, .. } = verdict else { panic!("allowed on a failed read") };
-        assert!(message.contains("cannot read namespace tenant-a"), "{message}");
+        let (_, verdict) = gate(&api)
+            .validate(&child_delete("kubernetes-a-coredns"))
+            .await;
+        let Verdict::Deny { message, .. } = verdict else {
+            panic!("allowed on a failed read")
+        };
+        assert!(
+            message.contains("cannot read namespace tenant-a"),
+            "{message}"
+        );
     }
 
     #[tokio::test]
     async fn the_csi_release_is_refused_until_done_and_allowed_after_without_a_namespace_read() {
         let api = FakeApi::new();
-        api.get(PARENT, parent(true, json!({"volumes.cozystack.io/phase": "Releasing"})));
+        api.get(
+            PARENT,
+            parent(true, json!({"volumes.cozystack.io/phase": "Releasing"})),
+        );
         let (_, verdict) = gate(&api).validate(&child_delete("kubernetes-a-csi")).await;
         assert_eq!(verdict.reason(), "csi-release-held");
-        api.get(PARENT, parent(true, json!({"volumes.cozystack.io/phase": "Released"})));
+        api.get(
+            PARENT,
+            parent(true, json!({"volumes.cozystack.io/phase": "Released"})),
+        );
         let (_, verdict) = gate(&api).validate(&child_delete("kubernetes-a-csi")).await;
         assert_eq!(verdict, Verdict::allow("done"));
-        assert!(api.calls_to("GET", NAMESPACE).is_empty(), "{:?}", reads(&api));
+        assert!(
+            api.calls_to("GET", NAMESPACE).is_empty(),
+            "{:?}",
+            reads(&api)
+        );
     }
 
     #[tokio::test]
     async fn a_child_without_a_parent_is_allowed_with_a_warning() {
         let api = FakeApi::new();
         let (_, verdict) = gate(&api).validate(&child_delete("kubernetes-a-csi")).await;
-        let Verdict::Allow { reason, warnings } = verdict else { panic!("refused") };
+        let Verdict::Allow { reason, warnings } = verdict else {
+            panic!("refused")
+        };
         assert_eq!(reason, "parent-absent");
-        assert!(warnings[0].contains("tenant kubernetes-a has no parent release"), "{warnings:?}");
+        assert!(
+            warnings[0].contains("tenant kubernetes-a has no parent release"),
+            "{warnings:?}"
+        );
     }
 
     #[tokio::test]
@@ -394,8 +681,15 @@ mod tests {
         let api = FakeApi::new();
         let mut old = release("kubernetes-a", parent_labels(), json!({}));
         old["metadata"]["finalizers"] = json!(["volumes.cozystack.io/release"]);
-        let (target, verdict) = gate(&api).validate(&review("DELETE", None, Some(old), "kubernetes-a", "alice")).await;
-        assert_eq!(target, Target::Parent { tenant: "kubernetes-a".into() });
+        let (target, verdict) = gate(&api)
+            .validate(&review("DELETE", None, Some(old), "kubernetes-a", "alice"))
+            .await;
+        assert_eq!(
+            target,
+            Target::Parent {
+                tenant: "kubernetes-a".into()
+            }
+        );
         assert!(verdict.allowed());
         assert!(api.calls().is_empty(), "{:?}", reads(&api));
     }
@@ -405,16 +699,28 @@ mod tests {
     #[tokio::test]
     async fn an_override_rests_on_a_subject_access_review() {
         let old = release("kubernetes-a", parent_labels(), json!({}));
-        let new = release("kubernetes-a", parent_labels(), json!({
-            "volumes.cozystack.io/override": "abandoned",
-            "volumes.cozystack.io/override-by": "alice",
-            "volumes.cozystack.io/override-at": crate::record::now_rfc3339(),
-        }));
+        let new = release(
+            "kubernetes-a",
+            parent_labels(),
+            json!({
+                "volumes.cozystack.io/override": "abandoned",
+                "volumes.cozystack.io/override-by": "alice",
+                "volumes.cozystack.io/override-at": crate::record::now_rfc3339(),
+            }),
+        );
         let req = review("UPDATE", Some(new), Some(old), "kubernetes-a", "alice");
         for (status, body, allowed) in [
             (201, json!({"status": {"allowed": true}}), true),
-            (201, json!({"status": {"allowed": false, "reason": "no RBAC"}}), false),
-            (201, json!({"status": {"allowed": true, "denied": true}}), false),
+            (
+                201,
+                json!({"status": {"allowed": false, "reason": "no RBAC"}}),
+                false,
+            ),
+            (
+                201,
+                json!({"status": {"allowed": true, "denied": true}}),
+                false,
+            ),
             (500, crate::testing::status_body(500), false),
         ] {
             let api = FakeApi::new();
@@ -422,13 +728,22 @@ mod tests {
             sar["apiVersion"] = json!("authorization.k8s.io/v1");
             sar["kind"] = json!("SubjectAccessReview");
             sar["spec"] = json!({});
-            api.on("POST", SAR, status, if status == 201 { sar } else { body.clone() });
+            api.on(
+                "POST",
+                SAR,
+                status,
+                if status == 201 { sar } else { body.clone() },
+            );
             let (_, verdict) = gate(&api).validate(&req).await;
             assert_eq!(verdict.allowed(), allowed, "{status} {body}: {verdict:?}");
             let calls = api.calls_to("POST", SAR);
             assert_eq!(calls.len(), 1);
             let attrs = &calls[0].body["spec"]["resourceAttributes"];
-            assert_eq!((attrs["verb"].as_str(), attrs["name"].as_str()), (Some("override"), Some("kubernetes-a")), "{attrs}");
+            assert_eq!(
+                (attrs["verb"].as_str(), attrs["name"].as_str()),
+                (Some("override"), Some("kubernetes-a")),
+                "{attrs}"
+            );
             assert_eq!(calls[0].body["spec"]["user"], "alice");
         }
     }

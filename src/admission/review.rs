@@ -68,7 +68,10 @@ pub fn decode(body: &[u8]) -> Result<Request, Invalid> {
     // as much again (`docs/benchmarks.md`), so it is kept for explaining a bad one.
     // serde skips fields it does not model without checking their UTF-8.
     let Ok(text) = std::str::from_utf8(body) else {
-        return Err(Invalid { uid: None, message: "body is not JSON: not valid UTF-8".into() });
+        return Err(Invalid {
+            uid: None,
+            message: "body is not JSON: not valid UTF-8".into(),
+        });
     };
     if let Ok(review) = serde_json::from_str::<AdmissionReview<Object>>(text) {
         let well_formed = review.types.api_version == API_VERSION
@@ -83,15 +86,23 @@ pub fn decode(body: &[u8]) -> Result<Request, Invalid> {
 
 /// Why a body is not a usable AdmissionReview v1, with its uid if it has one.
 fn explain_invalid(body: &[u8]) -> Result<Request, Invalid> {
-    let value: Value = serde_json::from_slice(body)
-        .map_err(|e| Invalid { uid: None, message: format!("body is not JSON: {e}") })?;
+    let value: Value = serde_json::from_slice(body).map_err(|e| Invalid {
+        uid: None,
+        message: format!("body is not JSON: {e}"),
+    })?;
     let uid = value
         .pointer("/request/uid")
         .and_then(Value::as_str)
         .filter(|u| !u.is_empty())
         .map(str::to_string);
-    let invalid = |message: String| Invalid { uid: uid.clone(), message };
-    let api_version = value.get("apiVersion").and_then(Value::as_str).unwrap_or("");
+    let invalid = |message: String| Invalid {
+        uid: uid.clone(),
+        message,
+    };
+    let api_version = value
+        .get("apiVersion")
+        .and_then(Value::as_str)
+        .unwrap_or("");
     let kind = value.get("kind").and_then(Value::as_str).unwrap_or("");
     if api_version != API_VERSION || kind != KIND {
         return Err(invalid(format!(
@@ -105,9 +116,11 @@ fn explain_invalid(body: &[u8]) -> Result<Request, Invalid> {
     if uid.is_none() {
         return Err(invalid("the AdmissionReview request has no uid".into()));
     }
-    let review: AdmissionReview<Object> =
-        serde_json::from_value(value).map_err(|e| invalid(format!("malformed AdmissionReview request: {e}")))?;
-    review.try_into().map_err(|_| invalid("the AdmissionReview has no request".into()))
+    let review: AdmissionReview<Object> = serde_json::from_value(value)
+        .map_err(|e| invalid(format!("malformed AdmissionReview request: {e}")))?;
+    review
+        .try_into()
+        .map_err(|_| invalid("the AdmissionReview has no request".into()))
 }
 
 pub fn operation_name(op: &Operation) -> &'static str {
@@ -141,8 +154,15 @@ pub fn request_name(req: &Request) -> &str {
 pub fn meta_view(obj: &Object, fallback_namespace: &str, fallback_name: &str) -> ObjectMetaView {
     let m = &obj.metadata;
     ObjectMetaView {
-        namespace: m.namespace.clone().unwrap_or_else(|| fallback_namespace.to_string()),
-        name: m.name.clone().filter(|n| !n.is_empty()).unwrap_or_else(|| fallback_name.to_string()),
+        namespace: m
+            .namespace
+            .clone()
+            .unwrap_or_else(|| fallback_namespace.to_string()),
+        name: m
+            .name
+            .clone()
+            .filter(|n| !n.is_empty())
+            .unwrap_or_else(|| fallback_name.to_string()),
         labels: m.labels.clone().unwrap_or_default(),
         annotations: m.annotations.clone().unwrap_or_default(),
         finalizers: m.finalizers.clone().unwrap_or_default(),
@@ -151,7 +171,8 @@ pub fn meta_view(obj: &Object, fallback_namespace: &str, fallback_name: &str) ->
 }
 
 pub fn labels_of(obj: Option<&Object>) -> BTreeMap<String, String> {
-    obj.and_then(|o| o.metadata.labels.clone()).unwrap_or_default()
+    obj.and_then(|o| o.metadata.labels.clone())
+        .unwrap_or_default()
 }
 
 #[derive(Serialize)]
@@ -195,26 +216,40 @@ pub fn respond(uid: &str, verdict: &Verdict, patch: Option<&json_patch::Patch>) 
             uid: uid.to_string(),
             allowed: true,
             status: None,
-            patch: patch
-                .filter(|p| !p.0.is_empty())
-                .map(|p| base64::engine::general_purpose::STANDARD.encode(serde_json::to_vec(p).expect("patch serializes"))),
+            patch: patch.filter(|p| !p.0.is_empty()).map(|p| {
+                base64::engine::general_purpose::STANDARD
+                    .encode(serde_json::to_vec(p).expect("patch serializes"))
+            }),
             patch_type: patch.filter(|p| !p.0.is_empty()).map(|_| "JSONPatch"),
             warnings: warnings.iter().map(|w| truncate_warning(w)).collect(),
         },
-        Verdict::Deny { code, message, reason } => Response {
+        Verdict::Deny {
+            code,
+            message,
+            reason,
+        } => Response {
             uid: uid.to_string(),
             allowed: false,
             status: Some(Status {
                 code: Some(*code),
                 message: message.clone(),
-                reason: if *code == 403 { "Forbidden".into() } else { format!("BadRequest: {reason}") },
+                reason: if *code == 403 {
+                    "Forbidden".into()
+                } else {
+                    format!("BadRequest: {reason}")
+                },
             }),
             patch: None,
             patch_type: None,
             warnings: Vec::new(),
         },
     };
-    serde_json::to_vec(&ReviewOut { api_version: API_VERSION, kind: KIND, response }).expect("review serializes")
+    serde_json::to_vec(&ReviewOut {
+        api_version: API_VERSION,
+        kind: KIND,
+        response,
+    })
+    .expect("review serializes")
 }
 
 /// Warnings over 256 characters may be dropped by clients; keep them whole.
@@ -228,7 +263,8 @@ mod tests {
     use serde_json::json;
 
     fn review(request: Value) -> Vec<u8> {
-        serde_json::to_vec(&json!({"apiVersion": API_VERSION, "kind": KIND, "request": request})).unwrap()
+        serde_json::to_vec(&json!({"apiVersion": API_VERSION, "kind": KIND, "request": request}))
+            .unwrap()
     }
 
     fn minimal_request() -> Value {
@@ -249,7 +285,10 @@ mod tests {
         let req = decode(&review(minimal_request())).unwrap();
         assert_eq!(req.uid, "u-1");
         assert!(req.dry_run);
-        assert_eq!(group_kind(&req), GroupKind::new("helm.toolkit.fluxcd.io", "HelmRelease"));
+        assert_eq!(
+            group_kind(&req),
+            GroupKind::new("helm.toolkit.fluxcd.io", "HelmRelease")
+        );
     }
 
     #[test]
@@ -290,7 +329,11 @@ mod tests {
         v["apiVersion"] = json!("admission.k8s.io/v1beta1");
         let e = decode(&serde_json::to_vec(&v).unwrap()).unwrap_err();
         assert_eq!(e.uid.as_deref(), Some("u-1"));
-        assert!(e.message.contains("admissionReviewVersions"), "{}", e.message);
+        assert!(
+            e.message.contains("admissionReviewVersions"),
+            "{}",
+            e.message
+        );
     }
 
     #[test]
@@ -312,18 +355,32 @@ mod tests {
 
     #[test]
     fn a_patch_is_base64_not_a_number_array() {
-        let patch: json_patch::Patch = serde_json::from_value(json!([{"op": "add", "path": "/a", "value": 1}])).unwrap();
+        let patch: json_patch::Patch =
+            serde_json::from_value(json!([{"op": "add", "path": "/a", "value": 1}])).unwrap();
         let body = respond("u", &Verdict::allow("x"), Some(&patch));
         let v: Value = serde_json::from_slice(&body).unwrap();
         let text = v["response"]["patch"].as_str().expect("patch is a string");
-        let decoded = base64::engine::general_purpose::STANDARD.decode(text).unwrap();
-        assert_eq!(serde_json::from_slice::<Value>(&decoded).unwrap(), json!([{"op": "add", "path": "/a", "value": 1}]));
+        let decoded = base64::engine::general_purpose::STANDARD
+            .decode(text)
+            .unwrap();
+        assert_eq!(
+            serde_json::from_slice::<Value>(&decoded).unwrap(),
+            json!([{"op": "add", "path": "/a", "value": 1}])
+        );
         assert_eq!(v["response"]["patchType"], "JSONPatch");
     }
 
     #[test]
     fn a_denial_carries_code_and_message() {
-        let body = respond("u", &Verdict::Deny { reason: "r", code: 403, message: "no".into() }, None);
+        let body = respond(
+            "u",
+            &Verdict::Deny {
+                reason: "r",
+                code: 403,
+                message: "no".into(),
+            },
+            None,
+        );
         let v: Value = serde_json::from_slice(&body).unwrap();
         assert_eq!(v["response"]["allowed"], false);
         assert_eq!(v["response"]["status"]["code"], 403);

@@ -35,7 +35,10 @@ pub enum WebhookError {
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
     #[error("cannot listen on {addr}: {source}")]
-    Listen { addr: SocketAddr, source: std::io::Error },
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("server failed: {0}")]
     Serve(#[source] std::io::Error),
 }
@@ -63,10 +66,19 @@ struct AppState {
 
 /// The webhook's routes: `POST /validate` and `POST /mutate`.
 pub fn router(gate: Arc<Gate>, max_body_bytes: usize) -> Router {
-    let state = AppState { gate, max_body_bytes };
+    let state = AppState {
+        gate,
+        max_body_bytes,
+    };
     Router::new()
-        .route("/validate", post(|s: State<AppState>, b: Body| handle(s, b, Endpoint::Validate)))
-        .route("/mutate", post(|s: State<AppState>, b: Body| handle(s, b, Endpoint::Mutate)))
+        .route(
+            "/validate",
+            post(|s: State<AppState>, b: Body| handle(s, b, Endpoint::Validate)),
+        )
+        .route(
+            "/mutate",
+            post(|s: State<AppState>, b: Body| handle(s, b, Endpoint::Mutate)),
+        )
         .with_state(state)
 }
 
@@ -74,13 +86,20 @@ async fn handle(State(state): State<AppState>, body: Body, endpoint: Endpoint) -
     let started = Instant::now();
     let gate = &state.gate;
     // A body that trickles in must not hold a connection forever.
-    let read = tokio::time::timeout(BODY_READ_TIMEOUT, read_limited(body, state.max_body_bytes)).await;
+    let read =
+        tokio::time::timeout(BODY_READ_TIMEOUT, read_limited(body, state.max_body_bytes)).await;
     let response = match read.unwrap_or(Err(StatusCode::REQUEST_TIMEOUT)) {
         Ok(bytes) => answer(gate, &bytes, endpoint).await,
         Err(status) => {
             let message = match status {
-                StatusCode::PAYLOAD_TOO_LARGE => format!("AdmissionReview body exceeds {} bytes", state.max_body_bytes),
-                StatusCode::REQUEST_TIMEOUT => format!("request body not received within {}s", BODY_READ_TIMEOUT.as_secs()),
+                StatusCode::PAYLOAD_TOO_LARGE => format!(
+                    "AdmissionReview body exceeds {} bytes",
+                    state.max_body_bytes
+                ),
+                StatusCode::REQUEST_TIMEOUT => format!(
+                    "request body not received within {}s",
+                    BODY_READ_TIMEOUT.as_secs()
+                ),
                 _ => "cannot read the request body".to_string(),
             };
             reject_invalid(gate, endpoint, status, Invalid { uid: None, message })
@@ -88,7 +107,9 @@ async fn handle(State(state): State<AppState>, body: Body, endpoint: Endpoint) -
     };
     gate.metrics
         .decision_seconds
-        .get_or_create(&EndpointLabels { endpoint: endpoint.as_str().into() })
+        .get_or_create(&EndpointLabels {
+            endpoint: endpoint.as_str().into(),
+        })
         .observe(started.elapsed().as_secs_f64());
     response
 }
@@ -96,7 +117,12 @@ async fn handle(State(state): State<AppState>, body: Body, endpoint: Endpoint) -
 async fn read_limited(body: Body, limit: usize) -> Result<Bytes, StatusCode> {
     match Limited::new(body, limit).collect().await {
         Ok(collected) => Ok(collected.to_bytes()),
-        Err(e) if e.downcast_ref::<http_body_util::LengthLimitError>().is_some() => Err(StatusCode::PAYLOAD_TOO_LARGE),
+        Err(e)
+            if e.downcast_ref::<http_body_util::LengthLimitError>()
+                .is_some() =>
+        {
+            Err(StatusCode::PAYLOAD_TOO_LARGE)
+        }
         Err(_) => Err(StatusCode::BAD_REQUEST),
     }
 }
@@ -116,7 +142,11 @@ async fn answer(gate: &Gate, body: &[u8], endpoint: Endpoint) -> Response {
     };
     let op = review::operation_name(&req.operation);
     let kind = review::group_kind(&req);
-    let verdict_label = if verdict.allowed() { "allowed" } else { "denied" };
+    let verdict_label = if verdict.allowed() {
+        "allowed"
+    } else {
+        "denied"
+    };
     gate.metrics
         .decisions
         .get_or_create(&DecisionLabels {
@@ -148,11 +178,19 @@ async fn answer(gate: &Gate, body: &[u8], endpoint: Endpoint) -> Response {
         micros = started.elapsed().as_micros() as u64,
         "admission decision"
     );
-    json_response(StatusCode::OK, review::respond(&req.uid, &verdict, patch.as_ref()))
+    json_response(
+        StatusCode::OK,
+        review::respond(&req.uid, &verdict, patch.as_ref()),
+    )
 }
 
 /// Bad input: a well-formed denial; HTTP 200 when the uid is known.
-fn reject_invalid(gate: &Gate, endpoint: Endpoint, status: StatusCode, invalid: Invalid) -> Response {
+fn reject_invalid(
+    gate: &Gate,
+    endpoint: Endpoint,
+    status: StatusCode,
+    invalid: Invalid,
+) -> Response {
     warn!(endpoint = endpoint.as_str(), uid = invalid.uid.as_deref().unwrap_or(""), problem = %invalid.message, "invalid admission review");
     gate.metrics
         .decisions
@@ -164,8 +202,15 @@ fn reject_invalid(gate: &Gate, endpoint: Endpoint, status: StatusCode, invalid: 
         })
         .inc();
     let verdict = cannot_judge(format!("invalid AdmissionReview: {}", invalid.message));
-    let status = if invalid.uid.is_some() { StatusCode::OK } else { status };
-    json_response(status, review::respond(invalid.uid.as_deref().unwrap_or(""), &verdict, None))
+    let status = if invalid.uid.is_some() {
+        StatusCode::OK
+    } else {
+        status
+    };
+    json_response(
+        status,
+        review::respond(invalid.uid.as_deref().unwrap_or(""), &verdict, None),
+    )
 }
 
 fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
@@ -175,9 +220,16 @@ fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
 /// `volume-gate webhook`: serve until SIGTERM/SIGINT, then drain.
 pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
     let profile = Profile::load_or_default(args.profile.as_deref())?;
-    let client = kube::Client::try_default().await.map_err(WebhookError::Client)?;
+    let client = kube::Client::try_default()
+        .await
+        .map_err(WebhookError::Client)?;
     let metrics = Metrics::new();
-    let gate = Arc::new(Gate::new(profile, args.worker_identity.clone(), client.clone(), metrics.clone()));
+    let gate = Arc::new(Gate::new(
+        profile,
+        args.worker_identity.clone(),
+        client.clone(),
+        metrics.clone(),
+    ));
     let shutdown = CancellationToken::new();
 
     let certs = crate::tls::CertReloader::load(&args.tls_cert, &args.tls_key)?;
@@ -186,10 +238,16 @@ pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
 
     let listener = tokio::net::TcpListener::bind(args.listen)
         .await
-        .map_err(|source| WebhookError::Listen { addr: args.listen, source })?;
+        .map_err(|source| WebhookError::Listen {
+            addr: args.listen,
+            source,
+        })?;
     let admin_listener = tokio::net::TcpListener::bind(args.admin_listen)
         .await
-        .map_err(|source| WebhookError::Listen { addr: args.admin_listen, source })?;
+        .map_err(|source| WebhookError::Listen {
+            addr: args.admin_listen,
+            source,
+        })?;
     info!(
         listen = %listener.local_addr().map_err(WebhookError::Serve)?,
         admin = %admin_listener.local_addr().map_err(WebhookError::Serve)?,
@@ -198,9 +256,20 @@ pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
         "volume-gate webhook serving"
     );
     let readiness = Arc::new(crate::admin::ApiServerReadiness::new(client));
-    let admin = tokio::spawn(crate::admin::serve_admin(admin_listener, metrics, readiness, shutdown.clone()));
+    let admin = tokio::spawn(crate::admin::serve_admin(
+        admin_listener,
+        metrics,
+        readiness,
+        shutdown.clone(),
+    ));
     tokio::spawn(crate::shutdown_on_signal(shutdown.clone()));
-    let served = crate::tls::serve(listener, tls_config, router(gate, args.max_body_bytes), shutdown.clone()).await;
+    let served = crate::tls::serve(
+        listener,
+        tls_config,
+        router(gate, args.max_body_bytes),
+        shutdown.clone(),
+    )
+    .await;
     shutdown.cancel();
     let _ = admin.await;
     served.map_err(WebhookError::Serve)

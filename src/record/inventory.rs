@@ -62,7 +62,13 @@ impl Inventory {
     pub fn new(taken_at: String, mut volumes: Vec<Volume>) -> Self {
         volumes.sort_by(|a, b| a.pv.cmp(&b.pv));
         let freed = volumes.iter().filter(|v| v.gone).count();
-        Self { taken_at, total: volumes.len(), freed, truncated: false, volumes }
+        Self {
+            taken_at,
+            total: volumes.len(),
+            freed,
+            truncated: false,
+            volumes,
+        }
     }
 
     pub fn left(&self) -> usize {
@@ -79,7 +85,11 @@ impl Inventory {
     pub fn encode(&self) -> String {
         let taken_at = bounded(&self.taken_at, MAX_TAKEN_AT_BYTES);
         if taken_at.len() < self.taken_at.len() {
-            return Inventory { taken_at, ..self.clone() }.encode();
+            return Inventory {
+                taken_at,
+                ..self.clone()
+            }
+            .encode();
         }
         let full = serde_json::to_string(self).expect("inventory serializes");
         if full.len() <= MAX_INVENTORY_BYTES {
@@ -113,7 +123,8 @@ impl Inventory {
     }
 
     pub fn decode(text: &str) -> Result<Self, String> {
-        serde_json::from_str(text).map_err(|e| format!("volumes annotation is not a valid inventory: {e}"))
+        serde_json::from_str(text)
+            .map_err(|e| format!("volumes annotation is not a valid inventory: {e}"))
     }
 
     /// The first `n` remaining volumes, described, and how many more.

@@ -69,8 +69,14 @@ pub(super) enum Reload {
 
 impl CertReloader {
     /// Loads the pair, failing with an error that names the file at fault.
-    pub fn load(cert_path: impl AsRef<Path>, key_path: impl AsRef<Path>) -> Result<Arc<Self>, TlsError> {
-        let (cert_path, key_path) = (cert_path.as_ref().to_path_buf(), key_path.as_ref().to_path_buf());
+    pub fn load(
+        cert_path: impl AsRef<Path>,
+        key_path: impl AsRef<Path>,
+    ) -> Result<Arc<Self>, TlsError> {
+        let (cert_path, key_path) = (
+            cert_path.as_ref().to_path_buf(),
+            key_path.as_ref().to_path_buf(),
+        );
         let pair = read_pair(&cert_path, &key_path)?;
         let certified = parse_pair(&pair, &cert_path, &key_path)?;
         if let Some(not_after) = expired(&certified) {
@@ -81,7 +87,10 @@ impl CertReloader {
             cert_path,
             key_path,
             current: RwLock::new(Arc::new(certified)),
-            disk: Mutex::new(DiskState { served: pair.clone(), last: Observed::Pair(pair) }),
+            disk: Mutex::new(DiskState {
+                served: pair.clone(),
+                last: Observed::Pair(pair),
+            }),
             generation: AtomicU64::new(0),
         }))
     }
@@ -116,7 +125,10 @@ impl CertReloader {
 
     /// DER of the end-entity certificate new handshakes are given.
     pub fn current_leaf_der(&self) -> Vec<u8> {
-        self.current().end_entity_cert().map(|c| c.to_vec()).unwrap_or_default()
+        self.current()
+            .end_entity_cert()
+            .map(|c| c.to_vec())
+            .unwrap_or_default()
     }
 
     fn current(&self) -> Arc<CertifiedKey> {
@@ -147,20 +159,29 @@ impl CertReloader {
             Err(e) => return Reload::Rejected(e),
         };
         if let Some(not_after) = expired(&certified) {
-            return Reload::Rejected(TlsError::Expired { path: self.cert_path.clone(), not_after });
+            return Reload::Rejected(TlsError::Expired {
+                path: self.cert_path.clone(),
+                not_after,
+            });
         }
         *self.current.write().unwrap_or_else(PoisonError::into_inner) = Arc::new(certified);
         disk.served = pair;
-        Reload::Swapped { generation: self.generation.fetch_add(1, Ordering::AcqRel) + 1 }
+        Reload::Swapped {
+            generation: self.generation.fetch_add(1, Ordering::AcqRel) + 1,
+        }
     }
 
     fn log(&self, outcome: Reload) {
         let cert = self.cert_path.display();
         match outcome {
             Reload::Unchanged => {}
-            Reload::Restored => info!(%cert, "serving certificate files are usable again and unchanged"),
+            Reload::Restored => {
+                info!(%cert, "serving certificate files are usable again and unchanged")
+            }
             Reload::Swapped { generation } => {
-                let not_after = leaf_not_after(&self.current_leaf_der()).map(|t| t.to_string()).unwrap_or_default();
+                let not_after = leaf_not_after(&self.current_leaf_der())
+                    .map(|t| t.to_string())
+                    .unwrap_or_default();
                 info!(%cert, generation, not_after, "serving certificate reloaded; new handshakes use it");
             }
             Reload::Rejected(error) => {
@@ -204,17 +225,28 @@ fn read_pair(cert_path: &Path, key_path: &Path) -> Result<Pair, TlsError> {
 
 fn read_file(path: &Path) -> Result<Vec<u8>, TlsError> {
     std::fs::read(path).map_err(|source| match source.kind() {
-        io::ErrorKind::NotFound => TlsError::Missing { path: path.to_path_buf() },
-        _ => TlsError::Read { path: path.to_path_buf(), source },
+        io::ErrorKind::NotFound => TlsError::Missing {
+            path: path.to_path_buf(),
+        },
+        _ => TlsError::Read {
+            path: path.to_path_buf(),
+            source,
+        },
     })
 }
 
 fn parse_pair(pair: &Pair, cert_path: &Path, key_path: &Path) -> Result<CertifiedKey, TlsError> {
     let sections = pem_sections(&pair.cert, cert_path)?;
-    let chain: Vec<CertificateDer<'static>> =
-        sections.iter().filter(|(kind, _)| *kind == SectionKind::Certificate).map(|(_, der)| CertificateDer::from(der.clone())).collect();
+    let chain: Vec<CertificateDer<'static>> = sections
+        .iter()
+        .filter(|(kind, _)| *kind == SectionKind::Certificate)
+        .map(|(_, der)| CertificateDer::from(der.clone()))
+        .collect();
     if chain.is_empty() {
-        return Err(TlsError::NoCertificate { path: cert_path.to_path_buf(), found: kinds(&sections) });
+        return Err(TlsError::NoCertificate {
+            path: cert_path.to_path_buf(),
+            found: kinds(&sections),
+        });
     }
 
     let sections = pem_sections(&pair.key, key_path)?;
@@ -222,34 +254,52 @@ fn parse_pair(pair: &Pair, cert_path: &Path, key_path: &Path) -> Result<Certifie
     let key = sections
         .into_iter()
         .find_map(|(kind, der)| PrivateKeyDer::from_pem(kind, der))
-        .ok_or_else(|| TlsError::NoPrivateKey { path: key_path.to_path_buf(), found })?;
-    let signing_key = rustls::crypto::ring::sign::any_supported_type(&key)
-        .map_err(|e| TlsError::UnusableKey { path: key_path.to_path_buf(), reason: e.to_string() })?;
+        .ok_or_else(|| TlsError::NoPrivateKey {
+            path: key_path.to_path_buf(),
+            found,
+        })?;
+    let signing_key = rustls::crypto::ring::sign::any_supported_type(&key).map_err(|e| {
+        TlsError::UnusableKey {
+            path: key_path.to_path_buf(),
+            reason: e.to_string(),
+        }
+    })?;
 
     let certified = CertifiedKey::new(chain, signing_key);
     match certified.keys_match() {
         // Unknown: the key type cannot report its public half; rustls accepts that too.
         Ok(()) | Err(rustls::Error::InconsistentKeys(InconsistentKeys::Unknown)) => Ok(certified),
         Err(rustls::Error::InconsistentKeys(InconsistentKeys::KeyMismatch)) => {
-            Err(TlsError::KeyMismatch { cert: cert_path.to_path_buf(), key: key_path.to_path_buf() })
+            Err(TlsError::KeyMismatch {
+                cert: cert_path.to_path_buf(),
+                key: key_path.to_path_buf(),
+            })
         }
-        Err(e) => Err(TlsError::BadCertificate { path: cert_path.to_path_buf(), reason: e.to_string() }),
+        Err(e) => Err(TlsError::BadCertificate {
+            path: cert_path.to_path_buf(),
+            reason: e.to_string(),
+        }),
     }
 }
 
 fn pem_sections(bytes: &[u8], path: &Path) -> Result<Vec<(SectionKind, Vec<u8>)>, TlsError> {
-    let not_pem = |problem: &str| TlsError::NotPem { path: path.to_path_buf(), problem: problem.to_string() };
+    let not_pem = |problem: &str| TlsError::NotPem {
+        path: path.to_path_buf(),
+        problem: problem.to_string(),
+    };
     // The problem is described in our words: pem's own messages may quote the
     // offending line, and this may be a private key.
-    let sections = <(SectionKind, Vec<u8>)>::pem_slice_iter(bytes).collect::<Result<Vec<_>, _>>().map_err(|e| {
-        not_pem(match e {
-            pem::Error::MissingSectionEnd { .. } => "a block has no -----END----- line",
-            pem::Error::IllegalSectionStart { .. } => "a -----BEGIN----- line is malformed",
-            pem::Error::Base64Decode(_) => "a block's base64 body is invalid",
-            pem::Error::SectionTooLarge => "a block is too large",
-            _ => "the PEM is malformed",
-        })
-    })?;
+    let sections = <(SectionKind, Vec<u8>)>::pem_slice_iter(bytes)
+        .collect::<Result<Vec<_>, _>>()
+        .map_err(|e| {
+            not_pem(match e {
+                pem::Error::MissingSectionEnd { .. } => "a block has no -----END----- line",
+                pem::Error::IllegalSectionStart { .. } => "a -----BEGIN----- line is malformed",
+                pem::Error::Base64Decode(_) => "a block's base64 body is invalid",
+                pem::Error::SectionTooLarge => "a block is too large",
+                _ => "the PEM is malformed",
+            })
+        })?;
     if sections.is_empty() {
         return Err(not_pem("no -----BEGIN ...----- block found"));
     }
@@ -257,7 +307,11 @@ fn pem_sections(bytes: &[u8], path: &Path) -> Result<Vec<(SectionKind, Vec<u8>)>
 }
 
 fn kinds(sections: &[(SectionKind, Vec<u8>)]) -> String {
-    sections.iter().map(|(kind, _)| format!("{kind:?}")).collect::<Vec<_>>().join(", ")
+    sections
+        .iter()
+        .map(|(kind, _)| format!("{kind:?}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// The leaf's expiry, if it has passed.
@@ -294,7 +348,9 @@ pub(super) mod tests {
     }
 
     fn leaf(bundle: &CertBundle) -> Vec<u8> {
-        CertificateDer::from_pem_slice(bundle.tls_cert.as_bytes()).unwrap().to_vec()
+        CertificateDer::from_pem_slice(bundle.tls_cert.as_bytes())
+            .unwrap()
+            .to_vec()
     }
 
     fn bundles() -> (CertBundle, CertBundle) {
@@ -306,8 +362,12 @@ pub(super) mod tests {
     #[test]
     fn load_names_the_missing_file() {
         let dir = tempfile::tempdir().unwrap();
-        let err = CertReloader::load(dir.path().join("tls.crt"), dir.path().join("tls.key")).unwrap_err();
-        assert!(matches!(&err, TlsError::Missing { path } if path.ends_with("tls.crt")), "{err}");
+        let err =
+            CertReloader::load(dir.path().join("tls.crt"), dir.path().join("tls.key")).unwrap_err();
+        assert!(
+            matches!(&err, TlsError::Missing { path } if path.ends_with("tls.crt")),
+            "{err}"
+        );
         assert!(err.to_string().contains("tls.crt does not exist"), "{err}");
     }
 
@@ -316,7 +376,10 @@ pub(super) mod tests {
         let dir = tempfile::tempdir().unwrap();
         let (cert, key) = write_files(dir.path(), b"\x30\x82\x01\x0a binary DER", b"irrelevant");
         let err = CertReloader::load(cert, key).unwrap_err();
-        assert!(matches!(&err, TlsError::NotPem { path, .. } if path.ends_with("tls.crt")), "{err}");
+        assert!(
+            matches!(&err, TlsError::NotPem { path, .. } if path.ends_with("tls.crt")),
+            "{err}"
+        );
     }
 
     #[test]
@@ -325,7 +388,10 @@ pub(super) mod tests {
         let (a, _) = bundles();
         let (cert, key) = write_pair(dir.path(), &a);
         let err = CertReloader::load(&key, &cert).unwrap_err();
-        assert!(matches!(&err, TlsError::NoCertificate { path, found } if path.ends_with("tls.key") && found == "PrivateKey"), "{err}");
+        assert!(
+            matches!(&err, TlsError::NoCertificate { path, found } if path.ends_with("tls.key") && found == "PrivateKey"),
+            "{err}"
+        );
     }
 
     #[test]
@@ -335,7 +401,10 @@ pub(super) mod tests {
         let (cert, key) = write_files(dir.path(), a.tls_cert.as_bytes(), b.tls_key.as_bytes());
         let err = CertReloader::load(cert, key).unwrap_err();
         assert!(matches!(err, TlsError::KeyMismatch { .. }), "{err}");
-        assert!(!err.to_string().contains("PRIVATE"), "errors never quote key material: {err}");
+        assert!(
+            !err.to_string().contains("PRIVATE"),
+            "errors never quote key material: {err}"
+        );
     }
 
     #[test]
@@ -345,11 +414,20 @@ pub(super) mod tests {
         let (cert, key) = write_pair(dir.path(), &a);
         let reloader = CertReloader::load(cert, key).unwrap();
         assert!(matches!(reloader.reload_if_changed(), Reload::Unchanged));
-        assert_eq!((reloader.generation(), reloader.current_leaf_der()), (0, leaf(&a)));
+        assert_eq!(
+            (reloader.generation(), reloader.current_leaf_der()),
+            (0, leaf(&a))
+        );
 
         write_pair(dir.path(), &b);
-        assert!(matches!(reloader.reload_if_changed(), Reload::Swapped { generation: 1 }));
-        assert_eq!((reloader.generation(), reloader.current_leaf_der()), (1, leaf(&b)));
+        assert!(matches!(
+            reloader.reload_if_changed(),
+            Reload::Swapped { generation: 1 }
+        ));
+        assert_eq!(
+            (reloader.generation(), reloader.current_leaf_der()),
+            (1, leaf(&b))
+        );
     }
 
     #[test]
@@ -360,12 +438,24 @@ pub(super) mod tests {
         let reloader = CertReloader::load(cert, key).unwrap();
 
         write_files(dir.path(), b.tls_cert.as_bytes(), a.tls_key.as_bytes());
-        assert!(matches!(reloader.reload_if_changed(), Reload::Rejected(TlsError::KeyMismatch { .. })));
-        assert!(matches!(reloader.reload_if_changed(), Reload::Unchanged), "an unchanged bad pair is reported once");
-        assert_eq!((reloader.generation(), reloader.current_leaf_der()), (0, leaf(&a)));
+        assert!(matches!(
+            reloader.reload_if_changed(),
+            Reload::Rejected(TlsError::KeyMismatch { .. })
+        ));
+        assert!(
+            matches!(reloader.reload_if_changed(), Reload::Unchanged),
+            "an unchanged bad pair is reported once"
+        );
+        assert_eq!(
+            (reloader.generation(), reloader.current_leaf_der()),
+            (0, leaf(&a))
+        );
 
         write_pair(dir.path(), &b);
-        assert!(matches!(reloader.reload_if_changed(), Reload::Swapped { generation: 1 }));
+        assert!(matches!(
+            reloader.reload_if_changed(),
+            Reload::Swapped { generation: 1 }
+        ));
         assert_eq!(reloader.current_leaf_der(), leaf(&b));
     }
 
@@ -377,18 +467,27 @@ pub(super) mod tests {
         let reloader = CertReloader::load(cert, key).unwrap();
 
         let expired_key = rcgen::KeyPair::generate().unwrap();
-        let mut params = rcgen::CertificateParams::new(vec!["volume-gate-webhook.volume-gate.svc".to_string()]).unwrap();
+        let mut params =
+            rcgen::CertificateParams::new(vec!["volume-gate-webhook.volume-gate.svc".to_string()])
+                .unwrap();
         params.not_before = rcgen::date_time_ymd(2020, 1, 1);
         params.not_after = rcgen::date_time_ymd(2021, 1, 1);
         let expired_cert = params.self_signed(&expired_key).unwrap();
-        write_files(dir.path(), expired_cert.pem().as_bytes(), expired_key.serialize_pem().as_bytes());
+        write_files(
+            dir.path(),
+            expired_cert.pem().as_bytes(),
+            expired_key.serialize_pem().as_bytes(),
+        );
 
         let outcome = reloader.reload_if_changed();
         assert!(
             matches!(&outcome, Reload::Rejected(TlsError::Expired { not_after, .. }) if not_after.to_string() == "2021-01-01T00:00:00Z"),
             "{outcome:?}"
         );
-        assert_eq!((reloader.generation(), reloader.current_leaf_der()), (0, leaf(&a)));
+        assert_eq!(
+            (reloader.generation(), reloader.current_leaf_der()),
+            (0, leaf(&a))
+        );
     }
 
     #[test]
@@ -399,7 +498,10 @@ pub(super) mod tests {
         let reloader = CertReloader::load(&cert, &key).unwrap();
 
         std::fs::remove_file(&cert).unwrap();
-        assert!(matches!(reloader.reload_if_changed(), Reload::Rejected(TlsError::Missing { .. })));
+        assert!(matches!(
+            reloader.reload_if_changed(),
+            Reload::Rejected(TlsError::Missing { .. })
+        ));
         assert!(matches!(reloader.reload_if_changed(), Reload::Unchanged));
         write_pair(dir.path(), &a);
         assert!(matches!(reloader.reload_if_changed(), Reload::Restored));
@@ -418,7 +520,10 @@ pub(super) mod tests {
         write_pair(dir.path(), &b);
         let deadline = tokio::time::Instant::now() + Duration::from_secs(10);
         while reloader.generation() == 0 {
-            assert!(tokio::time::Instant::now() < deadline, "the reload task never swapped the new pair in");
+            assert!(
+                tokio::time::Instant::now() < deadline,
+                "the reload task never swapped the new pair in"
+            );
             tokio::time::sleep(Duration::from_millis(10)).await;
         }
         assert_eq!(reloader.current_leaf_der(), leaf(&b));

@@ -33,11 +33,21 @@ type Http = auto::Builder<TokioExecutor>;
 
 /// Serves `router` over TLS on `listener` until `shutdown`, then stops
 /// accepting and drains open connections for up to 20 s.
-pub async fn serve(listener: TcpListener, config: Arc<ServerConfig>, router: Router, shutdown: CancellationToken) -> io::Result<()> {
+pub async fn serve(
+    listener: TcpListener,
+    config: Arc<ServerConfig>,
+    router: Router,
+    shutdown: CancellationToken,
+) -> io::Result<()> {
     let acceptor = TlsAcceptor::from(config);
     let mut http = auto::Builder::new(TokioExecutor::new());
-    http.http1().timer(TokioTimer::new()).header_read_timeout(HEADER_READ_TIMEOUT).keep_alive(true);
-    http.http2().timer(TokioTimer::new()).keep_alive_interval(H2_KEEP_ALIVE_INTERVAL);
+    http.http1()
+        .timer(TokioTimer::new())
+        .header_read_timeout(HEADER_READ_TIMEOUT)
+        .keep_alive(true);
+    http.http2()
+        .timer(TokioTimer::new())
+        .keep_alive_interval(H2_KEEP_ALIVE_INTERVAL);
     let http = Arc::new(http);
     let service = TowerToHyperService::new(router);
     let graceful = GracefulShutdown::new();
@@ -64,13 +74,26 @@ pub async fn serve(listener: TcpListener, config: Arc<ServerConfig>, router: Rou
                 }
             },
         };
-        connections.spawn(serve_connection(tcp, peer, acceptor.clone(), Arc::clone(&http), service.clone(), graceful.watcher()));
+        connections.spawn(serve_connection(
+            tcp,
+            peer,
+            acceptor.clone(),
+            Arc::clone(&http),
+            service.clone(),
+            graceful.watcher(),
+        ));
     }
 
     drop(listener);
     info!(open = connections.len(), "draining HTTPS connections");
-    if tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown()).await.is_err() {
-        warn!(open = connections.len(), "connections still open after {DRAIN_TIMEOUT:?}; closing them");
+    if tokio::time::timeout(DRAIN_TIMEOUT, graceful.shutdown())
+        .await
+        .is_err()
+    {
+        warn!(
+            open = connections.len(),
+            "connections still open after {DRAIN_TIMEOUT:?}; closing them"
+        );
     }
     connections.shutdown().await;
     Ok(())
@@ -107,5 +130,10 @@ async fn serve_connection(
 
 /// Errors that concern one incoming connection, not the listener.
 fn is_per_connection(e: &io::Error) -> bool {
-    matches!(e.kind(), io::ErrorKind::ConnectionRefused | io::ErrorKind::ConnectionAborted | io::ErrorKind::ConnectionReset)
+    matches!(
+        e.kind(),
+        io::ErrorKind::ConnectionRefused
+            | io::ErrorKind::ConnectionAborted
+            | io::ErrorKind::ConnectionReset
+    )
 }

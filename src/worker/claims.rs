@@ -20,11 +20,20 @@ pub fn volume_of(pv: &PersistentVolume) -> Volume {
         pv: b(pv.metadata.name.as_deref().unwrap_or_default()),
         driver: csi.map(|c| b(&c.driver)),
         handle: csi.map(|c| b(&c.volume_handle)),
-        capacity: spec.and_then(|s| s.capacity.as_ref()).and_then(|c| c.get("storage")).map(|q| b(&q.0)),
-        reclaim: b(spec.and_then(|s| s.persistent_volume_reclaim_policy.as_deref()).unwrap_or("Delete")),
-        claim: spec
-            .and_then(|s| s.claim_ref.as_ref())
-            .map(|c| b(&format!("{}/{}", c.namespace.as_deref().unwrap_or(""), c.name.as_deref().unwrap_or("")))),
+        capacity: spec
+            .and_then(|s| s.capacity.as_ref())
+            .and_then(|c| c.get("storage"))
+            .map(|q| b(&q.0)),
+        reclaim: b(spec
+            .and_then(|s| s.persistent_volume_reclaim_policy.as_deref())
+            .unwrap_or("Delete")),
+        claim: spec.and_then(|s| s.claim_ref.as_ref()).map(|c| {
+            b(&format!(
+                "{}/{}",
+                c.namespace.as_deref().unwrap_or(""),
+                c.name.as_deref().unwrap_or("")
+            ))
+        }),
         gone: false,
     }
 }
@@ -34,14 +43,25 @@ pub fn volume_of(pv: &PersistentVolume) -> Volume {
 /// provisioned after the first pass is still the tenant's disk). Works from
 /// a truncated record too: counts carry over, and every PV present now is
 /// listed in the result (truncation happens only when it is written).
-pub fn reconcile_inventory(previous: Option<&Inventory>, current: &[PersistentVolume], now: &str) -> Inventory {
-    let present: HashSet<&str> = current.iter().filter_map(|pv| pv.metadata.name.as_deref()).collect();
+pub fn reconcile_inventory(
+    previous: Option<&Inventory>,
+    current: &[PersistentVolume],
+    now: &str,
+) -> Inventory {
+    let present: HashSet<&str> = current
+        .iter()
+        .filter_map(|pv| pv.metadata.name.as_deref())
+        .collect();
     let (mut total, taken_at, unlisted_remaining) = match previous {
         Some(p) => {
             let listed_gone = p.volumes.iter().filter(|v| v.gone).count();
             let unlisted = p.total.saturating_sub(p.volumes.len());
             let unlisted_freed = p.freed.saturating_sub(listed_gone);
-            (p.total, p.taken_at.clone(), unlisted.saturating_sub(unlisted_freed))
+            (
+                p.total,
+                p.taken_at.clone(),
+                unlisted.saturating_sub(unlisted_freed),
+            )
         }
         None => (0, now.to_string(), 0),
     };
@@ -76,7 +96,9 @@ pub fn reconcile_inventory(previous: Option<&Inventory>, current: &[PersistentVo
 pub fn claims_of(pod: &Pod) -> Vec<ClaimKey> {
     let ns = pod.metadata.namespace.clone().unwrap_or_default();
     let pod_name = pod.metadata.name.clone().unwrap_or_default();
-    let Some(spec) = pod.spec.as_ref() else { return Vec::new() };
+    let Some(spec) = pod.spec.as_ref() else {
+        return Vec::new();
+    };
     spec.volumes
         .iter()
         .flatten()
@@ -84,7 +106,9 @@ pub fn claims_of(pod: &Pod) -> Vec<ClaimKey> {
             if let Some(pvc) = &v.persistent_volume_claim {
                 Some((ns.clone(), pvc.claim_name.clone()))
             } else {
-                v.ephemeral.as_ref().map(|_| (ns.clone(), format!("{pod_name}-{}", v.name)))
+                v.ephemeral
+                    .as_ref()
+                    .map(|_| (ns.clone(), format!("{pod_name}-{}", v.name)))
             }
         })
         .collect()
@@ -95,7 +119,10 @@ pub fn pods_holding(pods: &[Pod], claims: &HashSet<ClaimKey>) -> Vec<ClaimKey> {
     let mut out = BTreeSet::new();
     for pod in pods {
         if claims_of(pod).iter().any(|c| claims.contains(c)) {
-            out.insert((pod.metadata.namespace.clone().unwrap_or_default(), pod.metadata.name.clone().unwrap_or_default()));
+            out.insert((
+                pod.metadata.namespace.clone().unwrap_or_default(),
+                pod.metadata.name.clone().unwrap_or_default(),
+            ));
         }
     }
     out.into_iter().collect()
@@ -105,16 +132,23 @@ pub fn pods_holding(pods: &[Pod], claims: &HashSet<ClaimKey>) -> Vec<ClaimKey> {
 mod tests {
     use super::*;
     use k8s_openapi::api::core::v1::{
-        CSIPersistentVolumeSource, EphemeralVolumeSource, ObjectReference, PersistentVolumeClaimVolumeSource,
-        PersistentVolumeSpec, PodSpec, Volume as PodVolume,
+        CSIPersistentVolumeSource, EphemeralVolumeSource, ObjectReference,
+        PersistentVolumeClaimVolumeSource, PersistentVolumeSpec, PodSpec, Volume as PodVolume,
     };
     use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
     use kube::api::ObjectMeta;
 
     fn pod(ns: &str, name: &str, volumes: Vec<PodVolume>) -> Pod {
         Pod {
-            metadata: ObjectMeta { namespace: Some(ns.into()), name: Some(name.into()), ..Default::default() },
-            spec: Some(PodSpec { volumes: Some(volumes), ..Default::default() }),
+            metadata: ObjectMeta {
+                namespace: Some(ns.into()),
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: Some(PodSpec {
+                volumes: Some(volumes),
+                ..Default::default()
+            }),
             ..Default::default()
         }
     }
@@ -122,17 +156,27 @@ mod tests {
     fn pvc_vol(volume: &str, claim: &str) -> PodVolume {
         PodVolume {
             name: volume.into(),
-            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource { claim_name: claim.into(), read_only: None }),
+            persistent_volume_claim: Some(PersistentVolumeClaimVolumeSource {
+                claim_name: claim.into(),
+                read_only: None,
+            }),
             ..Default::default()
         }
     }
 
     fn ephemeral_vol(volume: &str) -> PodVolume {
-        PodVolume { name: volume.into(), ephemeral: Some(EphemeralVolumeSource::default()), ..Default::default() }
+        PodVolume {
+            name: volume.into(),
+            ephemeral: Some(EphemeralVolumeSource::default()),
+            ..Default::default()
+        }
     }
 
     fn other_vol(volume: &str) -> PodVolume {
-        PodVolume { name: volume.into(), ..Default::default() }
+        PodVolume {
+            name: volume.into(),
+            ..Default::default()
+        }
     }
 
     fn key(ns: &str, n: &str) -> ClaimKey {
@@ -141,12 +185,23 @@ mod tests {
 
     fn pv(name: &str, reclaim: &str) -> PersistentVolume {
         PersistentVolume {
-            metadata: ObjectMeta { name: Some(name.into()), ..Default::default() },
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
             spec: Some(PersistentVolumeSpec {
-                csi: Some(CSIPersistentVolumeSource { driver: "d".into(), volume_handle: format!("h-{name}"), ..Default::default() }),
+                csi: Some(CSIPersistentVolumeSource {
+                    driver: "d".into(),
+                    volume_handle: format!("h-{name}"),
+                    ..Default::default()
+                }),
                 capacity: Some([("storage".to_string(), Quantity("1Gi".into()))].into()),
                 persistent_volume_reclaim_policy: Some(reclaim.into()),
-                claim_ref: Some(ObjectReference { namespace: Some("default".into()), name: Some(format!("c-{name}")), ..Default::default() }),
+                claim_ref: Some(ObjectReference {
+                    namespace: Some("default".into()),
+                    name: Some(format!("c-{name}")),
+                    ..Default::default()
+                }),
                 ..Default::default()
             }),
             ..Default::default()
@@ -159,16 +214,32 @@ mod tests {
         p.spec.as_mut().unwrap().csi.as_mut().unwrap().volume_handle = "x".repeat(80_000);
         let v = volume_of(&p);
         let handle = v.handle.unwrap();
-        assert!(handle.len() <= crate::record::MAX_FIELD_BYTES && handle.ends_with("…[80000 bytes]"), "{}", handle.len());
+        assert!(
+            handle.len() <= crate::record::MAX_FIELD_BYTES && handle.ends_with("…[80000 bytes]"),
+            "{}",
+            handle.len()
+        );
         assert_eq!(v.pv, "pv-a");
     }
 
     #[test]
     fn a_pod_mounting_two_claims_is_found_for_either() {
-        let pods = vec![pod("db", "pg-0", vec![pvc_vol("data", "data-pg-0"), pvc_vol("wal", "wal-pg-0"), other_vol("cfg")])];
+        let pods = vec![pod(
+            "db",
+            "pg-0",
+            vec![
+                pvc_vol("data", "data-pg-0"),
+                pvc_vol("wal", "wal-pg-0"),
+                other_vol("cfg"),
+            ],
+        )];
         for claim in ["data-pg-0", "wal-pg-0"] {
             let claims = HashSet::from([key("db", claim)]);
-            assert_eq!(pods_holding(&pods, &claims), vec![key("db", "pg-0")], "{claim}");
+            assert_eq!(
+                pods_holding(&pods, &claims),
+                vec![key("db", "pg-0")],
+                "{claim}"
+            );
         }
     }
 
@@ -182,7 +253,10 @@ mod tests {
     fn a_generic_ephemeral_volume_is_the_claim_pod_dash_volume() {
         let p = pod("ns", "web-7f9", vec![ephemeral_vol("scratch")]);
         assert_eq!(claims_of(&p), vec![key("ns", "web-7f9-scratch")]);
-        assert_eq!(pods_holding(&[p], &HashSet::from([key("ns", "web-7f9-scratch")])), vec![key("ns", "web-7f9")]);
+        assert_eq!(
+            pods_holding(&[p], &HashSet::from([key("ns", "web-7f9-scratch")])),
+            vec![key("ns", "web-7f9")]
+        );
     }
 
     #[test]
@@ -198,7 +272,10 @@ mod tests {
             pod("ns", "a", vec![pvc_vol("1", "c1")]),
         ];
         let claims = HashSet::from([key("ns", "c1"), key("ns", "c2")]);
-        assert_eq!(pods_holding(&pods, &claims), vec![key("ns", "a"), key("ns", "b")]);
+        assert_eq!(
+            pods_holding(&pods, &claims),
+            vec![key("ns", "a"), key("ns", "b")]
+        );
     }
 
     #[test]
@@ -215,24 +292,39 @@ mod tests {
     fn inventory_marks_missing_pvs_gone_and_adds_new_ones() {
         let first = reconcile_inventory(None, &[pv("a", "Delete"), pv("b", "Delete")], "t0");
         assert_eq!((first.total, first.freed), (2, 0));
-        let second = reconcile_inventory(Some(&first), &[pv("b", "Delete"), pv("c", "Delete")], "t1");
-        assert_eq!(second.taken_at, "t0", "the inventory keeps the time it was first taken");
+        let second =
+            reconcile_inventory(Some(&first), &[pv("b", "Delete"), pv("c", "Delete")], "t1");
+        assert_eq!(
+            second.taken_at, "t0",
+            "the inventory keeps the time it was first taken"
+        );
         assert_eq!((second.total, second.freed, second.left()), (3, 1, 2));
         assert!(second.volumes.iter().find(|v| v.pv == "a").unwrap().gone);
         // A PV once gone stays gone, even if a PV of that name reappears.
-        let third = reconcile_inventory(Some(&second), &[pv("a", "Delete"), pv("c", "Delete")], "t2");
+        let third =
+            reconcile_inventory(Some(&second), &[pv("a", "Delete"), pv("c", "Delete")], "t2");
         assert!(third.volumes.iter().find(|v| v.pv == "a").unwrap().gone);
     }
 
     #[test]
     fn a_truncated_record_keeps_its_counts() {
         // 10 volumes, 6 freed; the record lists only 3 remaining ones.
-        let mut listed = reconcile_inventory(None, &[pv("a", "Delete"), pv("b", "Delete"), pv("c", "Delete")], "t0");
+        let mut listed = reconcile_inventory(
+            None,
+            &[pv("a", "Delete"), pv("b", "Delete"), pv("c", "Delete")],
+            "t0",
+        );
         listed.total = 10;
         listed.freed = 6;
         listed.truncated = true;
         // Now present: a, b, c and the unlisted remaining d; e is new.
-        let now = [pv("a", "Delete"), pv("b", "Delete"), pv("c", "Delete"), pv("d", "Delete"), pv("e", "Delete")];
+        let now = [
+            pv("a", "Delete"),
+            pv("b", "Delete"),
+            pv("c", "Delete"),
+            pv("d", "Delete"),
+            pv("e", "Delete"),
+        ];
         let inv = reconcile_inventory(Some(&listed), &now, "t1");
         assert_eq!(inv.total, 11, "d was known, e is new");
         assert_eq!(inv.left(), 5);

@@ -5,12 +5,12 @@ use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
 use k8s_openapi::api::core::v1::Namespace;
+use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
-use kube::ResourceExt;
 use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
@@ -68,7 +68,10 @@ pub struct Parts {
 
 impl Context {
     pub fn new(p: Parts) -> Self {
-        let reporter = Reporter { controller: "volume-gate-worker".into(), instance: Some(p.identity) };
+        let reporter = Reporter {
+            controller: "volume-gate-worker".into(),
+            instance: Some(p.identity),
+        };
         Context {
             recorder: Recorder::new(p.client.clone(), reporter),
             client: p.client,
@@ -109,11 +112,14 @@ impl Context {
     pub async fn write_record(&self, t: &TenantRef, update: &Update) -> Result<(), kube::Error> {
         let mut annotations = update.annotations(&self.keys);
         let request = &self.profile.parent.reconcile_request_annotation;
-        if matches!(update.phase, Some(Phase::Released | Phase::Overridden)) && !request.is_empty() {
+        if matches!(update.phase, Some(Phase::Released | Phase::Overridden)) && !request.is_empty()
+        {
             annotations.insert(request.clone(), serde_json::Value::String(now_rfc3339()));
         }
         let patch = serde_json::json!({"metadata": {"annotations": annotations}});
-        self.parent_api(&t.namespace).patch_metadata(&t.name, &PatchParams::default(), &Patch::Merge(&patch)).await?;
+        self.parent_api(&t.namespace)
+            .patch_metadata(&t.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
         Ok(())
     }
 
@@ -121,9 +127,17 @@ impl Context {
     /// `None` when the parent is gone, `Released`, overridden or out of
     /// custody.
     pub(crate) async fn fresh_record(&self, t: &TenantRef) -> Result<Option<Record>, kube::Error> {
-        let Some(parent) = self.parent_api(&t.namespace).get_metadata_opt(&t.name).await? else { return Ok(None) };
+        let Some(parent) = self
+            .parent_api(&t.namespace)
+            .get_metadata_opt(&t.name)
+            .await?
+        else {
+            return Ok(None);
+        };
         let record = Record::from_annotations(&self.keys, parent.annotations());
-        let in_custody = parent.finalizers().contains(&self.profile.custody_finalizer);
+        let in_custody = parent
+            .finalizers()
+            .contains(&self.profile.custody_finalizer);
         let done = record.phase == Some(Phase::Released) || record.stamped_override().is_some();
         Ok((in_custody && !done).then_some(record))
     }
@@ -132,7 +146,11 @@ impl Context {
     pub async fn event(&self, t: &TenantRef, warning: bool, reason: &str, note: String) {
         let reference = self.parent_reference(t);
         let ev = Event {
-            type_: if warning { EventType::Warning } else { EventType::Normal },
+            type_: if warning {
+                EventType::Warning
+            } else {
+                EventType::Normal
+            },
             reason: reason.to_string(),
             note: Some(shorten(&one_line(&note), 1000, "...")),
             action: "ReleaseVolumes".into(),
@@ -161,10 +179,21 @@ impl Context {
     }
 
     /// Ends custody: removes the finalizer, guarded by a `test` of its index.
-    pub(crate) async fn end_custody(&self, t: &TenantRef, finalizers: &[String]) -> Result<(), kube::Error> {
-        let Some(patch) = custody::remove_finalizer_patch(finalizers, &self.profile.custody_finalizer) else { return Ok(()) };
+    pub(crate) async fn end_custody(
+        &self,
+        t: &TenantRef,
+        finalizers: &[String],
+    ) -> Result<(), kube::Error> {
+        let Some(patch) =
+            custody::remove_finalizer_patch(finalizers, &self.profile.custody_finalizer)
+        else {
+            return Ok(());
+        };
         let api = self.parent_api(&t.namespace);
-        match api.patch_metadata(&t.name, &PatchParams::default(), &Patch::<()>::Json(patch)).await {
+        match api
+            .patch_metadata(&t.name, &PatchParams::default(), &Patch::<()>::Json(patch))
+            .await
+        {
             Ok(_) => {
                 info!(tenant = %t, "custody ended: finalizer removed");
                 Ok(())
@@ -176,7 +205,9 @@ impl Context {
             Err(kube::Error::Api(s)) if s.code == 422 || s.code == 404 => {
                 let now = api.get_metadata_opt(&t.name).await?;
                 match now {
-                    Some(p) if p.finalizers().contains(&self.profile.custody_finalizer) => Err(kube::Error::Api(s)),
+                    Some(p) if p.finalizers().contains(&self.profile.custody_finalizer) => {
+                        Err(kube::Error::Api(s))
+                    }
                     _ => Ok(()),
                 }
             }
@@ -185,10 +216,17 @@ impl Context {
     }
 
     /// Takes custody of a parent that is not being deleted.
-    pub(crate) async fn take_custody(&self, t: &TenantRef, meta: &ParentMeta) -> Result<(), kube::Error> {
+    pub(crate) async fn take_custody(
+        &self,
+        t: &TenantRef,
+        meta: &ParentMeta,
+    ) -> Result<(), kube::Error> {
         let rv = meta.resource_version().unwrap_or_default();
-        let patch = custody::add_finalizer_patch(meta.finalizers(), &rv, &self.profile.custody_finalizer);
-        self.parent_api(&t.namespace).patch_metadata(&t.name, &PatchParams::default(), &Patch::<()>::Json(patch)).await?;
+        let patch =
+            custody::add_finalizer_patch(meta.finalizers(), &rv, &self.profile.custody_finalizer);
+        self.parent_api(&t.namespace)
+            .patch_metadata(&t.name, &PatchParams::default(), &Patch::<()>::Json(patch))
+            .await?;
         Ok(())
     }
 
@@ -199,13 +237,28 @@ impl Context {
     /// backoff.
     pub(crate) async fn bind_cluster(&self, t: &TenantRef) -> Result<Action, kube::Error> {
         let s = &self.settings;
-        let observed = match tenant::connect(&self.client, &self.profile, &t.namespace, &t.name, s.request_timeout).await {
+        let observed = match tenant::connect(
+            &self.client,
+            &self.profile,
+            &t.namespace,
+            &t.name,
+            s.request_timeout,
+        )
+        .await
+        {
             Ok(api) => identity::observe(&api, s.probe_timeout, &now_rfc3339()).await,
             Err(e) => Err(e),
         };
         match observed {
             Ok(id) => {
-                self.write_record(t, &Update { cluster: Some(id.clone()), ..Default::default() }).await?;
+                self.write_record(
+                    t,
+                    &Update {
+                        cluster: Some(id.clone()),
+                        ..Default::default()
+                    },
+                )
+                .await?;
                 self.binds.lock().expect("lock").remove(t);
                 self.event(t, false, "ClusterBound", format!("tenant cluster bound: {}; every release pass checks that the admin kubeconfig still reaches it", id.describe())).await;
                 Ok(Action::await_change())
@@ -225,7 +278,9 @@ impl Context {
     }
 
     pub(crate) fn namespace_deleting(&self, namespace: &str) -> bool {
-        self.namespaces.get(&ObjectRef::new(namespace)).is_some_and(|n| n.metadata.deletion_timestamp.is_some())
+        self.namespaces
+            .get(&ObjectRef::new(namespace))
+            .is_some_and(|n| n.metadata.deletion_timestamp.is_some())
     }
 
     /// Recounts tenants by phase. Only the phase annotation is parsed, and
@@ -236,14 +291,31 @@ impl Context {
         let mut residue = 0i64;
         for p in self.parents.state() {
             let annotations = p.annotations();
-            let phase = annotations.get(&self.keys.phase).and_then(|v| v.parse::<Phase>().ok());
-            *counts.entry(phase.map_or("NotStarted", Phase::as_str)).or_default() += 1;
+            let phase = annotations
+                .get(&self.keys.phase)
+                .and_then(|v| v.parse::<Phase>().ok());
+            *counts
+                .entry(phase.map_or("NotStarted", Phase::as_str))
+                .or_default() += 1;
             if matches!(phase, Some(Phase::Blocked | Phase::Overridden)) {
-                residue += Record::from_annotations(&self.keys, annotations).inventory.map_or(0, |i| i.left() as i64);
+                residue += Record::from_annotations(&self.keys, annotations)
+                    .inventory
+                    .map_or(0, |i| i.left() as i64);
             }
         }
-        for phase in ["NotStarted", "Releasing", "Released", "Blocked", "Overridden"] {
-            self.metrics.tenants_by_phase.get_or_create(&PhaseLabels { phase: phase.into() }).set(*counts.get(phase).unwrap_or(&0));
+        for phase in [
+            "NotStarted",
+            "Releasing",
+            "Released",
+            "Blocked",
+            "Overridden",
+        ] {
+            self.metrics
+                .tenants_by_phase
+                .get_or_create(&PhaseLabels {
+                    phase: phase.into(),
+                })
+                .set(*counts.get(phase).unwrap_or(&0));
         }
         self.metrics.residue_volumes.set(residue);
     }
@@ -252,7 +324,9 @@ impl Context {
         if let Some(started) = self.phase_started.lock().expect("lock").remove(t) {
             self.metrics
                 .phase_seconds
-                .get_or_create(&OutcomeLabels { outcome: outcome.into() })
+                .get_or_create(&OutcomeLabels {
+                    outcome: outcome.into(),
+                })
                 .observe(started.elapsed().as_secs_f64());
         }
     }

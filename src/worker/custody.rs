@@ -13,11 +13,21 @@ use crate::profile::Profile;
 
 /// A JSON Patch adding `finalizer`, valid only at `resource_version`: a stale
 /// view fails (409/422) instead of racing a deletion.
-pub fn add_finalizer_patch(finalizers: &[String], resource_version: &str, finalizer: &str) -> Patch {
+pub fn add_finalizer_patch(
+    finalizers: &[String],
+    resource_version: &str,
+    finalizer: &str,
+) -> Patch {
     let add = if finalizers.is_empty() {
-        AddOperation { path: PointerBuf::from_tokens(["metadata", "finalizers"]), value: json!([finalizer]) }
+        AddOperation {
+            path: PointerBuf::from_tokens(["metadata", "finalizers"]),
+            value: json!([finalizer]),
+        }
     } else {
-        AddOperation { path: PointerBuf::from_tokens(["metadata", "finalizers", "-"]), value: json!(finalizer) }
+        AddOperation {
+            path: PointerBuf::from_tokens(["metadata", "finalizers", "-"]),
+            value: json!(finalizer),
+        }
     };
     Patch(vec![
         PatchOperation::Test(TestOperation {
@@ -32,9 +42,16 @@ pub fn add_finalizer_patch(finalizers: &[String], resource_version: &str, finali
 /// index; `None` when it is not there.
 pub fn remove_finalizer_patch(finalizers: &[String], finalizer: &str) -> Option<Patch> {
     let i = finalizers.iter().position(|f| f == finalizer)?;
-    let path = PointerBuf::from_tokens(["metadata".to_string(), "finalizers".to_string(), i.to_string()]);
+    let path = PointerBuf::from_tokens([
+        "metadata".to_string(),
+        "finalizers".to_string(),
+        i.to_string(),
+    ]);
     Some(Patch(vec![
-        PatchOperation::Test(TestOperation { path: path.clone(), value: json!(finalizer) }),
+        PatchOperation::Test(TestOperation {
+            path: path.clone(),
+            value: json!(finalizer),
+        }),
         PatchOperation::Remove(RemoveOperation { path }),
     ]))
 }
@@ -50,7 +67,10 @@ pub async fn list_parents(
         Some(ns) => Api::namespaced_with(client.clone(), ns, &ar),
         None => Api::all_with(client.clone(), &ar),
     };
-    let mut items = api.list_metadata(&ListParams::default().labels(&profile.parent_selector())).await?.items;
+    let mut items = api
+        .list_metadata(&ListParams::default().labels(&profile.parent_selector()))
+        .await?
+        .items;
     items.sort_by_key(|p| (p.namespace(), p.name_any()));
     Ok(items)
 }
@@ -85,9 +105,13 @@ pub async fn run_command(cmd: CustodyCommand) -> Result<(), String> {
         CustodyCommand::Adopt(a) => (a, true),
     };
     let profile = Profile::load_or_default(args.profile.as_deref()).map_err(|e| e.to_string())?;
-    let client = kube::Client::try_default().await.map_err(|e| format!("cannot reach the management cluster: {e}"))?;
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| format!("cannot reach the management cluster: {e}"))?;
     let ar = profile.parent_resource();
-    let parents = list_parents(&client, &profile, args.namespace.as_deref()).await.map_err(|e| format!("cannot list tenants: {e}"))?;
+    let parents = list_parents(&client, &profile, args.namespace.as_deref())
+        .await
+        .map_err(|e| format!("cannot list tenants: {e}"))?;
     let (mut changed, mut skipped, mut failed) = (0, 0, 0);
     for p in parents {
         let ns = p.namespace().unwrap_or_default();
@@ -100,18 +124,42 @@ pub async fn run_command(cmd: CustodyCommand) -> Result<(), String> {
             continue;
         }
         let patch = match (adopt, has) {
-            (true, false) => add_finalizer_patch(&finalizers, &p.resource_version().unwrap_or_default(), &profile.custody_finalizer),
-            (false, true) => remove_finalizer_patch(&finalizers, &profile.custody_finalizer).expect("present"),
+            (true, false) => add_finalizer_patch(
+                &finalizers,
+                &p.resource_version().unwrap_or_default(),
+                &profile.custody_finalizer,
+            ),
+            (false, true) => {
+                remove_finalizer_patch(&finalizers, &profile.custody_finalizer).expect("present")
+            }
             _ => continue,
         };
-        let verb = if adopt { "custody taken" } else { "custody released" };
+        let verb = if adopt {
+            "custody taken"
+        } else {
+            "custody released"
+        };
         if args.dry_run {
-            println!("{ns}/{name}: would be {}", if adopt { "taken into custody" } else { "released from custody" });
+            println!(
+                "{ns}/{name}: would be {}",
+                if adopt {
+                    "taken into custody"
+                } else {
+                    "released from custody"
+                }
+            );
             changed += 1;
             continue;
         }
         let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &ar);
-        match api.patch_metadata(&name, &PatchParams::default(), &kube::api::Patch::<()>::Json(patch)).await {
+        match api
+            .patch_metadata(
+                &name,
+                &PatchParams::default(),
+                &kube::api::Patch::<()>::Json(patch),
+            )
+            .await
+        {
             Ok(_) => {
                 println!("{ns}/{name}: {verb}");
                 changed += 1;
@@ -124,7 +172,11 @@ pub async fn run_command(cmd: CustodyCommand) -> Result<(), String> {
     }
     println!("{changed} changed, {skipped} skipped (being deleted), {failed} failed");
     if failed > 0 {
-        let hint = if adopt { "" } else { " (if the webhook refused it, delete the webhook configurations first)" };
+        let hint = if adopt {
+            ""
+        } else {
+            " (if the webhook refused it, delete the webhook configurations first)"
+        };
         return Err(format!("{failed} tenants could not be changed{hint}"));
     }
     Ok(())
@@ -137,7 +189,10 @@ mod tests {
     #[test]
     fn removal_tests_the_index_it_removes() {
         let f = vec!["a".to_string(), "volumes.cozystack.io/release".to_string()];
-        let p = serde_json::to_value(remove_finalizer_patch(&f, "volumes.cozystack.io/release").unwrap()).unwrap();
+        let p = serde_json::to_value(
+            remove_finalizer_patch(&f, "volumes.cozystack.io/release").unwrap(),
+        )
+        .unwrap();
         assert_eq!(p[0]["op"], "test");
         assert_eq!(p[0]["path"], "/metadata/finalizers/1");
         assert_eq!(p[1]["op"], "remove");
@@ -156,6 +211,8 @@ mod tests {
     #[test]
     fn a_stale_version_makes_the_add_fail() {
         let mut doc = json!({"metadata": {"resourceVersion": "43", "finalizers": ["a"]}});
-        assert!(json_patch::patch(&mut doc, &add_finalizer_patch(&["a".into()], "42", "x/y")).is_err());
+        assert!(
+            json_patch::patch(&mut doc, &add_finalizer_patch(&["a".into()], "42", "x/y")).is_err()
+        );
     }
 }

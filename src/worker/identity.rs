@@ -19,14 +19,31 @@ use super::tenant::{TenantAccessError, TenantApi, error_chain};
 use crate::record::ClusterIdentity;
 
 /// Reads who the cluster behind `api` is, bounded by `timeout`.
-pub async fn observe(api: &TenantApi, timeout: Duration, now: &str) -> Result<ClusterIdentity, TenantAccessError> {
+pub async fn observe(
+    api: &TenantApi,
+    timeout: Duration,
+    now: &str,
+) -> Result<ClusterIdentity, TenantAccessError> {
     let namespaces: Api<Namespace> = Api::all(api.client.clone());
-    let not_ready = |message: String| TenantAccessError::NotReady { server: api.server.clone(), message };
+    let not_ready = |message: String| TenantAccessError::NotReady {
+        server: api.server.clone(),
+        message,
+    };
     match tokio::time::timeout(timeout, namespaces.get_metadata("kube-system")).await {
-        Err(_) => Err(TenantAccessError::NotAnswering { server: api.server.clone(), timeout }),
-        Ok(Err(e)) => Err(not_ready(format!("cannot read namespace kube-system: {}", error_chain(&e)))),
+        Err(_) => Err(TenantAccessError::NotAnswering {
+            server: api.server.clone(),
+            timeout,
+        }),
+        Ok(Err(e)) => Err(not_ready(format!(
+            "cannot read namespace kube-system: {}",
+            error_chain(&e)
+        ))),
         Ok(Ok(ns)) => match ns.metadata.uid.filter(|u| !u.is_empty()) {
-            Some(uid) => Ok(ClusterIdentity { server: api.server.clone(), kube_system_uid: uid, bound_at: now.to_string() }),
+            Some(uid) => Ok(ClusterIdentity {
+                server: api.server.clone(),
+                kube_system_uid: uid,
+                bound_at: now.to_string(),
+            }),
             None => Err(not_ready("namespace kube-system has no UID".into())),
         },
     }
@@ -71,31 +88,64 @@ mod tests {
     use super::*;
 
     fn id(server: &str, uid: &str) -> ClusterIdentity {
-        ClusterIdentity { server: server.into(), kube_system_uid: uid.into(), bound_at: "2026-12-03T08:00:00Z".into() }
+        ClusterIdentity {
+            server: server.into(),
+            kube_system_uid: uid.into(),
+            bound_at: "2026-12-03T08:00:00Z".into(),
+        }
     }
 
     #[test]
     fn an_unbound_tenant_binds_the_cluster_it_reaches() {
-        assert_eq!(check(None, &id("https://a:6443", "u1"), "ns/s"), Check::Bind(id("https://a:6443", "u1")));
+        assert_eq!(
+            check(None, &id("https://a:6443", "u1"), "ns/s"),
+            Check::Bind(id("https://a:6443", "u1"))
+        );
     }
 
     #[test]
     fn the_same_cluster_at_a_new_address_is_the_same_cluster() {
-        assert_eq!(check(Some(&id("https://a:6443", "u1")), &id("https://b:6443", "u1"), "ns/s"), Check::Same);
+        assert_eq!(
+            check(
+                Some(&id("https://a:6443", "u1")),
+                &id("https://b:6443", "u1"),
+                "ns/s"
+            ),
+            Check::Same
+        );
     }
 
     #[test]
     fn another_cluster_is_refused_naming_both_and_the_remedy() {
-        let Check::Different { message } = check(Some(&id("https://a:6443", "u1")), &id("https://b:6443", "u2"), "tenant-x/kubernetes-x-admin-kubeconfig") else {
+        let Check::Different { message } = check(
+            Some(&id("https://a:6443", "u1")),
+            &id("https://b:6443", "u2"),
+            "tenant-x/kubernetes-x-admin-kubeconfig",
+        ) else {
             panic!("a different cluster was accepted");
         };
-        for needle in ["tenant-x/kubernetes-x-admin-kubeconfig", "different cluster", "https://b:6443", "u2", "https://a:6443", "u1", "override"] {
+        for needle in [
+            "tenant-x/kubernetes-x-admin-kubeconfig",
+            "different cluster",
+            "https://b:6443",
+            "u2",
+            "https://a:6443",
+            "u1",
+            "override",
+        ] {
             assert!(message.contains(needle), "{needle:?} missing: {message}");
         }
     }
 
     #[test]
     fn another_cluster_at_the_same_address_is_another_cluster() {
-        assert!(matches!(check(Some(&id("https://a:6443", "u1")), &id("https://a:6443", "u2"), "ns/s"), Check::Different { .. }));
+        assert!(matches!(
+            check(
+                Some(&id("https://a:6443", "u1")),
+                &id("https://a:6443", "u2"),
+                "ns/s"
+            ),
+            Check::Different { .. }
+        ));
     }
 }

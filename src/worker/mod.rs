@@ -37,9 +37,16 @@ pub enum WorkerError {
     #[error("cannot build a Kubernetes client (in-cluster config or KUBECONFIG): {0}")]
     Client(#[source] kube::Error),
     #[error("cannot listen on {addr}: {source}")]
-    Listen { addr: SocketAddr, source: std::io::Error },
+    Listen {
+        addr: SocketAddr,
+        source: std::io::Error,
+    },
     #[error("leader election on Lease {namespace}/{name} failed: {message}")]
-    Lease { namespace: String, name: String, message: String },
+    Lease {
+        namespace: String,
+        name: String,
+        message: String,
+    },
     #[error("lost the leader Lease; exiting so a standby takes over cleanly")]
     LostLeadership,
 }

@@ -77,13 +77,18 @@ pub fn next(seen: Seen<'_>) -> Next {
         // Loud only when it matters: the parent itself is going and nothing
         // was ever recorded.
         let unreleased = record.phase.is_none() && !record.is_done() && seen.deleting;
-        return if unreleased { Next::DeletedWithoutCustody } else { Next::Wait };
+        return if unreleased {
+            Next::DeletedWithoutCustody
+        } else {
+            Next::Wait
+        };
     }
     if record.phase == Some(Phase::Released) {
         return Next::EndCustody;
     }
     if let Some(ov) = record.stamped_override() {
-        let message = (record.phase != Some(Phase::Overridden)).then(|| override_message(record, ov));
+        let message =
+            (record.phase != Some(Phase::Overridden)).then(|| override_message(record, ov));
         return Next::Override { message };
     }
     match seen.task {
@@ -101,9 +106,19 @@ pub fn override_message(record: &Record, ov: &Override) -> String {
         .as_ref()
         .map(|i| {
             let named = i.first_remaining(50);
-            format!("{} left on storage{}", count(i.left(), "volume"), if named.is_empty() { String::new() } else { format!(": {named}") })
+            format!(
+                "{} left on storage{}",
+                count(i.left(), "volume"),
+                if named.is_empty() {
+                    String::new()
+                } else {
+                    format!(": {named}")
+                }
+            )
         })
-        .unwrap_or_else(|| "no inventory was taken: the volumes left on storage are unknown".into());
+        .unwrap_or_else(|| {
+            "no inventory was taken: the volumes left on storage are unknown".into()
+        });
     let by = ov.by.as_deref().unwrap_or("?");
     format!("override by {by} ({}): {left}", ov.reason.trim())
 }
@@ -121,35 +136,71 @@ mod tests {
 
     fn record(pairs: &[(&str, &str)]) -> Record {
         let keys = Keys::new("volumes.cozystack.io/");
-        let ann = pairs.iter().map(|(k, v)| (format!("volumes.cozystack.io/{k}"), v.to_string())).collect();
+        let ann = pairs
+            .iter()
+            .map(|(k, v)| (format!("volumes.cozystack.io/{k}"), v.to_string()))
+            .collect();
         Record::from_annotations(&keys, &ann)
     }
 
     fn bound() -> Record {
         let mut r = record(&[]);
-        r.cluster = Some(ClusterIdentity { server: "https://t".into(), kube_system_uid: "u".into(), bound_at: "2026-01-01T00:00:00Z".into() });
+        r.cluster = Some(ClusterIdentity {
+            server: "https://t".into(),
+            kube_system_uid: "u".into(),
+            bound_at: "2026-01-01T00:00:00Z".into(),
+        });
         r
     }
 
     fn seen(record: &Record) -> Seen<'_> {
-        Seen { is_parent: true, record, in_custody: true, deleting: false, namespace_deleting: false, task: Task::Idle }
+        Seen {
+            is_parent: true,
+            record,
+            in_custody: true,
+            deleting: false,
+            namespace_deleting: false,
+            task: Task::Idle,
+        }
     }
 
-    const OVERRIDE: [(&str, &str); 3] =
-        [("override", " abandoned "), ("override-by", "alice"), ("override-at", "2026-01-01T00:00:00Z")];
+    const OVERRIDE: [(&str, &str); 3] = [
+        ("override", " abandoned "),
+        ("override-by", "alice"),
+        ("override-at", "2026-01-01T00:00:00Z"),
+    ];
 
     #[test]
     fn an_object_without_the_parent_labels_is_ignored_whatever_else_it_carries() {
         let r = record(&[("phase", "Blocked")]);
-        assert_eq!(next(Seen { is_parent: false, deleting: true, ..seen(&r) }), Next::Ignore);
+        assert_eq!(
+            next(Seen {
+                is_parent: false,
+                deleting: true,
+                ..seen(&r)
+            }),
+            Next::Ignore
+        );
     }
 
     #[test]
     fn a_live_tenant_is_taken_into_custody_then_bound_once() {
         let unbound = record(&[]);
         let b = bound();
-        assert_eq!(next(Seen { in_custody: false, ..seen(&unbound) }), Next::TakeCustody { bind: true });
-        assert_eq!(next(Seen { in_custody: false, ..seen(&b) }), Next::TakeCustody { bind: false });
+        assert_eq!(
+            next(Seen {
+                in_custody: false,
+                ..seen(&unbound)
+            }),
+            Next::TakeCustody { bind: true }
+        );
+        assert_eq!(
+            next(Seen {
+                in_custody: false,
+                ..seen(&b)
+            }),
+            Next::TakeCustody { bind: false }
+        );
         assert_eq!(next(seen(&unbound)), Next::BindCluster);
         assert_eq!(next(seen(&b)), Next::Wait);
     }
@@ -157,19 +208,51 @@ mod tests {
     #[test]
     fn a_tenant_deleted_before_custody_is_reported_once_its_parent_goes_and_never_held() {
         let r = record(&[]);
-        assert_eq!(next(Seen { in_custody: false, deleting: true, ..seen(&r) }), Next::DeletedWithoutCustody);
+        assert_eq!(
+            next(Seen {
+                in_custody: false,
+                deleting: true,
+                ..seen(&r)
+            }),
+            Next::DeletedWithoutCustody
+        );
         // Only its namespace going: the parent's own deletion reports it.
-        assert_eq!(next(Seen { in_custody: false, namespace_deleting: true, ..seen(&r) }), Next::Wait);
+        assert_eq!(
+            next(Seen {
+                in_custody: false,
+                namespace_deleting: true,
+                ..seen(&r)
+            }),
+            Next::Wait
+        );
         // Custody already ended after a recorded outcome: nothing to say.
         let released = record(&[("phase", "Released")]);
-        assert_eq!(next(Seen { in_custody: false, deleting: true, ..seen(&released) }), Next::Wait);
+        assert_eq!(
+            next(Seen {
+                in_custody: false,
+                deleting: true,
+                ..seen(&released)
+            }),
+            Next::Wait
+        );
     }
 
     #[test]
     fn a_released_tenant_still_in_custody_ends_custody_whatever_the_task_does() {
         let r = record(&[("phase", "Released")]);
-        for task in [Task::Idle, Task::Running, Task::RetryIn(Duration::from_secs(9))] {
-            assert_eq!(next(Seen { deleting: true, task, ..seen(&r) }), Next::EndCustody);
+        for task in [
+            Task::Idle,
+            Task::Running,
+            Task::RetryIn(Duration::from_secs(9)),
+        ] {
+            assert_eq!(
+                next(Seen {
+                    deleting: true,
+                    task,
+                    ..seen(&r)
+                }),
+                Next::EndCustody
+            );
         }
     }
 
@@ -178,38 +261,84 @@ mod tests {
         let mut pairs = OVERRIDE.to_vec();
         pairs.push(("phase", "Blocked"));
         let blocked = record(&pairs);
-        let Next::Override { message: Some(m) } = next(Seen { deleting: true, task: Task::Running, ..seen(&blocked) }) else {
+        let Next::Override { message: Some(m) } = next(Seen {
+            deleting: true,
+            task: Task::Running,
+            ..seen(&blocked)
+        }) else {
             panic!("expected an override to record")
         };
-        assert_eq!(m, "override by alice (abandoned): no inventory was taken: the volumes left on storage are unknown");
+        assert_eq!(
+            m,
+            "override by alice (abandoned): no inventory was taken: the volumes left on storage are unknown"
+        );
         pairs.pop();
         pairs.push(("phase", "Overridden"));
         let recorded = record(&pairs);
-        assert_eq!(next(Seen { namespace_deleting: true, ..seen(&recorded) }), Next::Override { message: None });
+        assert_eq!(
+            next(Seen {
+                namespace_deleting: true,
+                ..seen(&recorded)
+            }),
+            Next::Override { message: None }
+        );
     }
 
     #[test]
     fn an_unstamped_override_is_not_an_override() {
         let r = record(&[("override", "abandoned")]);
-        assert_eq!(next(Seen { deleting: true, ..seen(&r) }), Next::StartPass);
+        assert_eq!(
+            next(Seen {
+                deleting: true,
+                ..seen(&r)
+            }),
+            Next::StartPass
+        );
     }
 
     #[test]
     fn in_teardown_a_pass_starts_unless_one_runs_or_a_retry_is_due_later() {
         for phase in [None, Some("Releasing"), Some("Blocked")] {
             let r = record(phase.map(|p| [("phase", p)]).unwrap_or_default().as_ref());
-            let s = Seen { deleting: true, ..seen(&r) };
+            let s = Seen {
+                deleting: true,
+                ..seen(&r)
+            };
             assert_eq!(next(s), Next::StartPass, "{phase:?}");
-            assert_eq!(next(Seen { task: Task::Running, ..s }), Next::AwaitPass);
-            assert_eq!(next(Seen { task: Task::RetryIn(Duration::from_secs(3)), ..s }), Next::RetryIn(Duration::from_secs(3)));
-            assert_eq!(next(Seen { task: Task::RetryIn(Duration::ZERO), ..s }), Next::StartPass);
+            assert_eq!(
+                next(Seen {
+                    task: Task::Running,
+                    ..s
+                }),
+                Next::AwaitPass
+            );
+            assert_eq!(
+                next(Seen {
+                    task: Task::RetryIn(Duration::from_secs(3)),
+                    ..s
+                }),
+                Next::RetryIn(Duration::from_secs(3))
+            );
+            assert_eq!(
+                next(Seen {
+                    task: Task::RetryIn(Duration::ZERO),
+                    ..s
+                }),
+                Next::StartPass
+            );
         }
     }
 
     #[test]
     fn a_namespace_deletion_is_a_teardown_too() {
         let r = record(&[]);
-        assert_eq!(next(Seen { namespace_deleting: true, ..seen(&r) }), Next::StartPass);
+        assert_eq!(
+            next(Seen {
+                namespace_deleting: true,
+                ..seen(&r)
+            }),
+            Next::StartPass
+        );
     }
 
     #[test]

@@ -4,8 +4,8 @@
 use std::sync::Arc;
 use std::time::Duration;
 
-use kube::{Resource, ResourceExt};
 use kube::runtime::controller::Action;
+use kube::{Resource, ResourceExt};
 use tokio::time::Instant;
 use tracing::{error, warn};
 
@@ -52,8 +52,14 @@ fn task_state(ctx: &Context, t: &TenantRef) -> Task {
 }
 
 /// One reconcile of a parent release.
-pub async fn reconcile(parent: Arc<ParentMeta>, ctx: Arc<Context>) -> Result<Action, ReconcileError> {
-    let t = TenantRef { namespace: parent.namespace().unwrap_or_default(), name: parent.name_any() };
+pub async fn reconcile(
+    parent: Arc<ParentMeta>,
+    ctx: Arc<Context>,
+) -> Result<Action, ReconcileError> {
+    let t = TenantRef {
+        namespace: parent.namespace().unwrap_or_default(),
+        name: parent.name_any(),
+    };
     let record = Record::from_annotations(&ctx.keys, parent.annotations());
     let seen = Seen {
         is_parent: ctx.profile.is_parent(parent.labels()),
@@ -67,10 +73,21 @@ pub async fn reconcile(parent: Arc<ParentMeta>, ctx: Arc<Context>) -> Result<Act
         Next::Ignore | Next::Wait | Next::AwaitPass => Ok(Action::await_change()),
         Next::TakeCustody { bind } => {
             ctx.take_custody(&t, &parent).await?;
-            ctx.event(&t, false, "CustodyTaken", format!(
-                "finalizer {} added: deleting this tenant will first free its volumes", ctx.profile.custody_finalizer
-            )).await;
-            if bind { Ok(ctx.bind_cluster(&t).await?) } else { Ok(Action::await_change()) }
+            ctx.event(
+                &t,
+                false,
+                "CustodyTaken",
+                format!(
+                    "finalizer {} added: deleting this tenant will first free its volumes",
+                    ctx.profile.custody_finalizer
+                ),
+            )
+            .await;
+            if bind {
+                Ok(ctx.bind_cluster(&t).await?)
+            } else {
+                Ok(Action::await_change())
+            }
         }
         Next::BindCluster => Ok(ctx.bind_cluster(&t).await?),
         Next::DeletedWithoutCustody => {
@@ -86,8 +103,15 @@ pub async fn reconcile(parent: Arc<ParentMeta>, ctx: Arc<Context>) -> Result<Act
                 task.abort();
             }
             if let Some(message) = message {
-                ctx.write_record(&t, &Update { phase: Some(Phase::Overridden), message: Some(message.clone()), ..Default::default() })
-                    .await?;
+                ctx.write_record(
+                    &t,
+                    &Update {
+                        phase: Some(Phase::Overridden),
+                        message: Some(message.clone()),
+                        ..Default::default()
+                    },
+                )
+                .await?;
                 ctx.event(&t, true, "Overridden", message).await;
                 ctx.observe_outcome(&t, "overridden");
                 ctx.retries.lock().expect("lock").remove(&t);
@@ -97,7 +121,11 @@ pub async fn reconcile(parent: Arc<ParentMeta>, ctx: Arc<Context>) -> Result<Act
         }
         Next::RetryIn(delay) => Ok(Action::requeue(delay)),
         Next::StartPass => {
-            ctx.phase_started.lock().expect("lock").entry(t.clone()).or_insert_with(Instant::now);
+            ctx.phase_started
+                .lock()
+                .expect("lock")
+                .entry(t.clone())
+                .or_insert_with(Instant::now);
             let task = tokio::spawn(run_phase(ctx.clone(), t.clone()));
             ctx.running.lock().expect("lock").insert(t, task);
             Ok(Action::await_change())
@@ -119,24 +147,55 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
         Ok(None) => return,
         Err(e) => {
             warn!(tenant = %t, error = %e, "cannot read the parent before a release pass; retrying");
-            ctx.retries.lock().expect("lock").insert(t.clone(), Retry { at: Instant::now() + API_RETRY, attempts: 0 });
+            ctx.retries.lock().expect("lock").insert(
+                t.clone(),
+                Retry {
+                    at: Instant::now() + API_RETRY,
+                    attempts: 0,
+                },
+            );
             ctx.retrigger(&t);
             return;
         }
     };
     if record.phase.is_none() {
         let waiting = ctx.slots.available_permits() == 0;
-        let message = if waiting { "waiting for a release slot" } else { "release started" };
-        if let Err(e) = ctx.write_record(&t, &Update { phase: Some(Phase::Releasing), message: Some(message.into()), ..Default::default() }).await {
+        let message = if waiting {
+            "waiting for a release slot"
+        } else {
+            "release started"
+        };
+        if let Err(e) = ctx
+            .write_record(
+                &t,
+                &Update {
+                    phase: Some(Phase::Releasing),
+                    message: Some(message.into()),
+                    ..Default::default()
+                },
+            )
+            .await
+        {
             warn!(tenant = %t, error = %e, "cannot record the start of the release");
         }
-        ctx.event(&t, false, "ReleaseStarted", "tenant is being deleted: releasing its volumes before the CSI driver goes".into()).await;
+        ctx.event(
+            &t,
+            false,
+            "ReleaseStarted",
+            "tenant is being deleted: releasing its volumes before the CSI driver goes".into(),
+        )
+        .await;
     }
-    let Ok(_permit) = ctx.slots.clone().acquire_owned().await else { return };
+    let Ok(_permit) = ctx.slots.clone().acquire_owned().await else {
+        return;
+    };
     let outcome = release::run(&ctx, &t, &record).await;
     let result = match outcome {
         Ok(release::Outcome::Released { inventory }) => {
-            let message = format!("{} freed, none left on storage", count(inventory.total, "volume"));
+            let message = format!(
+                "{} freed, none left on storage",
+                count(inventory.total, "volume")
+            );
             let update = Update {
                 phase: Some(Phase::Released),
                 message: Some(message.clone()),
@@ -155,18 +214,36 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
                 Err(e) => Err(e),
             }
         }
-        Ok(release::Outcome::Blocked { reason, message, inventory }) => {
+        Ok(release::Outcome::Blocked {
+            reason,
+            message,
+            inventory,
+        }) => {
             ctx.metrics.count_error(reason);
             let attempts = {
                 let mut retries = ctx.retries.lock().expect("lock");
                 let attempts = retries.get(&t).map_or(0, |r| r.attempts) + 1;
                 let delay = ctx.settings.backoff(attempts);
-                retries.insert(t.clone(), Retry { at: Instant::now() + delay, attempts });
+                retries.insert(
+                    t.clone(),
+                    Retry {
+                        at: Instant::now() + delay,
+                        attempts,
+                    },
+                );
                 attempts
             };
             let delay = ctx.settings.backoff(attempts);
-            let full = format!("{message} (attempt {attempts}; retrying in {}s)", delay.as_secs());
-            let update = Update { phase: Some(Phase::Blocked), message: Some(full.clone()), inventory, ..Default::default() };
+            let full = format!(
+                "{message} (attempt {attempts}; retrying in {}s)",
+                delay.as_secs()
+            );
+            let update = Update {
+                phase: Some(Phase::Blocked),
+                message: Some(full.clone()),
+                inventory,
+                ..Default::default()
+            };
             let written = ctx.write_record(&t, &update).await;
             ctx.event(&t, true, "Blocked", full).await;
             written
@@ -178,12 +255,22 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
         error!(tenant = %t, error = %e, "release pass failed on the management API; retrying");
         let mut retries = ctx.retries.lock().expect("lock");
         let attempts = retries.get(&t).map_or(0, |r| r.attempts) + 1;
-        retries.insert(t.clone(), Retry { at: Instant::now() + API_RETRY, attempts });
+        retries.insert(
+            t.clone(),
+            Retry {
+                at: Instant::now() + API_RETRY,
+                attempts,
+            },
+        );
     }
     ctx.retrigger(&t);
 }
 
-pub(crate) fn error_policy(parent: Arc<ParentMeta>, error: &ReconcileError, ctx: Arc<Context>) -> Action {
+pub(crate) fn error_policy(
+    parent: Arc<ParentMeta>,
+    error: &ReconcileError,
+    ctx: Arc<Context>,
+) -> Action {
     ctx.metrics.count_error(error.kind());
     warn!(namespace = parent.namespace().unwrap_or_default(), name = %parent.name_any(), error = %error, "reconcile failed");
     Action::requeue(API_RETRY)
@@ -205,7 +292,8 @@ mod tests {
     use crate::worker::context::Parts;
 
     const NS: &str = "tenant-a";
-    const PARENT: &str = "/apis/helm.toolkit.fluxcd.io/v2/namespaces/tenant-a/helmreleases/kubernetes-a";
+    const PARENT: &str =
+        "/apis/helm.toolkit.fluxcd.io/v2/namespaces/tenant-a/helmreleases/kubernetes-a";
     const SECRET: &str = "/api/v1/namespaces/tenant-a/secrets/kubernetes-a-admin-kubeconfig";
     const EVENTS: &str = "/apis/events.k8s.io/v1/namespaces/tenant-a/events";
     const CUSTODY: &str = "volumes.cozystack.io/release";
@@ -213,7 +301,8 @@ mod tests {
     struct World {
         api: Arc<FakeApi>,
         ctx: Arc<Context>,
-        triggered: tokio::sync::mpsc::UnboundedReceiver<kube::runtime::reflector::ObjectRef<ParentMeta>>,
+        triggered:
+            tokio::sync::mpsc::UnboundedReceiver<kube::runtime::reflector::ObjectRef<ParentMeta>>,
     }
 
     fn world() -> World {
@@ -241,7 +330,11 @@ mod tests {
             identity: "test".into(),
             trigger,
         }));
-        World { api, ctx, triggered }
+        World {
+            api,
+            ctx,
+            triggered,
+        }
     }
 
     fn parent(labels: bool, deleting: bool, finalizers: &[&str], annotations: Value) -> Value {
@@ -262,27 +355,41 @@ mod tests {
 
     /// The bodies of the PATCHes sent to the parent, in order.
     fn patches(api: &FakeApi) -> Vec<(String, Value)> {
-        api.calls_to("PATCH", PARENT).into_iter().map(|c| (c.content_type, c.body)).collect()
+        api.calls_to("PATCH", PARENT)
+            .into_iter()
+            .map(|c| (c.content_type, c.body))
+            .collect()
     }
 
     fn event_reasons(api: &FakeApi) -> Vec<(String, String)> {
         api.calls_to("POST", EVENTS)
             .iter()
-            .map(|c| (c.body["type"].as_str().unwrap_or("").to_string(), c.body["reason"].as_str().unwrap_or("").to_string()))
+            .map(|c| {
+                (
+                    c.body["type"].as_str().unwrap_or("").to_string(),
+                    c.body["reason"].as_str().unwrap_or("").to_string(),
+                )
+            })
             .collect()
     }
 
     #[tokio::test]
     async fn an_object_without_the_parent_labels_gets_no_call() {
         let w = world();
-        let p = parent(false, true, &[], json!({"volumes.cozystack.io/phase": "Blocked"}));
+        let p = parent(
+            false,
+            true,
+            &[],
+            json!({"volumes.cozystack.io/phase": "Blocked"}),
+        );
         let action = reconcile(meta(&p), w.ctx.clone()).await.unwrap();
         assert_eq!(action, Action::await_change());
         assert!(w.api.calls().is_empty(), "{:?}", w.api.calls());
     }
 
     #[tokio::test]
-    async fn a_live_tenant_is_taken_into_custody_at_its_version_and_its_binding_retried_with_backoff() {
+    async fn a_live_tenant_is_taken_into_custody_at_its_version_and_its_binding_retried_with_backoff()
+     {
         let w = world();
         let p = parent(true, false, &["finalizers.fluxcd.io"], json!({}));
         w.api.on("PATCH", PARENT, 200, p.clone());
@@ -290,40 +397,80 @@ mod tests {
         let sent = patches(&w.api);
         assert_eq!(sent.len(), 1, "{sent:?}");
         assert_eq!(sent[0].0, "application/json-patch+json");
-        assert_eq!(sent[0].1, json!([
-            {"op": "test", "path": "/metadata/resourceVersion", "value": "7"},
-            {"op": "add", "path": "/metadata/finalizers/-", "value": CUSTODY},
-        ]));
-        assert_eq!(event_reasons(&w.api), [("Normal".to_string(), "CustodyTaken".to_string())]);
+        assert_eq!(
+            sent[0].1,
+            json!([
+                {"op": "test", "path": "/metadata/resourceVersion", "value": "7"},
+                {"op": "add", "path": "/metadata/finalizers/-", "value": CUSTODY},
+            ])
+        );
+        assert_eq!(
+            event_reasons(&w.api),
+            [("Normal".to_string(), "CustodyTaken".to_string())]
+        );
         // No kubeconfig yet (Kamaji is building the tenant): tried again after retry_base.
         assert_eq!(w.api.calls_to("GET", SECRET).len(), 1);
         assert_eq!(action, Action::requeue(Duration::from_secs(30)));
-        let again = reconcile(meta(&parent(true, false, &["finalizers.fluxcd.io", CUSTODY], json!({}))), w.ctx.clone()).await.unwrap();
-        assert_eq!(again, Action::requeue(Duration::from_secs(60)), "the second attempt backs off");
+        let again = reconcile(
+            meta(&parent(
+                true,
+                false,
+                &["finalizers.fluxcd.io", CUSTODY],
+                json!({}),
+            )),
+            w.ctx.clone(),
+        )
+        .await
+        .unwrap();
+        assert_eq!(
+            again,
+            Action::requeue(Duration::from_secs(60)),
+            "the second attempt backs off"
+        );
     }
 
     #[tokio::test]
-    async fn a_released_tenant_still_in_custody_has_only_its_finalizer_removed_by_index_under_a_test() {
+    async fn a_released_tenant_still_in_custody_has_only_its_finalizer_removed_by_index_under_a_test()
+     {
         let w = world();
-        let p = parent(true, true, &["finalizers.fluxcd.io", CUSTODY], json!({"volumes.cozystack.io/phase": "Released"}));
+        let p = parent(
+            true,
+            true,
+            &["finalizers.fluxcd.io", CUSTODY],
+            json!({"volumes.cozystack.io/phase": "Released"}),
+        );
         w.api.on("PATCH", PARENT, 200, p.clone());
         reconcile(meta(&p), w.ctx.clone()).await.unwrap();
-        assert_eq!(patches(&w.api).iter().map(|p| p.1.clone()).collect::<Vec<_>>(), [json!([
-            {"op": "test", "path": "/metadata/finalizers/1", "value": CUSTODY},
-            {"op": "remove", "path": "/metadata/finalizers/1"},
-        ])]);
-        assert!(w.api.calls_to("GET", SECRET).is_empty(), "a released tenant's cluster is not touched");
+        assert_eq!(
+            patches(&w.api)
+                .iter()
+                .map(|p| p.1.clone())
+                .collect::<Vec<_>>(),
+            [json!([
+                {"op": "test", "path": "/metadata/finalizers/1", "value": CUSTODY},
+                {"op": "remove", "path": "/metadata/finalizers/1"},
+            ])]
+        );
+        assert!(
+            w.api.calls_to("GET", SECRET).is_empty(),
+            "a released tenant's cluster is not touched"
+        );
     }
 
     #[tokio::test]
     async fn a_stamped_override_is_recorded_with_a_warning_then_custody_ends() {
         let w = world();
-        let p = parent(true, true, &[CUSTODY], json!({
-            "volumes.cozystack.io/phase": "Blocked",
-            "volumes.cozystack.io/override": "tenant abandoned",
-            "volumes.cozystack.io/override-by": "alice",
-            "volumes.cozystack.io/override-at": "2026-01-01T00:00:00Z",
-        }));
+        let p = parent(
+            true,
+            true,
+            &[CUSTODY],
+            json!({
+                "volumes.cozystack.io/phase": "Blocked",
+                "volumes.cozystack.io/override": "tenant abandoned",
+                "volumes.cozystack.io/override-by": "alice",
+                "volumes.cozystack.io/override-at": "2026-01-01T00:00:00Z",
+            }),
+        );
         w.api.on("PATCH", PARENT, 200, p.clone());
         reconcile(meta(&p), w.ctx.clone()).await.unwrap();
         let sent = patches(&w.api);
@@ -331,11 +478,29 @@ mod tests {
         assert_eq!(sent[0].0, "application/merge-patch+json");
         let ann = &sent[0].1["metadata"]["annotations"];
         assert_eq!(ann["volumes.cozystack.io/phase"], "Overridden");
-        assert!(ann["volumes.cozystack.io/message"].as_str().unwrap().starts_with("override by alice (tenant abandoned)"), "{ann}");
-        assert!(ann.get("volumes.cozystack.io/override").is_none(), "the person's keys are not rewritten: {ann}");
-        assert!(ann["reconcile.fluxcd.io/requestedAt"].is_string(), "Flux is asked to retry in the same write: {ann}");
-        assert_eq!(sent[1].1[1], json!({"op": "remove", "path": "/metadata/finalizers/0"}));
-        assert_eq!(event_reasons(&w.api), [("Warning".to_string(), "Overridden".to_string())]);
+        assert!(
+            ann["volumes.cozystack.io/message"]
+                .as_str()
+                .unwrap()
+                .starts_with("override by alice (tenant abandoned)"),
+            "{ann}"
+        );
+        assert!(
+            ann.get("volumes.cozystack.io/override").is_none(),
+            "the person's keys are not rewritten: {ann}"
+        );
+        assert!(
+            ann["reconcile.fluxcd.io/requestedAt"].is_string(),
+            "Flux is asked to retry in the same write: {ann}"
+        );
+        assert_eq!(
+            sent[1].1[1],
+            json!({"op": "remove", "path": "/metadata/finalizers/0"})
+        );
+        assert_eq!(
+            event_reasons(&w.api),
+            [("Warning".to_string(), "Overridden".to_string())]
+        );
     }
 
     /// A pass whose kubeconfig Secret is missing: the phase task records
@@ -350,18 +515,40 @@ mod tests {
         let action = reconcile(meta(&p), w.ctx.clone()).await.unwrap();
         assert_eq!(action, Action::await_change());
         // The task's last act is the trigger; the test has no other clock.
-        let again = tokio::time::timeout(Duration::from_secs(30), w.triggered.recv()).await.expect("the pass ends");
+        let again = tokio::time::timeout(Duration::from_secs(30), w.triggered.recv())
+            .await
+            .expect("the pass ends");
         assert_eq!(again.expect("a trigger").name, "kubernetes-a");
 
-        let phases: Vec<Value> = patches(&w.api).iter().map(|p| p.1["metadata"]["annotations"].clone()).collect();
+        let phases: Vec<Value> = patches(&w.api)
+            .iter()
+            .map(|p| p.1["metadata"]["annotations"].clone())
+            .collect();
         assert_eq!(phases.len(), 2, "{phases:?}");
         assert_eq!(phases[0]["volumes.cozystack.io/phase"], "Releasing");
-        assert!(phases.iter().all(|a| a.get("reconcile.fluxcd.io/requestedAt").is_none()), "no retry request before an outcome: {phases:?}");
+        assert!(
+            phases
+                .iter()
+                .all(|a| a.get("reconcile.fluxcd.io/requestedAt").is_none()),
+            "no retry request before an outcome: {phases:?}"
+        );
         assert_eq!(phases[1]["volumes.cozystack.io/phase"], "Blocked");
         let message = phases[1]["volumes.cozystack.io/message"].as_str().unwrap();
-        assert!(message.contains("tenant-a/kubernetes-a-admin-kubeconfig") && message.contains("(attempt 1; retrying in 30s)"), "{message}");
-        assert_eq!(event_reasons(&w.api).last().unwrap(), &("Warning".to_string(), "Blocked".to_string()));
-        assert!(w.ctx.metrics.encode().contains(r#"volume_gate_reconcile_errors_total{error="kubeconfig-not-found"} 1"#));
+        assert!(
+            message.contains("tenant-a/kubernetes-a-admin-kubeconfig")
+                && message.contains("(attempt 1; retrying in 30s)"),
+            "{message}"
+        );
+        assert_eq!(
+            event_reasons(&w.api).last().unwrap(),
+            &("Warning".to_string(), "Blocked".to_string())
+        );
+        assert!(
+            w.ctx
+                .metrics
+                .encode()
+                .contains(r#"volume_gate_reconcile_errors_total{error="kubeconfig-not-found"} 1"#)
+        );
 
         // Reconciled again before the backoff ends: a requeue, no new pass.
         let blocked = parent(true, true, &[CUSTODY], phases[1].clone());

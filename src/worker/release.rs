@@ -8,9 +8,13 @@ use std::collections::{BTreeSet, HashSet};
 use std::time::Duration;
 
 use futures::{StreamExt, TryStreamExt};
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, ResourceQuota, ResourceQuotaSpec};
+use k8s_openapi::api::core::v1::{
+    PersistentVolume, PersistentVolumeClaim, Pod, ResourceQuota, ResourceQuotaSpec,
+};
 use k8s_openapi::apimachinery::pkg::api::resource::Quantity;
-use kube::api::{Api, ApiResource, DeleteParams, DynamicObject, ListParams, ObjectMeta, PostParams};
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, ListParams, ObjectMeta, PostParams,
+};
 use kube::core::GroupVersionKind;
 use kube::runtime::watcher;
 use tokio::time::Instant;
@@ -29,14 +33,22 @@ pub enum Outcome {
     /// Every inventoried PV is gone.
     Released { inventory: Inventory },
     /// Something stands in the way; retried with backoff.
-    Blocked { reason: ErrorKind, message: String, inventory: Option<Inventory> },
+    Blocked {
+        reason: ErrorKind,
+        message: String,
+        inventory: Option<Inventory>,
+    },
 }
 
 /// Name of the quota that stops new claims in a tenant being released.
 pub const FREEZE_QUOTA: &str = "volume-gate-freeze";
 
 fn blocked(reason: ErrorKind, message: String, inventory: Option<Inventory>) -> Outcome {
-    Outcome::Blocked { reason, message, inventory }
+    Outcome::Blocked {
+        reason,
+        message,
+        inventory,
+    }
 }
 
 /// Runs steps 1–7 once. `Err` is a management-API failure (requeue);
@@ -45,7 +57,15 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
     let settings = &ctx.settings;
     let previous = record.inventory.clone();
     // Step 1: the admin kubeconfig.
-    let api = match tenant::connect(&ctx.client, &ctx.profile, &t.namespace, &t.name, settings.request_timeout).await {
+    let api = match tenant::connect(
+        &ctx.client,
+        &ctx.profile,
+        &t.namespace,
+        &t.name,
+        settings.request_timeout,
+    )
+    .await
+    {
         Ok(api) => api,
         Err(e) => return Ok(blocked(e.kind(), e.to_string(), previous)),
     };
@@ -55,64 +75,155 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
     }
     // And it must be this tenant's cluster: the Secret is writable by
     // whoever may edit the tenant namespace.
-    let secret = format!("{}/{}", t.namespace, ctx.profile.kubeconfig_secret_name(&t.name));
+    let secret = format!(
+        "{}/{}",
+        t.namespace,
+        ctx.profile.kubeconfig_secret_name(&t.name)
+    );
     let bound = match same_cluster(ctx, t, &api, record.cluster.as_ref(), &secret).await? {
         Ok(bound) => bound,
         Err(outcome) => return Ok(outcome.with_inventory(previous)),
     };
     let tc = api.client.clone();
-    let fail = |step: &str, e: kube::Error| format!("tenant API {} failed while {step}: {e}", api.server);
+    let fail =
+        |step: &str, e: kube::Error| format!("tenant API {} failed while {step}: {e}", api.server);
     let deadline = Instant::now() + settings.wait_bound;
     let mut inventory = previous;
     loop {
         // Step 3: inventory before any deletion, written to the record.
-        let pvs = match Api::<PersistentVolume>::all(tc.clone()).list(&ListParams::default()).await {
+        let pvs = match Api::<PersistentVolume>::all(tc.clone())
+            .list(&ListParams::default())
+            .await
+        {
             Ok(l) => l.items,
-            Err(e) => return Ok(blocked(ErrorKind::TenantApiError, fail("listing PersistentVolumes", e), inventory)),
+            Err(e) => {
+                return Ok(blocked(
+                    ErrorKind::TenantApiError,
+                    fail("listing PersistentVolumes", e),
+                    inventory,
+                ));
+            }
         };
         let first_time = inventory.is_none();
         let inv = claims::reconcile_inventory(inventory.as_ref(), &pvs, &now_rfc3339());
         let grew = inventory.as_ref().is_some_and(|old| old.total != inv.total);
-        let message = format!("inventory taken: {} ({} left); deleting claims", count(inv.total, "volume"), inv.left());
-        ctx.write_record(t, &Update { phase: Some(Phase::Releasing), message: Some(message), inventory: Some(inv.clone()), ..Default::default() })
-            .await?;
+        let message = format!(
+            "inventory taken: {} ({} left); deleting claims",
+            count(inv.total, "volume"),
+            inv.left()
+        );
+        ctx.write_record(
+            t,
+            &Update {
+                phase: Some(Phase::Releasing),
+                message: Some(message),
+                inventory: Some(inv.clone()),
+                ..Default::default()
+            },
+        )
+        .await?;
         if first_time {
-            ctx.event(t, false, "InventoryTaken", format!("{} inventoried before any deletion", count(inv.total, "volume"))).await;
+            ctx.event(
+                t,
+                false,
+                "InventoryTaken",
+                format!(
+                    "{} inventoried before any deletion",
+                    count(inv.total, "volume")
+                ),
+            )
+            .await;
         } else if grew {
-            ctx.event(t, false, "InventoryGrew", format!("now {}: new ones appeared while releasing", count(inv.total, "volume"))).await;
+            ctx.event(
+                t,
+                false,
+                "InventoryGrew",
+                format!(
+                    "now {}: new ones appeared while releasing",
+                    count(inv.total, "volume")
+                ),
+            )
+            .await;
         }
         inventory = Some(inv.clone());
 
         // Step 4: stop new claims, delete every claim, then the Pods holding them.
         if let Err(e) = freeze_claims(&tc).await {
-            return Ok(blocked(ErrorKind::TenantApiError, fail("creating the claim freeze quota", e), inventory));
+            return Ok(blocked(
+                ErrorKind::TenantApiError,
+                fail("creating the claim freeze quota", e),
+                inventory,
+            ));
         }
         let claims = match delete_claims(&tc).await {
             Ok(c) => c,
-            Err(e) => return Ok(blocked(ErrorKind::TenantApiError, fail("deleting PersistentVolumeClaims", e), inventory)),
+            Err(e) => {
+                return Ok(blocked(
+                    ErrorKind::TenantApiError,
+                    fail("deleting PersistentVolumeClaims", e),
+                    inventory,
+                ));
+            }
         };
         let pods = match delete_holding_pods(&tc, &claims).await {
             Ok(p) => p,
-            Err(e) => return Ok(blocked(ErrorKind::TenantApiError, fail("deleting the Pods that mount claims", e), inventory)),
+            Err(e) => {
+                return Ok(blocked(
+                    ErrorKind::TenantApiError,
+                    fail("deleting the Pods that mount claims", e),
+                    inventory,
+                ));
+            }
         };
         info!(namespace = %t.namespace, tenant = %t.name, claims = claims.len(), pods = pods, "claims and holding pods deleted");
 
         // Step 5: snapshots, when that API is installed.
         let snapshot_contents = match release_snapshots(&tc).await {
             Ok(c) => c,
-            Err(e) => return Ok(blocked(ErrorKind::TenantApiError, fail("deleting VolumeSnapshots", e), inventory)),
+            Err(e) => {
+                return Ok(blocked(
+                    ErrorKind::TenantApiError,
+                    fail("deleting VolumeSnapshots", e),
+                    inventory,
+                ));
+            }
         };
 
         // Step 6: wait for the PVs themselves.
-        let waited: HashSet<String> = inv.remaining().filter(|v| !v.is_retain()).map(|v| v.pv.clone()).collect();
-        let progress = WaitProgress { ctx, tenant: t, inventory: inv.clone() };
-        if let Err(e) = wait_gone(Api::<PersistentVolume>::all(tc.clone()), waited, deadline, &progress).await {
-            return Ok(blocked(ErrorKind::TenantApiError, fail("watching PersistentVolumes", e), inventory));
+        let waited: HashSet<String> = inv
+            .remaining()
+            .filter(|v| !v.is_retain())
+            .map(|v| v.pv.clone())
+            .collect();
+        let progress = WaitProgress {
+            ctx,
+            tenant: t,
+            inventory: inv.clone(),
+        };
+        if let Err(e) = wait_gone(
+            Api::<PersistentVolume>::all(tc.clone()),
+            waited,
+            deadline,
+            &progress,
+        )
+        .await
+        {
+            return Ok(blocked(
+                ErrorKind::TenantApiError,
+                fail("watching PersistentVolumes", e),
+                inventory,
+            ));
         }
         let contents_left = match snapshot_contents {
             Some((api, names)) => match wait_gone(api, names, deadline, &NoProgress).await {
                 Ok(s) => s,
-                Err(e) => return Ok(blocked(ErrorKind::TenantApiError, fail("watching VolumeSnapshotContents", e), inventory)),
+                Err(e) => {
+                    return Ok(blocked(
+                        ErrorKind::TenantApiError,
+                        fail("watching VolumeSnapshotContents", e),
+                        inventory,
+                    ));
+                }
             },
             None => BTreeSet::new(),
         };
@@ -121,12 +232,23 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
         if let Err(outcome) = same_cluster(ctx, t, &api, Some(&bound), &secret).await? {
             return Ok(outcome.with_inventory(inventory));
         }
-        let pvs = match Api::<PersistentVolume>::all(tc.clone()).list(&ListParams::default()).await {
+        let pvs = match Api::<PersistentVolume>::all(tc.clone())
+            .list(&ListParams::default())
+            .await
+        {
             Ok(l) => l.items,
-            Err(e) => return Ok(blocked(ErrorKind::TenantApiError, fail("listing PersistentVolumes", e), inventory)),
+            Err(e) => {
+                return Ok(blocked(
+                    ErrorKind::TenantApiError,
+                    fail("listing PersistentVolumes", e),
+                    inventory,
+                ));
+            }
         };
         let inv = claims::reconcile_inventory(Some(&inv), &pvs, &now_rfc3339());
-        let newly_freed = inv.freed.saturating_sub(inventory.as_ref().map_or(0, |i| i.freed));
+        let newly_freed = inv
+            .freed
+            .saturating_sub(inventory.as_ref().map_or(0, |i| i.freed));
         ctx.metrics.volumes_freed.inc_by(newly_freed as u64);
         inventory = Some(inv.clone());
         let appeared = inv.total > progress.inventory.total;
@@ -146,7 +268,11 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
                 remaining.len(),
                 count(inv.total, "volume"),
                 settings.wait_bound.as_secs(),
-                remaining.iter().map(|v| v.describe()).collect::<Vec<_>>().join(", ")
+                remaining
+                    .iter()
+                    .map(|v| v.describe())
+                    .collect::<Vec<_>>()
+                    .join(", ")
             ));
         }
         if !retained.is_empty() {
@@ -164,7 +290,11 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
                 contents_left.iter().cloned().collect::<Vec<_>>().join(", ")
             ));
         }
-        let reason = if remaining.is_empty() && contents_left.is_empty() { ErrorKind::RetainResidue } else { ErrorKind::VolumesRemain };
+        let reason = if remaining.is_empty() && contents_left.is_empty() {
+            ErrorKind::RetainResidue
+        } else {
+            ErrorKind::VolumesRemain
+        };
         return Ok(blocked(reason, parts.join("; "), inventory));
     }
 }
@@ -186,18 +316,35 @@ async fn same_cluster(
     match identity::check(bound, &seen, secret) {
         identity::Check::Same => Ok(Ok(bound.cloned().unwrap_or(seen))),
         identity::Check::Bind(id) => {
-            ctx.write_record(t, &Update { cluster: Some(id.clone()), ..Default::default() }).await?;
+            ctx.write_record(
+                t,
+                &Update {
+                    cluster: Some(id.clone()),
+                    ..Default::default()
+                },
+            )
+            .await?;
             info!(namespace = %t.namespace, tenant = %t.name, server = %id.server, "tenant cluster bound at its first release pass");
             Ok(Ok(id))
         }
-        identity::Check::Different { message } => Ok(Err(blocked(ErrorKind::ClusterMismatch, message, None))),
+        identity::Check::Different { message } => {
+            Ok(Err(blocked(ErrorKind::ClusterMismatch, message, None)))
+        }
     }
 }
 
 impl Outcome {
     fn with_inventory(self, kept: Option<Inventory>) -> Outcome {
         match self {
-            Outcome::Blocked { reason, message, inventory } => Outcome::Blocked { reason, message, inventory: inventory.or(kept) },
+            Outcome::Blocked {
+                reason,
+                message,
+                inventory,
+            } => Outcome::Blocked {
+                reason,
+                message,
+                inventory: inventory.or(kept),
+            },
             released => released,
         }
     }
@@ -207,16 +354,26 @@ impl Outcome {
 /// volume cannot bring a claim back (and with it a new disk) while the
 /// tenant's volumes are released. The tenant is being deleted anyway.
 async fn freeze_claims(tc: &kube::Client) -> Result<(), kube::Error> {
-    let namespaces = Api::<k8s_openapi::api::core::v1::Namespace>::all(tc.clone()).list_metadata(&ListParams::default()).await?;
+    let namespaces = Api::<k8s_openapi::api::core::v1::Namespace>::all(tc.clone())
+        .list_metadata(&ListParams::default())
+        .await?;
     for ns in namespaces.items {
-        let Some(name) = ns.metadata.name else { continue };
+        let Some(name) = ns.metadata.name else {
+            continue;
+        };
         if ns.metadata.deletion_timestamp.is_some() {
             continue;
         }
         let quota = ResourceQuota {
             metadata: ObjectMeta {
                 name: Some(FREEZE_QUOTA.into()),
-                labels: Some([("app.kubernetes.io/managed-by".to_string(), "volume-gate".to_string())].into()),
+                labels: Some(
+                    [(
+                        "app.kubernetes.io/managed-by".to_string(),
+                        "volume-gate".to_string(),
+                    )]
+                    .into(),
+                ),
                 ..Default::default()
             },
             spec: Some(ResourceQuotaSpec {
@@ -225,11 +382,15 @@ async fn freeze_claims(tc: &kube::Client) -> Result<(), kube::Error> {
             }),
             ..Default::default()
         };
-        match Api::<ResourceQuota>::namespaced(tc.clone(), &name).create(&PostParams::default(), &quota).await {
+        match Api::<ResourceQuota>::namespaced(tc.clone(), &name)
+            .create(&PostParams::default(), &quota)
+            .await
+        {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 409 => {}
             // A namespace that started terminating meanwhile takes no new objects.
-            Err(kube::Error::Api(s)) if s.code == 403 && s.message.contains("being terminated") => {}
+            Err(kube::Error::Api(s)) if s.code == 403 && s.message.contains("being terminated") => {
+            }
             Err(e) => return Err(e),
         }
     }
@@ -238,11 +399,18 @@ async fn freeze_claims(tc: &kube::Client) -> Result<(), kube::Error> {
 
 /// Deletes every claim (one deletecollection per namespace); returns them.
 async fn delete_claims(tc: &kube::Client) -> Result<HashSet<ClaimKey>, kube::Error> {
-    let list = Api::<PersistentVolumeClaim>::all(tc.clone()).list_metadata(&ListParams::default()).await?;
+    let list = Api::<PersistentVolumeClaim>::all(tc.clone())
+        .list_metadata(&ListParams::default())
+        .await?;
     let claims: HashSet<ClaimKey> = list
         .items
         .iter()
-        .map(|c| (c.metadata.namespace.clone().unwrap_or_default(), c.metadata.name.clone().unwrap_or_default()))
+        .map(|c| {
+            (
+                c.metadata.namespace.clone().unwrap_or_default(),
+                c.metadata.name.clone().unwrap_or_default(),
+            )
+        })
         .collect();
     let namespaces: BTreeSet<&str> = list
         .items
@@ -259,12 +427,21 @@ async fn delete_claims(tc: &kube::Client) -> Result<HashSet<ClaimKey>, kube::Err
 }
 
 /// Deletes the Pods that mount any of `claims`, matched in code; returns how many.
-async fn delete_holding_pods(tc: &kube::Client, claims: &HashSet<ClaimKey>) -> Result<usize, kube::Error> {
+async fn delete_holding_pods(
+    tc: &kube::Client,
+    claims: &HashSet<ClaimKey>,
+) -> Result<usize, kube::Error> {
     if claims.is_empty() {
         return Ok(0);
     }
-    let pods = Api::<Pod>::all(tc.clone()).list(&ListParams::default()).await?.items;
-    let alive: Vec<Pod> = pods.into_iter().filter(|p| p.metadata.deletion_timestamp.is_none()).collect();
+    let pods = Api::<Pod>::all(tc.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let alive: Vec<Pod> = pods
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect();
     let holding = claims::pods_holding(&alive, claims);
     let count = holding.len();
     futures::stream::iter(holding)
@@ -286,7 +463,9 @@ async fn delete_holding_pods(tc: &kube::Client, claims: &HashSet<ClaimKey>) -> R
 
 /// Deletes every VolumeSnapshot when the API exists; returns the contents to
 /// wait for (those with deletionPolicy Delete). An absent API is skipped.
-async fn release_snapshots(tc: &kube::Client) -> Result<Option<(Api<DynamicObject>, HashSet<String>)>, kube::Error> {
+async fn release_snapshots(
+    tc: &kube::Client,
+) -> Result<Option<(Api<DynamicObject>, HashSet<String>)>, kube::Error> {
     let group = match kube::discovery::group(tc, "snapshot.storage.k8s.io").await {
         Ok(g) => g,
         Err(kube::Error::Api(s)) if s.code == 404 => return Ok(None),
@@ -294,15 +473,30 @@ async fn release_snapshots(tc: &kube::Client) -> Result<Option<(Api<DynamicObjec
         Err(e) => return Err(e),
     };
     let version = group.preferred_version_or_latest().to_string();
-    let snap = ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("snapshot.storage.k8s.io", &version, "VolumeSnapshot"), "volumesnapshots");
+    let snap = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("snapshot.storage.k8s.io", &version, "VolumeSnapshot"),
+        "volumesnapshots",
+    );
     let content = ApiResource::from_gvk_with_plural(
         &GroupVersionKind::gvk("snapshot.storage.k8s.io", &version, "VolumeSnapshotContent"),
         "volumesnapshotcontents",
     );
-    let snapshots = Api::<DynamicObject>::all_with(tc.clone(), &snap).list(&ListParams::default()).await?;
-    for s in snapshots.items.iter().filter(|s| s.metadata.deletion_timestamp.is_none()) {
-        let (Some(ns), Some(name)) = (s.metadata.namespace.as_deref(), s.metadata.name.as_deref()) else { continue };
-        match Api::<DynamicObject>::namespaced_with(tc.clone(), ns, &snap).delete(name, &DeleteParams::background()).await {
+    let snapshots = Api::<DynamicObject>::all_with(tc.clone(), &snap)
+        .list(&ListParams::default())
+        .await?;
+    for s in snapshots
+        .items
+        .iter()
+        .filter(|s| s.metadata.deletion_timestamp.is_none())
+    {
+        let (Some(ns), Some(name)) = (s.metadata.namespace.as_deref(), s.metadata.name.as_deref())
+        else {
+            continue;
+        };
+        match Api::<DynamicObject>::namespaced_with(tc.clone(), ns, &snap)
+            .delete(name, &DeleteParams::background())
+            .await
+        {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 404 => {}
             Err(e) => return Err(e),
@@ -313,7 +507,12 @@ async fn release_snapshots(tc: &kube::Client) -> Result<Option<(Api<DynamicObjec
     let waited = contents
         .items
         .iter()
-        .filter(|c| c.data.pointer("/spec/deletionPolicy").and_then(|v| v.as_str()) != Some("Retain"))
+        .filter(|c| {
+            c.data
+                .pointer("/spec/deletionPolicy")
+                .and_then(|v| v.as_str())
+                != Some("Retain")
+        })
         .filter_map(|c| c.metadata.name.clone())
         .collect();
     Ok(Some((contents_api, waited)))
@@ -345,9 +544,19 @@ impl Progress for WaitProgress<'_> {
             }
         }
         // In memory every present PV is listed, so what is not gone is left.
-        inv.freed = inv.total.saturating_sub(inv.volumes.iter().filter(|v| !v.gone).count());
-        let message = format!("{}/{} volumes freed; waiting for the CSI driver", inv.freed, inv.total);
-        let update = Update { phase: Some(Phase::Releasing), message: Some(message), inventory: Some(inv), ..Default::default() };
+        inv.freed = inv
+            .total
+            .saturating_sub(inv.volumes.iter().filter(|v| !v.gone).count());
+        let message = format!(
+            "{}/{} volumes freed; waiting for the CSI driver",
+            inv.freed, inv.total
+        );
+        let update = Update {
+            phase: Some(Phase::Releasing),
+            message: Some(message),
+            inventory: Some(inv),
+            ..Default::default()
+        };
         if let Err(e) = self.ctx.write_record(self.tenant, &update).await {
             warn!(namespace = %self.tenant.namespace, tenant = %self.tenant.name, error = %e, "cannot record progress");
         }
@@ -357,7 +566,12 @@ impl Progress for WaitProgress<'_> {
 /// Watches until every name in `targets` is gone or `deadline` passes;
 /// returns those still present. Progress is reported at most every few
 /// seconds, so thousands of volumes do not mean thousands of writes.
-async fn wait_gone<K, P>(api: Api<K>, mut targets: HashSet<String>, deadline: Instant, progress: &P) -> Result<BTreeSet<String>, kube::Error>
+async fn wait_gone<K, P>(
+    api: Api<K>,
+    mut targets: HashSet<String>,
+    deadline: Instant,
+    progress: &P,
+) -> Result<BTreeSet<String>, kube::Error>
 where
     K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
     P: Progress,

@@ -6,12 +6,12 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
+use kube::ResourceExt;
 use kube::api::Api;
 use kube::core::PartialObjectMeta;
 use kube::runtime::controller::{self, Controller};
 use kube::runtime::reflector::{self, ObjectRef};
 use kube::runtime::{WatchStreamExt, watcher};
-use kube::ResourceExt;
 use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
@@ -44,22 +44,36 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
 /// shutdown or lost leadership.
 pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     let profile = Profile::load_or_default(args.profile.as_deref())?;
-    let client = kube::Client::try_default().await.map_err(WorkerError::Client)?;
+    let client = kube::Client::try_default()
+        .await
+        .map_err(WorkerError::Client)?;
     let metrics = Metrics::new();
     let shutdown = CancellationToken::new();
     tokio::spawn(crate::shutdown_on_signal(shutdown.clone()));
 
     let admin_listener = tokio::net::TcpListener::bind(args.admin_listen)
         .await
-        .map_err(|source| WorkerError::Listen { addr: args.admin_listen, source })?;
+        .map_err(|source| WorkerError::Listen {
+            addr: args.admin_listen,
+            source,
+        })?;
     let readiness = Arc::new(crate::admin::ApiServerReadiness::new(client.clone()));
-    let admin = tokio::spawn(crate::admin::serve_admin(admin_listener, metrics.clone(), readiness, shutdown.clone()));
+    let admin = tokio::spawn(crate::admin::serve_admin(
+        admin_listener,
+        metrics.clone(),
+        readiness,
+        shutdown.clone(),
+    ));
 
     let identity = args.identity.clone().unwrap_or_else(|| {
         let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "worker".into());
         format!("{host}-{}", std::process::id())
     });
-    let lease_err = |message: String| WorkerError::Lease { namespace: args.lease_namespace.clone(), name: args.lease_name.clone(), message };
+    let lease_err = |message: String| WorkerError::Lease {
+        namespace: args.lease_namespace.clone(),
+        name: args.lease_name.clone(),
+        message,
+    };
     let manager = kube_lease_manager::LeaseManagerBuilder::new(client.clone(), &args.lease_name)
         .with_namespace(&args.lease_namespace)
         .with_identity(&identity)
@@ -109,7 +123,14 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
         retry_base: args.retry_base,
         retry_max: args.retry_max,
     };
-    let base = Base { client, profile, metrics, settings, max_concurrent: args.max_concurrent_releases, identity: identity.clone() };
+    let base = Base {
+        client,
+        profile,
+        metrics,
+        settings,
+        max_concurrent: args.max_concurrent_releases,
+        identity: identity.clone(),
+    };
     run_controller(base, args.namespace.clone(), stop).await;
 
     // Every receiver gone: the lease manager releases the Lease, so the next
@@ -117,7 +138,10 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     watch_lost.abort();
     let _ = watch_lost.await;
     drop(leader);
-    if tokio::time::timeout(SHUTDOWN_GRACE, lease_task).await.is_err() {
+    if tokio::time::timeout(SHUTDOWN_GRACE, lease_task)
+        .await
+        .is_err()
+    {
         warn!(grace = ?SHUTDOWN_GRACE, "the Lease was not released in time; the next worker leads once it expires");
     }
     shutdown.cancel();
@@ -131,7 +155,14 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
 /// The controller: watches parents (and namespaces, whose deletion puts
 /// every parent in them in teardown) until `stop`.
 async fn run_controller(base: Base, namespace: Option<String>, stop: CancellationToken) {
-    let Base { client, profile, metrics, settings, max_concurrent, identity } = base;
+    let Base {
+        client,
+        profile,
+        metrics,
+        settings,
+        max_concurrent,
+        identity,
+    } = base;
     let parent_resource = profile.parent_resource();
     // Metadata only: thousands of HelmReleases with large specs stay cheap.
     let parents_api: Api<ParentMeta> = match &namespace {
@@ -144,13 +175,20 @@ async fn run_controller(base: Base, namespace: Option<String>, stop: Cancellatio
     let parents = parents_writer.as_reader();
     let parent_stream = reflector::reflector(
         parents_writer,
-        watcher(parents_api, watcher::Config::default().labels(&profile.parent_selector())).default_backoff(),
+        watcher(
+            parents_api,
+            watcher::Config::default().labels(&profile.parent_selector()),
+        )
+        .default_backoff(),
     )
     .touched_objects();
     let ns_writer = reflector::store::Writer::<PartialObjectMeta<Namespace>>::new(());
     let namespaces = ns_writer.as_reader();
-    let ns_stream =
-        reflector::reflector(ns_writer, watcher(ns_api, watcher::Config::default()).default_backoff()).touched_objects();
+    let ns_stream = reflector::reflector(
+        ns_writer,
+        watcher(ns_api, watcher::Config::default()).default_backoff(),
+    )
+    .touched_objects();
     let (trigger, triggered) = tokio::sync::mpsc::unbounded_channel();
 
     let ctx = Arc::new(Context::new(Parts {
@@ -202,7 +240,9 @@ async fn run_controller(base: Base, namespace: Option<String>, stop: Cancellatio
         .for_each(|res| async move {
             match res {
                 // A tenant whose custody just ended is gone before its last trigger.
-                Err(kube::runtime::controller::Error::ObjectNotFound(obj)) => tracing::debug!(object = %obj, "already gone"),
+                Err(kube::runtime::controller::Error::ObjectNotFound(obj)) => {
+                    tracing::debug!(object = %obj, "already gone")
+                }
                 Err(e) => warn!(error = %e, "controller event"),
                 Ok(_) => {}
             }
@@ -224,6 +264,8 @@ async fn run_controller(base: Base, namespace: Option<String>, stop: Cancellatio
     }
 }
 
-fn tokio_stream_from<T: Send + 'static>(mut rx: tokio::sync::mpsc::UnboundedReceiver<T>) -> impl futures::Stream<Item = T> + Send {
+fn tokio_stream_from<T: Send + 'static>(
+    mut rx: tokio::sync::mpsc::UnboundedReceiver<T>,
+) -> impl futures::Stream<Item = T> + Send {
     futures::stream::poll_fn(move |cx| rx.poll_recv(cx))
 }

@@ -40,17 +40,27 @@ pub struct TenantStatus {
     pub message: Option<String>,
 }
 
-pub fn tenant_status(keys: &Keys, profile: &Profile, p: &PartialObjectMeta<DynamicObject>) -> TenantStatus {
+pub fn tenant_status(
+    keys: &Keys,
+    profile: &Profile,
+    p: &PartialObjectMeta<DynamicObject>,
+) -> TenantStatus {
     let record = Record::from_annotations(keys, p.annotations());
     TenantStatus {
         namespace: p.namespace().unwrap_or_default(),
         name: p.name_any(),
-        phase: record.phase.map_or_else(|| "NotStarted".to_string(), |ph| ph.to_string()),
+        phase: record
+            .phase
+            .map_or_else(|| "NotStarted".to_string(), |ph| ph.to_string()),
         in_custody: p.finalizers().contains(&profile.custody_finalizer),
         deleting: p.meta().deletion_timestamp.is_some(),
         volumes_total: record.inventory.as_ref().map(|i| i.total),
         volumes_left: record.inventory.as_ref().map(|i| i.left()),
-        created: p.meta().creation_timestamp.as_ref().map(|t| t.0.to_string()),
+        created: p
+            .meta()
+            .creation_timestamp
+            .as_ref()
+            .map(|t| t.0.to_string()),
         released_at: record.released_at.clone(),
         override_by: record.override_.as_ref().and_then(|o| o.by.clone()),
         message: record.message.clone(),
@@ -59,7 +69,9 @@ pub fn tenant_status(keys: &Keys, profile: &Profile, p: &PartialObjectMeta<Dynam
 
 /// `5m`, `3h`, `2d`, as kubectl prints ages.
 pub fn age(created: Option<&str>, now: jiff::Timestamp) -> String {
-    let Some(t) = created.and_then(|c| c.parse::<jiff::Timestamp>().ok()) else { return "<unknown>".into() };
+    let Some(t) = created.and_then(|c| c.parse::<jiff::Timestamp>().ok()) else {
+        return "<unknown>".into();
+    };
     let secs = (now.as_second() - t.as_second()).max(0);
     match secs {
         s if s < 120 => format!("{s}s"),
@@ -71,7 +83,18 @@ pub fn age(created: Option<&str>, now: jiff::Timestamp) -> String {
 
 /// The table, columns padded like `kubectl get`.
 pub fn render_table(rows: &[TenantStatus], wide: bool, now: jiff::Timestamp) -> String {
-    let mut table: Vec<Vec<String>> = vec![["NAMESPACE", "NAME", "PHASE", "VOLUMES LEFT", "AGE", "OVERRIDE BY"].map(String::from).to_vec()];
+    let mut table: Vec<Vec<String>> = vec![
+        [
+            "NAMESPACE",
+            "NAME",
+            "PHASE",
+            "VOLUMES LEFT",
+            "AGE",
+            "OVERRIDE BY",
+        ]
+        .map(String::from)
+        .to_vec(),
+    ];
     if wide {
         table[0].extend(["CUSTODY", "MESSAGE"].map(String::from));
     }
@@ -80,7 +103,11 @@ pub fn render_table(rows: &[TenantStatus], wide: bool, now: jiff::Timestamp) -> 
             (Some(l), Some(t)) => format!("{l}/{t}"),
             _ => "-".into(),
         };
-        let phase = if r.deleting && r.phase == "NotStarted" { "Deleting".to_string() } else { r.phase.clone() };
+        let phase = if r.deleting && r.phase == "NotStarted" {
+            "Deleting".to_string()
+        } else {
+            r.phase.clone()
+        };
         let mut row = vec![
             r.namespace.clone(),
             r.name.clone(),
@@ -90,15 +117,25 @@ pub fn render_table(rows: &[TenantStatus], wide: bool, now: jiff::Timestamp) -> 
             r.override_by.clone().unwrap_or_else(|| "-".into()),
         ];
         if wide {
-            row.push(if r.in_custody { "yes".into() } else { "no".into() });
+            row.push(if r.in_custody {
+                "yes".into()
+            } else {
+                "no".into()
+            });
             row.push(r.message.clone().unwrap_or_default());
         }
         table.push(row);
     }
-    let widths: Vec<usize> = (0..table[0].len()).map(|c| table.iter().map(|r| r[c].len()).max().unwrap_or(0)).collect();
+    let widths: Vec<usize> = (0..table[0].len())
+        .map(|c| table.iter().map(|r| r[c].len()).max().unwrap_or(0))
+        .collect();
     let mut out = String::new();
     for row in &table {
-        let line: Vec<String> = row.iter().enumerate().map(|(i, cell)| format!("{cell:<w$}", w = widths[i])).collect();
+        let line: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(i, cell)| format!("{cell:<w$}", w = widths[i]))
+            .collect();
         out.push_str(line.join("   ").trim_end());
         out.push('\n');
     }
@@ -108,15 +145,28 @@ pub fn render_table(rows: &[TenantStatus], wide: bool, now: jiff::Timestamp) -> 
 pub async fn run(args: StatusArgs) -> Result<(), String> {
     let profile = Profile::load_or_default(args.profile.as_deref()).map_err(|e| e.to_string())?;
     let keys = Keys::new(&profile.annotation_prefix);
-    let client = kube::Client::try_default().await.map_err(|e| format!("cannot reach the management cluster: {e}"))?;
-    let parents = list_parents(&client, &profile, args.namespace.as_deref()).await.map_err(|e| format!("cannot list tenants: {e}"))?;
-    let rows: Vec<TenantStatus> = parents.iter().map(|p| tenant_status(&keys, &profile, p)).collect();
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| format!("cannot reach the management cluster: {e}"))?;
+    let parents = list_parents(&client, &profile, args.namespace.as_deref())
+        .await
+        .map_err(|e| format!("cannot list tenants: {e}"))?;
+    let rows: Vec<TenantStatus> = parents
+        .iter()
+        .map(|p| tenant_status(&keys, &profile, p))
+        .collect();
     if args.output == "json" {
-        println!("{}", serde_json::to_string_pretty(&rows).expect("rows serialize"));
+        println!(
+            "{}",
+            serde_json::to_string_pretty(&rows).expect("rows serialize")
+        );
     } else if rows.is_empty() {
         eprintln!("No tenants found.");
     } else {
-        print!("{}", render_table(&rows, args.output == "wide", jiff::Timestamp::now()));
+        print!(
+            "{}",
+            render_table(&rows, args.output == "wide", jiff::Timestamp::now())
+        );
     }
     Ok(())
 }
@@ -147,7 +197,10 @@ mod tests {
         let t = render_table(&[row("Blocked")], false, now);
         let lines: Vec<&str> = t.lines().collect();
         assert!(lines[0].starts_with("NAMESPACE"), "{t}");
-        assert!(lines[1].contains("Blocked") && lines[1].contains("3/10") && lines[1].contains("90m"), "{t}");
+        assert!(
+            lines[1].contains("Blocked") && lines[1].contains("3/10") && lines[1].contains("90m"),
+            "{t}"
+        );
     }
 
     #[test]

@@ -16,14 +16,26 @@ pub const MAX_KUBECONFIG_BYTES: usize = 256 * 1024;
 /// Why the tenant API cannot be used; each is its own Blocked message.
 #[derive(Debug, thiserror::Error, Clone, PartialEq, Eq)]
 pub enum TenantAccessError {
-    #[error("kubeconfig Secret {namespace}/{name} not found: the release phase needs the tenant's admin kubeconfig to reach its API")]
+    #[error(
+        "kubeconfig Secret {namespace}/{name} not found: the release phase needs the tenant's admin kubeconfig to reach its API"
+    )]
     SecretNotFound { namespace: String, name: String },
-    #[error("reading kubeconfig Secret {namespace}/{name} is forbidden for the worker: grant it get on that Secret (see manifests/base/worker-rbac.yaml)")]
+    #[error(
+        "reading kubeconfig Secret {namespace}/{name} is forbidden for the worker: grant it get on that Secret (see manifests/base/worker-rbac.yaml)"
+    )]
     SecretForbidden { namespace: String, name: String },
     #[error("cannot read kubeconfig Secret {namespace}/{name}: {message}")]
-    SecretUnreadable { namespace: String, name: String, message: String },
+    SecretUnreadable {
+        namespace: String,
+        name: String,
+        message: String,
+    },
     #[error("kubeconfig Secret {namespace}/{name} is unparseable: {message}")]
-    Unparseable { namespace: String, name: String, message: String },
+    Unparseable {
+        namespace: String,
+        name: String,
+        message: String,
+    },
     #[error("tenant API did not answer /readyz within {}s ({server})", timeout.as_secs())]
     NotAnswering { server: String, timeout: Duration },
     #[error("tenant API at {server} is not ready: {message}")]
@@ -62,19 +74,41 @@ pub async fn read_kubeconfig(
     let secret = match api.get(&name).await {
         Ok(s) => s,
         Err(kube::Error::Api(s)) if s.code == 404 => {
-            return Err(TenantAccessError::SecretNotFound { namespace: namespace.into(), name });
+            return Err(TenantAccessError::SecretNotFound {
+                namespace: namespace.into(),
+                name,
+            });
         }
         Err(kube::Error::Api(s)) if s.code == 403 => {
-            return Err(TenantAccessError::SecretForbidden { namespace: namespace.into(), name });
+            return Err(TenantAccessError::SecretForbidden {
+                namespace: namespace.into(),
+                name,
+            });
         }
         Err(e) => {
-            return Err(TenantAccessError::SecretUnreadable { namespace: namespace.into(), name, message: e.to_string() });
+            return Err(TenantAccessError::SecretUnreadable {
+                namespace: namespace.into(),
+                name,
+                message: e.to_string(),
+            });
         }
     };
-    let unparseable = |message: String| TenantAccessError::Unparseable { namespace: namespace.into(), name: name.clone(), message };
+    let unparseable = |message: String| TenantAccessError::Unparseable {
+        namespace: namespace.into(),
+        name: name.clone(),
+        message,
+    };
     let data = secret.data.unwrap_or_default();
-    let Some((key, bytes)) = profile.kubeconfig.keys.iter().find_map(|k| data.get(k).map(|v| (k, v))) else {
-        return Err(unparseable(format!("it has none of the keys {}", profile.kubeconfig.keys.join(", "))));
+    let Some((key, bytes)) = profile
+        .kubeconfig
+        .keys
+        .iter()
+        .find_map(|k| data.get(k).map(|v| (k, v)))
+    else {
+        return Err(unparseable(format!(
+            "it has none of the keys {}",
+            profile.kubeconfig.keys.join(", ")
+        )));
     };
     parse_kubeconfig(&bytes.0).map_err(|m| unparseable(format!("key {key}: {m}")))
 }
@@ -84,39 +118,61 @@ pub async fn read_kubeconfig(
 /// the Secret run commands or read files inside the worker.
 pub fn parse_kubeconfig(bytes: &[u8]) -> Result<Kubeconfig, String> {
     if bytes.len() > MAX_KUBECONFIG_BYTES {
-        return Err(format!("{} bytes, more than the {MAX_KUBECONFIG_BYTES} a kubeconfig may have", bytes.len()));
+        return Err(format!(
+            "{} bytes, more than the {MAX_KUBECONFIG_BYTES} a kubeconfig may have",
+            bytes.len()
+        ));
     }
     let text = std::str::from_utf8(bytes).map_err(|_| "not UTF-8 text".to_string())?;
     // The parser's own message may quote the input, which may hold a key.
-    let kc = Kubeconfig::from_yaml(text).map_err(|_| "not a kubeconfig (YAML parse failed)".to_string())?;
+    let kc = Kubeconfig::from_yaml(text)
+        .map_err(|_| "not a kubeconfig (YAML parse failed)".to_string())?;
     if kc.clusters.is_empty() || kc.contexts.is_empty() {
         return Err("it names no cluster or no context".into());
     }
     // Entries are named by their index, never by their name: a name is
     // tenant-written text and could hold pasted secret material (fuzz F4).
     for (c, named) in kc.clusters.iter().enumerate() {
-        let cluster = named.cluster.as_ref().ok_or_else(|| format!("clusters[{c}] has no details"))?;
+        let cluster = named
+            .cluster
+            .as_ref()
+            .ok_or_else(|| format!("clusters[{c}] has no details"))?;
         let server = cluster.server.as_deref().unwrap_or("");
         if !server.starts_with("https://") {
             return Err(format!("clusters[{c}] server must be an https:// URL"));
         }
         if cluster.certificate_authority.is_some() {
-            return Err(format!("clusters[{c}] refers to a CA file; only certificate-authority-data is accepted"));
+            return Err(format!(
+                "clusters[{c}] refers to a CA file; only certificate-authority-data is accepted"
+            ));
         }
         if cluster.insecure_skip_tls_verify == Some(true) {
-            return Err(format!("clusters[{c}] skips TLS verification, which would hand admin credentials to anyone"));
+            return Err(format!(
+                "clusters[{c}] skips TLS verification, which would hand admin credentials to anyone"
+            ));
         }
         if cluster.proxy_url.is_some() {
-            return Err(format!("clusters[{c}] sets a proxy-url, which is not accepted"));
+            return Err(format!(
+                "clusters[{c}] sets a proxy-url, which is not accepted"
+            ));
         }
     }
     for (a, u) in kc.auth_infos.iter().enumerate() {
-        let Some(auth) = u.auth_info.as_ref() else { continue };
+        let Some(auth) = u.auth_info.as_ref() else {
+            continue;
+        };
         if auth.exec.is_some() || auth.auth_provider.is_some() {
-            return Err(format!("users[{a}] uses an exec plugin or auth provider, which is not accepted"));
+            return Err(format!(
+                "users[{a}] uses an exec plugin or auth provider, which is not accepted"
+            ));
         }
-        if auth.client_certificate.is_some() || auth.client_key.is_some() || auth.token_file.is_some() {
-            return Err(format!("users[{a}] refers to files; only inline -data fields and token are accepted"));
+        if auth.client_certificate.is_some()
+            || auth.client_key.is_some()
+            || auth.token_file.is_some()
+        {
+            return Err(format!(
+                "users[{a}] refers to files; only inline -data fields and token are accepted"
+            ));
         }
     }
     Ok(kc)
@@ -131,7 +187,8 @@ pub async fn client_for(kc: Kubeconfig, request_timeout: Duration) -> Result<Ten
     config.read_timeout = Some(request_timeout);
     config.write_timeout = Some(request_timeout);
     let server = config.cluster_url.to_string();
-    let client = kube::Client::try_from(config).map_err(|e| format!("cannot build a client for {server}: {e}"))?;
+    let client = kube::Client::try_from(config)
+        .map_err(|e| format!("cannot build a client for {server}: {e}"))?;
     Ok(TenantApi { client, server })
 }
 
@@ -144,25 +201,41 @@ pub async fn connect(
     request_timeout: Duration,
 ) -> Result<TenantApi, TenantAccessError> {
     let kc = read_kubeconfig(management, profile, namespace, tenant).await?;
-    client_for(kc, request_timeout).await.map_err(|message| TenantAccessError::Unparseable {
-        namespace: namespace.into(),
-        name: profile.kubeconfig_secret_name(tenant),
-        message,
-    })
+    client_for(kc, request_timeout)
+        .await
+        .map_err(|message| TenantAccessError::Unparseable {
+            namespace: namespace.into(),
+            name: profile.kubeconfig_secret_name(tenant),
+            message,
+        })
 }
 
 /// Step 2: a kubeconfig that exists is not an API server that answers.
 pub async fn probe_ready(api: &TenantApi, timeout: Duration) -> Result<(), TenantAccessError> {
-    let request = http::Request::get("/readyz").body(Vec::new()).expect("static request is valid");
+    let request = http::Request::get("/readyz")
+        .body(Vec::new())
+        .expect("static request is valid");
     match tokio::time::timeout(timeout, api.client.request_text(request)).await {
-        Err(_) => Err(TenantAccessError::NotAnswering { server: api.server.clone(), timeout }),
+        Err(_) => Err(TenantAccessError::NotAnswering {
+            server: api.server.clone(),
+            timeout,
+        }),
         Ok(Ok(body)) if body.trim() == "ok" => Ok(()),
-        Ok(Ok(body)) => Err(TenantAccessError::NotReady { server: api.server.clone(), message: crate::record::one_line(&body) }),
+        Ok(Ok(body)) => Err(TenantAccessError::NotReady {
+            server: api.server.clone(),
+            message: crate::record::one_line(&body),
+        }),
         Ok(Err(e)) => match e {
-            kube::Error::Api(s) => Err(TenantAccessError::NotReady { server: api.server.clone(), message: s.message }),
+            kube::Error::Api(s) => Err(TenantAccessError::NotReady {
+                server: api.server.clone(),
+                message: s.message,
+            }),
             // Connection refused, TLS failure, DNS: nothing answered; the
             // cause is deep in the error chain, and it is what an operator needs.
-            other => Err(TenantAccessError::NotReady { server: api.server.clone(), message: error_chain(&other) }),
+            other => Err(TenantAccessError::NotReady {
+                server: api.server.clone(),
+                message: error_chain(&other),
+            }),
         },
     }
 }
@@ -224,39 +297,76 @@ current-context: t
 
     #[test]
     fn exec_plugins_are_refused() {
-        let y = GOOD.replace("    token: abc", "    exec: {apiVersion: client.authentication.k8s.io/v1, command: /bin/sh}");
+        let y = GOOD.replace(
+            "    token: abc",
+            "    exec: {apiVersion: client.authentication.k8s.io/v1, command: /bin/sh}",
+        );
         assert!(parse_kubeconfig(y.as_bytes()).unwrap_err().contains("exec"));
     }
 
     #[test]
     fn file_references_are_refused() {
-        let y = GOOD.replace("    token: abc", "    tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token");
-        assert!(parse_kubeconfig(y.as_bytes()).unwrap_err().contains("files"));
-        let y = GOOD.replace("certificate-authority-data: AAAA", "certificate-authority: /etc/ca.crt");
-        assert!(parse_kubeconfig(y.as_bytes()).unwrap_err().contains("CA file"));
+        let y = GOOD.replace(
+            "    token: abc",
+            "    tokenFile: /var/run/secrets/kubernetes.io/serviceaccount/token",
+        );
+        assert!(
+            parse_kubeconfig(y.as_bytes())
+                .unwrap_err()
+                .contains("files")
+        );
+        let y = GOOD.replace(
+            "certificate-authority-data: AAAA",
+            "certificate-authority: /etc/ca.crt",
+        );
+        assert!(
+            parse_kubeconfig(y.as_bytes())
+                .unwrap_err()
+                .contains("CA file")
+        );
     }
 
     #[test]
     fn skipping_tls_verification_is_refused() {
-        let y = GOOD.replace("    certificate-authority-data: AAAA", "    insecure-skip-tls-verify: true");
-        assert!(parse_kubeconfig(y.as_bytes()).unwrap_err().contains("TLS verification"));
+        let y = GOOD.replace(
+            "    certificate-authority-data: AAAA",
+            "    insecure-skip-tls-verify: true",
+        );
+        assert!(
+            parse_kubeconfig(y.as_bytes())
+                .unwrap_err()
+                .contains("TLS verification")
+        );
     }
 
     #[test]
     fn plain_http_servers_are_refused() {
         let y = GOOD.replace("https://127.0.0.1:6443", "http://127.0.0.1:8080");
-        assert!(parse_kubeconfig(y.as_bytes()).unwrap_err().contains("https://"));
+        assert!(
+            parse_kubeconfig(y.as_bytes())
+                .unwrap_err()
+                .contains("https://")
+        );
     }
 
     #[test]
     fn errors_name_entries_by_index_not_by_their_tenant_written_name() {
-        let y = GOOD.replace("https://127.0.0.1:6443", "http://127.0.0.1:8080").replace("- name: t\n  cluster:", "- name: pasted-TOKEN-eyJhbGciOiJSUzI1NiJ9\n  cluster:");
+        let y = GOOD
+            .replace("https://127.0.0.1:6443", "http://127.0.0.1:8080")
+            .replace(
+                "- name: t\n  cluster:",
+                "- name: pasted-TOKEN-eyJhbGciOiJSUzI1NiJ9\n  cluster:",
+            );
         let err = parse_kubeconfig(y.as_bytes()).unwrap_err();
         assert_eq!(err, "clusters[0] server must be an https:// URL");
     }
 
     #[test]
     fn an_empty_kubeconfig_is_refused() {
-        assert!(parse_kubeconfig(b"apiVersion: v1\nkind: Config\n").unwrap_err().contains("no cluster"));
+        assert!(
+            parse_kubeconfig(b"apiVersion: v1\nkind: Config\n")
+                .unwrap_err()
+                .contains("no cluster")
+        );
     }
 }

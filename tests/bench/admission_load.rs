@@ -94,7 +94,10 @@ enum Which {
 }
 
 #[derive(Parser, Debug)]
-#[command(name = "bench-admission", about = "Admission overhead of the gate against a null webhook on the same stack")]
+#[command(
+    name = "bench-admission",
+    about = "Admission overhead of the gate against a null webhook on the same stack"
+)]
 struct Args {
     /// Rounds per scenario; each round runs null then gate.
     #[arg(long, default_value_t = 5)]
@@ -115,7 +118,11 @@ struct Args {
     #[arg(long)]
     connections: Option<usize>,
     /// Comma-separated: update-2k, update-20k, update-200k, delete-20k.
-    #[arg(long, value_delimiter = ',', default_value = "update-2k,update-20k,update-200k,delete-20k")]
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "update-2k,update-20k,update-200k,delete-20k"
+    )]
     scenarios: Vec<String>,
     #[arg(long, value_enum, default_value_t = Logs::Json)]
     logs: Logs,
@@ -145,7 +152,10 @@ fn pin_to(cpu: usize) {
         let mut set: libc::cpu_set_t = std::mem::zeroed();
         libc::CPU_SET(cpu, &mut set);
         if libc::sched_setaffinity(0, std::mem::size_of::<libc::cpu_set_t>(), &set) != 0 {
-            eprintln!("warning: cannot pin a thread to CPU {cpu}: {}", std::io::Error::last_os_error());
+            eprintln!(
+                "warning: cannot pin a thread to CPU {cpu}: {}",
+                std::io::Error::last_os_error()
+            );
         }
     }
 }
@@ -166,7 +176,8 @@ impl Threads {
         let tids = self.0.lock().unwrap().clone();
         tids.into_iter()
             .filter_map(|tid| {
-                let text = std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
+                let text =
+                    std::fs::read_to_string(format!("/proc/self/task/{tid}/schedstat")).ok()?;
                 let mut f = text.split_whitespace().map(|v| v.parse::<u64>().ok());
                 Some((tid, (f.next()??, f.next()??)))
             })
@@ -175,11 +186,23 @@ impl Threads {
 
     /// (on-CPU ns, run-queue wait ns) between two snapshots.
     fn delta(before: &HashMap<i32, (u64, u64)>, after: &HashMap<i32, (u64, u64)>) -> (u64, u64) {
-        after.iter().filter_map(|(tid, (r, w))| before.get(tid).map(|(r0, w0)| (r.saturating_sub(*r0), w.saturating_sub(*w0)))).fold((0, 0), |(a, b), (r, w)| (a + r, b + w))
+        after
+            .iter()
+            .filter_map(|(tid, (r, w))| {
+                before
+                    .get(tid)
+                    .map(|(r0, w0)| (r.saturating_sub(*r0), w.saturating_sub(*w0)))
+            })
+            .fold((0, 0), |(a, b), (r, w)| (a + r, b + w))
     }
 }
 
-fn runtime(name: &'static str, threads: usize, cpu: Option<usize>, tids: Threads) -> tokio::runtime::Runtime {
+fn runtime(
+    name: &'static str,
+    threads: usize,
+    cpu: Option<usize>,
+    tids: Threads,
+) -> tokio::runtime::Runtime {
     tokio::runtime::Builder::new_multi_thread()
         .worker_threads(threads)
         .thread_name(name)
@@ -210,21 +233,45 @@ async fn start_gate(reloader: Arc<CertReloader>, shutdown: CancellationToken) ->
         TcpStream::connect("127.0.0.1:1").await.is_err(),
         "something listens on 127.0.0.1:1; the benchmark needs an unreachable API server"
     );
-    let client = kube::Client::try_from(kube::Config::new(UNREACHABLE_API.parse().unwrap())).expect("kube client");
+    let client = kube::Client::try_from(kube::Config::new(UNREACHABLE_API.parse().unwrap()))
+        .expect("kube client");
     let metrics = Metrics::new();
-    let gate = Arc::new(Gate::new(Profile::cozystack(), DEFAULT_WORKER_IDENTITY.to_string(), client, metrics.clone()));
+    let gate = Arc::new(Gate::new(
+        Profile::cozystack(),
+        DEFAULT_WORKER_IDENTITY.to_string(),
+        client,
+        metrics.clone(),
+    ));
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(tls::serve(listener, tls::server_config(reloader), router(gate, DEFAULT_MAX_BODY_BYTES), shutdown));
-    Server { name: "gate", addr, metrics: Some(metrics) }
+    tokio::spawn(tls::serve(
+        listener,
+        tls::server_config(reloader),
+        router(gate, DEFAULT_MAX_BODY_BYTES),
+        shutdown,
+    ));
+    Server {
+        name: "gate",
+        addr,
+        metrics: Some(metrics),
+    }
 }
 
 async fn start_null(reloader: Arc<CertReloader>, shutdown: CancellationToken) -> Server {
     let app = Router::new().route("/validate", post(null_validate));
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
-    tokio::spawn(tls::serve(listener, tls::server_config(reloader), app, shutdown));
-    Server { name: "null", addr, metrics: None }
+    tokio::spawn(tls::serve(
+        listener,
+        tls::server_config(reloader),
+        app,
+        shutdown,
+    ));
+    Server {
+        name: "null",
+        addr,
+        metrics: None,
+    }
 }
 
 #[derive(Deserialize)]
@@ -250,7 +297,9 @@ async fn null_validate(body: Body) -> Response {
         Ok(r) => serde_json::to_string(&r.request.uid).unwrap(),
         Err(_) => return StatusCode::BAD_REQUEST.into_response(),
     };
-    let out = format!(r#"{{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{{"uid":{uid},"allowed":true}}}}"#);
+    let out = format!(
+        r#"{{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{{"uid":{uid},"allowed":true}}}}"#
+    );
     ([(header::CONTENT_TYPE, "application/json")], out).into_response()
 }
 
@@ -259,10 +308,15 @@ impl Server {
     fn handler_stats(&self) -> Option<(f64, u64)> {
         let text = self.metrics.as_ref()?.encode();
         let find = |prefix: &str| {
-            text.lines().find(|l| l.starts_with(prefix)).and_then(|l| l.rsplit(' ').next()).and_then(|v| v.parse::<f64>().ok())
+            text.lines()
+                .find(|l| l.starts_with(prefix))
+                .and_then(|l| l.rsplit(' ').next())
+                .and_then(|v| v.parse::<f64>().ok())
         };
-        let sum = find("volume_gate_admission_duration_seconds_sum{endpoint=\"validate\"}").unwrap_or(0.0);
-        let count = find("volume_gate_admission_duration_seconds_count{endpoint=\"validate\"}").unwrap_or(0.0);
+        let sum = find("volume_gate_admission_duration_seconds_sum{endpoint=\"validate\"}")
+            .unwrap_or(0.0);
+        let count = find("volume_gate_admission_duration_seconds_count{endpoint=\"validate\"}")
+            .unwrap_or(0.0);
         Some((sum, count as u64))
     }
 }
@@ -373,7 +427,11 @@ fn parent_release(rules: usize, generation: u64, version: &str) -> Value {
 
 /// The smallest `rules` whose object is at least `target` bytes.
 fn rules_for(target: usize) -> usize {
-    let size = |r| serde_json::to_vec(&parent_release(r, 3, "v1.32")).unwrap().len();
+    let size = |r| {
+        serde_json::to_vec(&parent_release(r, 3, "v1.32"))
+            .unwrap()
+            .len()
+    };
     if size(0) >= target {
         return 0;
     }
@@ -385,9 +443,17 @@ fn rules_for(target: usize) -> usize {
     r
 }
 
-fn request(uid: &str, operation: &str, user: &str, object: Option<Value>, old_object: Option<Value>, options_kind: &str) -> Value {
+fn request(
+    uid: &str,
+    operation: &str,
+    user: &str,
+    object: Option<Value>,
+    old_object: Option<Value>,
+    options_kind: &str,
+) -> Value {
     let gvk = json!({"group": "helm.toolkit.fluxcd.io", "version": "v2", "kind": "HelmRelease"});
-    let gvr = json!({"group": "helm.toolkit.fluxcd.io", "version": "v2", "resource": "helmreleases"});
+    let gvr =
+        json!({"group": "helm.toolkit.fluxcd.io", "version": "v2", "resource": "helmreleases"});
     let mut r = json!({
         "uid": uid,
         "kind": gvk, "resource": gvr, "requestKind": gvk, "requestResource": gvr,
@@ -428,16 +494,36 @@ fn scenario(name: &str, index: usize) -> Scenario {
             let old = parent_release(rules, 3, "v1.31");
             let new = parent_release(rules, 4, "v1.32");
             let size = serde_json::to_vec(&new).unwrap().len();
-            let labels = DecisionLabels { target: "parent".into(), operation: "UPDATE".into(), verdict: "allowed".into(), reason: "guards-passed".into() };
-            (request("", "UPDATE", user, Some(new), Some(old), "UpdateOptions"), size, labels)
+            let labels = DecisionLabels {
+                target: "parent".into(),
+                operation: "UPDATE".into(),
+                verdict: "allowed".into(),
+                reason: "guards-passed".into(),
+            };
+            (
+                request("", "UPDATE", user, Some(new), Some(old), "UpdateOptions"),
+                size,
+                labels,
+            )
         }
         "delete-20k" => {
             let old = parent_release(rules_for(20 * 1024), 4, "v1.32");
             let size = serde_json::to_vec(&old).unwrap().len();
-            let labels = DecisionLabels { target: "parent".into(), operation: "DELETE".into(), verdict: "allowed".into(), reason: "in-custody".into() };
-            (request("", "DELETE", user, None, Some(old), "DeleteOptions"), size, labels)
+            let labels = DecisionLabels {
+                target: "parent".into(),
+                operation: "DELETE".into(),
+                verdict: "allowed".into(),
+                reason: "in-custody".into(),
+            };
+            (
+                request("", "DELETE", user, None, Some(old), "DeleteOptions"),
+                size,
+                labels,
+            )
         }
-        other => panic!("unknown scenario {other:?}: use update-2k, update-20k, update-200k, delete-20k"),
+        other => {
+            panic!("unknown scenario {other:?}: use update-2k, update-20k, update-200k, delete-20k")
+        }
     };
     let bodies: Vec<(Bytes, String)> = (0..VARIANTS)
         .map(|i| {
@@ -448,7 +534,13 @@ fn scenario(name: &str, index: usize) -> Scenario {
         })
         .collect();
     let review_bytes = bodies[0].0.len();
-    Scenario { name: name.to_string(), object_bytes, review_bytes, bodies: Arc::new(bodies), expect }
+    Scenario {
+        name: name.to_string(),
+        object_bytes,
+        review_bytes,
+        bodies: Arc::new(bodies),
+        expect,
+    }
 }
 
 // ---------------------------------------------------------------------------
@@ -457,12 +549,15 @@ fn scenario(name: &str, index: usize) -> Scenario {
 
 fn connector(ca_pem: &str, proto: Proto) -> TlsConnector {
     let mut roots = RootCertStore::empty();
-    roots.add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap()).unwrap();
-    let mut config = ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
-        .with_safe_default_protocol_versions()
-        .unwrap()
-        .with_root_certificates(roots)
-        .with_no_client_auth();
+    roots
+        .add(CertificateDer::from_pem_slice(ca_pem.as_bytes()).unwrap())
+        .unwrap();
+    let mut config =
+        ClientConfig::builder_with_provider(Arc::new(rustls::crypto::ring::default_provider()))
+            .with_safe_default_protocol_versions()
+            .unwrap()
+            .with_root_certificates(roots)
+            .with_no_client_auth();
     config.alpn_protocols = vec![match proto {
         Proto::H2 => b"h2".to_vec(),
         Proto::Http1 => b"http/1.1".to_vec(),
@@ -479,11 +574,16 @@ async fn connect(addr: SocketAddr, connector: &TlsConnector, proto: Proto) -> Se
     let tcp = TcpStream::connect(addr).await.expect("connect");
     // As Go's net.Dial (the API server's client) does.
     tcp.set_nodelay(true).unwrap();
-    let tls = connector.connect(ServerName::try_from("127.0.0.1").unwrap(), tcp).await.expect("TLS handshake against the generated CA");
+    let tls = connector
+        .connect(ServerName::try_from("127.0.0.1").unwrap(), tcp)
+        .await
+        .expect("TLS handshake against the generated CA");
     let io = TokioIo::new(tls);
     match proto {
         Proto::H2 => {
-            let (sender, conn) = http2::handshake(TokioExecutor::new(), io).await.expect("h2 handshake");
+            let (sender, conn) = http2::handshake(TokioExecutor::new(), io)
+                .await
+                .expect("h2 handshake");
             tokio::spawn(conn);
             Sender::H2(sender)
         }
@@ -504,7 +604,9 @@ impl Sender {
             .header(header::CONTENT_LENGTH, body.len());
         // The API server calls webhooks with ?timeout=<timeoutSeconds>s.
         let builder = match self {
-            Sender::H1(_) => builder.uri("/validate?timeout=10s").header(header::HOST, "127.0.0.1"),
+            Sender::H1(_) => builder
+                .uri("/validate?timeout=10s")
+                .header(header::HOST, "127.0.0.1"),
             Sender::H2(_) => builder.uri("https://127.0.0.1/validate?timeout=10s"),
         };
         let request = builder.body(Full::new(body)).unwrap();
@@ -520,7 +622,12 @@ impl Sender {
         }
         .map_err(|e| e.to_string())?;
         let status = response.status();
-        let body = response.into_body().collect().await.map_err(|e| e.to_string())?.to_bytes();
+        let body = response
+            .into_body()
+            .collect()
+            .await
+            .map_err(|e| e.to_string())?
+            .to_bytes();
         Ok((status, body))
     }
 }
@@ -539,8 +646,17 @@ struct WorkerOut {
     first_error: Option<String>,
 }
 
-async fn worker(mut sender: Sender, bodies: Arc<Vec<(Bytes, String)>>, seed: usize, measure_from: Instant, until: Instant) -> WorkerOut {
-    let mut out = WorkerOut { latencies: Vec::with_capacity(1 << 16), ..Default::default() };
+async fn worker(
+    mut sender: Sender,
+    bodies: Arc<Vec<(Bytes, String)>>,
+    seed: usize,
+    measure_from: Instant,
+    until: Instant,
+) -> WorkerOut {
+    let mut out = WorkerOut {
+        latencies: Vec::with_capacity(1 << 16),
+        ..Default::default()
+    };
     let mut i = seed;
     loop {
         let started = Instant::now();
@@ -552,8 +668,15 @@ async fn worker(mut sender: Sender, bodies: Arc<Vec<(Bytes, String)>>, seed: usi
         let result = sender.post(body.clone()).await;
         let took = started.elapsed().as_nanos() as u64;
         let problem = match result {
-            Ok((StatusCode::OK, answer)) if contains(&answer, b"\"allowed\":true") && contains(&answer, uid.as_bytes()) => None,
-            Ok((status, answer)) => Some(format!("HTTP {status}: {}", String::from_utf8_lossy(&answer[..answer.len().min(300)]))),
+            Ok((StatusCode::OK, answer))
+                if contains(&answer, b"\"allowed\":true") && contains(&answer, uid.as_bytes()) =>
+            {
+                None
+            }
+            Ok((status, answer)) => Some(format!(
+                "HTTP {status}: {}",
+                String::from_utf8_lossy(&answer[..answer.len().min(300)])
+            )),
             Err(e) => Some(e),
         };
         match problem {
@@ -616,11 +739,15 @@ async fn round(ctx: &Ctx, server: &Server, scenario: &Scenario) -> RoundResult {
         Proto::Http1 => args.concurrency,
     });
     if args.protocol == Proto::Http1 && connections < args.concurrency {
-        panic!("HTTP/1.1 needs one connection per in-flight request (--connections >= --concurrency)");
+        panic!(
+            "HTTP/1.1 needs one connection per in-flight request (--connections >= --concurrency)"
+        );
     }
     let mut conns = Vec::new();
     for _ in 0..connections.max(1) {
-        conns.push(Some(connect(server.addr, &ctx.connector, args.protocol).await));
+        conns.push(Some(
+            connect(server.addr, &ctx.connector, args.protocol).await,
+        ));
     }
     let handler_before = server.handler_stats();
     let start = Instant::now();
@@ -635,7 +762,13 @@ async fn round(ctx: &Ctx, server: &Server, scenario: &Scenario) -> RoundResult {
             },
             Proto::Http1 => conns[w].take().expect("one HTTP/1.1 connection per worker"),
         };
-        workers.push(tokio::spawn(worker(sender, scenario.bodies.clone(), w * 7, measure_from, until)));
+        workers.push(tokio::spawn(worker(
+            sender,
+            scenario.bodies.clone(),
+            w * 7,
+            measure_from,
+            until,
+        )));
     }
     tokio::time::sleep_until(measure_from.into()).await;
     let (s0, c0) = (ctx.server_threads.snapshot(), ctx.client_threads.snapshot());
@@ -679,7 +812,9 @@ async fn round(ctx: &Ctx, server: &Server, scenario: &Scenario) -> RoundResult {
 }
 
 fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg").map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
@@ -689,11 +824,18 @@ fn median(mut v: Vec<f64>) -> f64 {
     }
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let m = v.len() / 2;
-    if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 }
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
 }
 
 fn spread(v: &[f64]) -> (f64, f64) {
-    v.iter().fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| (lo.min(*x), hi.max(*x)))
+    v.iter()
+        .fold((f64::INFINITY, f64::NEG_INFINITY), |(lo, hi), x| {
+            (lo.min(*x), hi.max(*x))
+        })
 }
 
 struct Summary {
@@ -806,7 +948,10 @@ struct SlimMeta {
 /// This thread's CPU time in seconds (not wall time: other processes
 /// taking the CPU do not count).
 fn thread_cpu() -> f64 {
-    let mut ts = libc::timespec { tv_sec: 0, tv_nsec: 0 };
+    let mut ts = libc::timespec {
+        tv_sec: 0,
+        tv_nsec: 0,
+    };
     // SAFETY: ts is a valid timespec to write to.
     unsafe { libc::clock_gettime(libc::CLOCK_THREAD_CPUTIME_ID, &mut ts) };
     ts.tv_sec as f64 + ts.tv_nsec as f64 / 1e9
@@ -830,21 +975,45 @@ fn per_call_us(seconds: f64, bodies: &[(Bytes, String)], f: impl Fn(&[u8]) -> bo
 fn cost_table(seconds: f64, scenarios: &[Scenario], logs: Logs) {
     use kube::core::DynamicObject;
     use kube::core::admission::AdmissionReview;
-    println!("\nin-process cost per review on one thread (mean CPU µs per call, result dropped inside the timing):");
+    println!(
+        "\nin-process cost per review on one thread (mean CPU µs per call, result dropped inside the timing):"
+    );
     println!(
         "  {:<12} {:>10} {:>15} {:>17} {:>18} {:>11} {:>14}",
-        "scenario", "null skim", "review::decode", "typed from_slice", "PartialObjectMeta", "ObjectMeta", "metadata only"
+        "scenario",
+        "null skim",
+        "review::decode",
+        "typed from_slice",
+        "PartialObjectMeta",
+        "ObjectMeta",
+        "metadata only"
     );
     for sc in scenarios {
-        let skim = per_call_us(seconds, &sc.bodies, |b| serde_json::from_slice::<UidOnly>(b).is_ok());
-        let product = per_call_us(seconds, &sc.bodies, |b| volume_gate::admission::review::decode(b).is_ok());
-        let typed = per_call_us(seconds, &sc.bodies, |b| serde_json::from_slice::<AdmissionReview<DynamicObject>>(b).is_ok());
-        let partial = per_call_us(seconds, &sc.bodies, |b| {
-            serde_json::from_slice::<AdmissionReview<kube::core::PartialObjectMeta<DynamicObject>>>(b).is_ok()
+        let skim = per_call_us(seconds, &sc.bodies, |b| {
+            serde_json::from_slice::<UidOnly>(b).is_ok()
         });
-        let meta = per_call_us(seconds, &sc.bodies, |b| serde_json::from_slice::<SlimReview<MetaObject>>(b).is_ok());
-        let slim = per_call_us(seconds, &sc.bodies, |b| serde_json::from_slice::<SlimReview<SlimObject>>(b).is_ok());
-        println!("  {:<12} {skim:>10.1} {product:>15.1} {typed:>17.1} {partial:>18.1} {meta:>11.1} {slim:>14.1}", sc.name);
+        let product = per_call_us(seconds, &sc.bodies, |b| {
+            volume_gate::admission::review::decode(b).is_ok()
+        });
+        let typed = per_call_us(seconds, &sc.bodies, |b| {
+            serde_json::from_slice::<AdmissionReview<DynamicObject>>(b).is_ok()
+        });
+        let partial = per_call_us(seconds, &sc.bodies, |b| {
+            serde_json::from_slice::<AdmissionReview<kube::core::PartialObjectMeta<DynamicObject>>>(
+                b,
+            )
+            .is_ok()
+        });
+        let meta = per_call_us(seconds, &sc.bodies, |b| {
+            serde_json::from_slice::<SlimReview<MetaObject>>(b).is_ok()
+        });
+        let slim = per_call_us(seconds, &sc.bodies, |b| {
+            serde_json::from_slice::<SlimReview<SlimObject>>(b).is_ok()
+        });
+        println!(
+            "  {:<12} {skim:>10.1} {product:>15.1} {typed:>17.1} {partial:>18.1} {meta:>11.1} {slim:>14.1}",
+            sc.name
+        );
     }
     // The log line of every decision, with the fields the gate writes.
     let log_us = {
@@ -878,38 +1047,85 @@ fn cost_table(seconds: f64, scenarios: &[Scenario], logs: Logs) {
         let started = thread_cpu();
         for _ in 0..n {
             m.decisions
-                .get_or_create(&DecisionLabels { target: "parent".into(), operation: "UPDATE".into(), verdict: "allowed".into(), reason: "guards-passed".into() })
+                .get_or_create(&DecisionLabels {
+                    target: "parent".into(),
+                    operation: "UPDATE".into(),
+                    verdict: "allowed".into(),
+                    reason: "guards-passed".into(),
+                })
                 .inc();
-            m.decision_seconds.get_or_create(&volume_gate::metrics::EndpointLabels { endpoint: "validate".into() }).observe(0.0001);
+            m.decision_seconds
+                .get_or_create(&volume_gate::metrics::EndpointLabels {
+                    endpoint: "validate".into(),
+                })
+                .observe(0.0001);
         }
         (thread_cpu() - started) * 1e6 / n as f64
     };
-    println!("  one decision's log line ({logs:?} logs): {log_us:.1} µs; its metrics (counter + histogram): {metrics_us:.2} µs");
-    println!("  null skim: the null webhook's uid parse. review::decode: the gate's. typed from_slice: AdmissionReview<DynamicObject>.");
-    println!("  PartialObjectMeta: AdmissionReview<PartialObjectMeta<DynamicObject>> (kube's; flattens TypeMeta). ObjectMeta: request fields +");
-    println!("  objects as {{metadata: ObjectMeta}}, no flatten. metadata only: request fields + name, namespace, labels, annotations,");
-    println!("  finalizers, deletionTimestamp of object and oldObject; serde skims (and validates) everything else in all of them.");
+    println!(
+        "  one decision's log line ({logs:?} logs): {log_us:.1} µs; its metrics (counter + histogram): {metrics_us:.2} µs"
+    );
+    println!(
+        "  null skim: the null webhook's uid parse. review::decode: the gate's. typed from_slice: AdmissionReview<DynamicObject>."
+    );
+    println!(
+        "  PartialObjectMeta: AdmissionReview<PartialObjectMeta<DynamicObject>> (kube's; flattens TypeMeta). ObjectMeta: request fields +"
+    );
+    println!(
+        "  objects as {{metadata: ObjectMeta}}, no flatten. metadata only: request fields + name, namespace, labels, annotations,"
+    );
+    println!(
+        "  finalizers, deletionTimestamp of object and oldObject; serde skims (and validates) everything else in all of them."
+    );
 }
 
 fn main() {
     let args = Args::parse();
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     let pin = !args.no_pin && cpus >= 2;
-    let (server_cpu, client_cpu) = if pin { (Some(0), Some(1)) } else { (None, None) };
+    let (server_cpu, client_cpu) = if pin {
+        (Some(0), Some(1))
+    } else {
+        (None, None)
+    };
     if let Some(c) = client_cpu {
         pin_to(c);
     }
     if args.logs == Logs::Json {
         use tracing_subscriber::{EnvFilter, fmt};
-        let devnull = Arc::new(std::fs::OpenOptions::new().write(true).open("/dev/null").expect("/dev/null"));
+        let devnull = Arc::new(
+            std::fs::OpenOptions::new()
+                .write(true)
+                .open("/dev/null")
+                .expect("/dev/null"),
+        );
         let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-        fmt().json().flatten_event(true).with_current_span(false).with_target(false).with_env_filter(filter).with_writer(devnull).init();
+        fmt()
+            .json()
+            .flatten_event(true)
+            .with_current_span(false)
+            .with_target(false)
+            .with_env_filter(filter)
+            .with_writer(devnull)
+            .init();
     }
 
     let server_threads = Threads::default();
     let client_threads = Threads::default();
-    let server_rt = runtime("bench-server", args.server_threads, server_cpu, server_threads.clone());
-    let client_rt = runtime("bench-client", args.client_threads, client_cpu, client_threads.clone());
+    let server_rt = runtime(
+        "bench-server",
+        args.server_threads,
+        server_cpu,
+        server_threads.clone(),
+    );
+    let client_rt = runtime(
+        "bench-client",
+        args.client_threads,
+        client_cpu,
+        client_threads.clone(),
+    );
 
     let dir = tempfile::tempdir().unwrap();
     let mut spec = ServingSpec::new("volume-gate-webhook", "volume-gate");
@@ -932,35 +1148,60 @@ fn main() {
         Some(Which::Gate) => vec![&gate],
     };
 
-    let scenarios: Vec<Scenario> = args.scenarios.iter().enumerate().map(|(i, s)| scenario(s.trim(), i)).collect();
+    let scenarios: Vec<Scenario> = args
+        .scenarios
+        .iter()
+        .enumerate()
+        .map(|(i, s)| scenario(s.trim(), i))
+        .collect();
 
-    println!("bench-admission: volume-gate admission overhead vs a null webhook on the same TLS/HTTP stack");
+    println!(
+        "bench-admission: volume-gate admission overhead vs a null webhook on the same TLS/HTTP stack"
+    );
     println!(
         "  {} CPUs; server runtime {} thread(s){}, client runtime {} thread(s){}; logs {:?}",
         cpus,
         args.server_threads,
-        server_cpu.map(|c| format!(" pinned to CPU {c}")).unwrap_or_default(),
+        server_cpu
+            .map(|c| format!(" pinned to CPU {c}"))
+            .unwrap_or_default(),
         args.client_threads,
-        client_cpu.map(|c| format!(" pinned to CPU {c}")).unwrap_or_default(),
+        client_cpu
+            .map(|c| format!(" pinned to CPU {c}"))
+            .unwrap_or_default(),
         args.logs
     );
     println!(
         "  {:?}, {} in flight over {} connection(s); {} round(s) × ({:.1}s warm-up + {:.1}s measured) per server per scenario",
         args.protocol,
         args.concurrency,
-        args.connections.unwrap_or(if args.protocol == Proto::H2 { 1 } else { args.concurrency }),
+        args.connections.unwrap_or(if args.protocol == Proto::H2 {
+            1
+        } else {
+            args.concurrency
+        }),
         args.rounds,
         args.warmup,
         args.seconds
     );
-    println!("  CPU time from /proc/self/task/*/schedstat (srv CPU = on a CPU, srv wait = runnable but waiting for one); latency = request written to answer read, in the client; handler µs = the gate's own mean (its duration histogram, body read included)");
-    println!("  load average at the start: {} (other processes on these CPUs inflate latency, not CPU per request)", loadavg());
+    println!(
+        "  CPU time from /proc/self/task/*/schedstat (srv CPU = on a CPU, srv wait = runnable but waiting for one); latency = request written to answer read, in the client; handler µs = the gate's own mean (its duration histogram, body read included)"
+    );
+    println!(
+        "  load average at the start: {} (other processes on these CPUs inflate latency, not CPU per request)",
+        loadavg()
+    );
 
     if args.cost_seconds > 0.0 {
         cost_table(args.cost_seconds, &scenarios, args.logs);
     }
 
-    let ctx = Ctx { connector: connector(&bundle.ca.cert, args.protocol), args, server_threads, client_threads };
+    let ctx = Ctx {
+        connector: connector(&bundle.ca.cert, args.protocol),
+        args,
+        server_threads,
+        client_threads,
+    };
     let mut ratios: Vec<(String, f64, f64, f64)> = Vec::new();
     let mut gate_answered = vec![0u64; scenarios.len()];
     let mut total_errors = 0;
@@ -1035,14 +1276,21 @@ fn main() {
         && servers.iter().any(|s| s.name == "gate")
     {
         println!("\ngate decisions (volume_gate_admission_decisions_total):");
-        for line in m.encode().lines().filter(|l| l.starts_with("volume_gate_admission_decisions_total")) {
+        for line in m
+            .encode()
+            .lines()
+            .filter(|l| l.starts_with("volume_gate_admission_decisions_total"))
+        {
             println!("  {line}");
         }
         let mut all_expected = true;
         let mut expected_total: HashMap<String, (u64, DecisionLabels)> = HashMap::new();
         for (sc, answered) in scenarios.iter().zip(&gate_answered) {
             let key = format!("{:?}", sc.expect);
-            expected_total.entry(key).or_insert((0, sc.expect.clone())).0 += answered;
+            expected_total
+                .entry(key)
+                .or_insert((0, sc.expect.clone()))
+                .0 += answered;
         }
         for (want, labels) in expected_total.values() {
             let got = m.decisions.get_or_create(labels).get();
@@ -1060,13 +1308,19 @@ fn main() {
         let reads = m.api_reads.get();
         println!(
             "  api_reads: {reads} ({}); every request decided as expected: {}",
-            if reads == 0 { "no decision touched the API server" } else { "UNEXPECTED: some decisions read the API" },
+            if reads == 0 {
+                "no decision touched the API server"
+            } else {
+                "UNEXPECTED: some decisions read the API"
+            },
             if all_expected { "yes" } else { "NO" }
         );
     }
     println!("  load average at the end: {}", loadavg());
     if total_errors > 0 {
-        println!("\nWARNING: {total_errors} failed requests (see 'first error' lines); figures of those rounds are suspect");
+        println!(
+            "\nWARNING: {total_errors} failed requests (see 'first error' lines); figures of those rounds are suspect"
+        );
     }
 
     shutdown.cancel();
@@ -1079,7 +1333,10 @@ fn main() {
     }
     let tmin = ratios.iter().map(|r| r.1).fold(f64::INFINITY, f64::min);
     let pmax = ratios.iter().map(|r| r.2).fold(f64::NEG_INFINITY, f64::max);
-    let per: Vec<String> = ratios.iter().map(|(n, t, p, c)| format!("{n} {t:.2}/{p:.2}/{c:.2}")).collect();
+    let per: Vec<String> = ratios
+        .iter()
+        .map(|(n, t, p, c)| format!("{n} {t:.2}/{p:.2}/{c:.2}"))
+        .collect();
     println!(
         "\nratio gate/null (medians of {} rounds; throughput/p99/cpu-per-req): {} | worst throughput {tmin:.2} (target >= 0.90: {}), worst p99 {pmax:.2} (target <= 1.20: {})",
         ctx.args.rounds,

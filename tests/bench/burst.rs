@@ -71,7 +71,10 @@ const CHILDREN: &[&str] = &[
 ];
 
 #[derive(Parser, Debug)]
-#[command(name = "bench-burst", about = "Gate decisions with fresh reads, in a burst, against the harness API server")]
+#[command(
+    name = "bench-burst",
+    about = "Gate decisions with fresh reads, in a burst, against the harness API server"
+)]
 struct Args {
     /// Child HelmReleases in all (DELETE reviews per burst).
     #[arg(long, default_value_t = 300)]
@@ -100,7 +103,9 @@ struct Child {
 }
 
 fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg").map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" ")).unwrap_or_default()
+    std::fs::read_to_string("/proc/loadavg")
+        .map(|s| s.split_whitespace().take(3).collect::<Vec<_>>().join(" "))
+        .unwrap_or_default()
 }
 
 fn parent_object(ns: &str, name: &str) -> DynamicObject {
@@ -109,7 +114,10 @@ fn parent_object(ns: &str, name: &str) -> DynamicObject {
         [
             ("apps.cozystack.io/application.kind", "Kubernetes"),
             ("apps.cozystack.io/application.group", "apps.cozystack.io"),
-            ("apps.cozystack.io/application.name", name.trim_start_matches("kubernetes-")),
+            (
+                "apps.cozystack.io/application.name",
+                name.trim_start_matches("kubernetes-"),
+            ),
             ("sharding.fluxcd.io/key", "shard1"),
         ]
         .into_iter()
@@ -124,7 +132,13 @@ fn parent_object(ns: &str, name: &str) -> DynamicObject {
 fn child_object(ns: &str, parent: &str, suffix: &str) -> DynamicObject {
     let name = format!("{parent}-{suffix}");
     let mut o = DynamicObject::new(&name, &common::gate::helmrelease_resource()).within(ns);
-    o.metadata.labels = Some([("cozystack.io/target-cluster-name".to_string(), parent.to_string())].into());
+    o.metadata.labels = Some(
+        [(
+            "cozystack.io/target-cluster-name".to_string(),
+            parent.to_string(),
+        )]
+        .into(),
+    );
     o.data = json!({"spec": {
         "chart": {"spec": {"chart": format!("cozy-{suffix}"), "sourceRef": {"kind": "HelmRepository", "name": "cozystack-system", "namespace": "cozy-system"}}},
         "interval": "5m",
@@ -138,7 +152,8 @@ fn child_object(ns: &str, parent: &str, suffix: &str) -> DynamicObject {
 /// A DELETE review as the API server sends it when the namespace controller deletes `obj`.
 fn delete_review(uid: &str, obj: &DynamicObject) -> Bytes {
     let gvk = json!({"group": "helm.toolkit.fluxcd.io", "version": "v2", "kind": "HelmRelease"});
-    let gvr = json!({"group": "helm.toolkit.fluxcd.io", "version": "v2", "resource": "helmreleases"});
+    let gvr =
+        json!({"group": "helm.toolkit.fluxcd.io", "version": "v2", "resource": "helmreleases"});
     let review = json!({
         "apiVersion": "admission.k8s.io/v1",
         "kind": "AdmissionReview",
@@ -212,7 +227,12 @@ fn stats(results: &[(Duration, Outcome)], wall: Duration) -> Stats {
     let mut ms: Vec<f64> = results.iter().map(|(d, _)| d.as_secs_f64() * 1e3).collect();
     ms.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let q = |q: f64| ms[((q * ms.len() as f64).ceil() as usize).clamp(1, ms.len()) - 1];
-    Stats { p50: q(0.5), p99: q(0.99), max: *ms.last().unwrap(), wall: wall.as_secs_f64() * 1e3 }
+    Stats {
+        p50: q(0.5),
+        p99: q(0.99),
+        max: *ms.last().unwrap(),
+        wall: wall.as_secs_f64() * 1e3,
+    }
 }
 
 fn outcomes(results: &[(Duration, Outcome)]) -> String {
@@ -226,13 +246,21 @@ fn outcomes(results: &[(Duration, Outcome)]) -> String {
         };
         *counts.entry(key).or_default() += 1;
     }
-    counts.iter().map(|(k, v)| format!("{v} {k}")).collect::<Vec<_>>().join(", ")
+    counts
+        .iter()
+        .map(|(k, v)| format!("{v} {k}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 fn median(mut v: Vec<f64>) -> f64 {
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     let m = v.len() / 2;
-    if v.len() % 2 == 1 { v[m] } else { (v[m - 1] + v[m]) / 2.0 }
+    if v.len() % 2 == 1 {
+        v[m]
+    } else {
+        (v[m - 1] + v[m]) / 2.0
+    }
 }
 
 fn spread(v: &[f64]) -> String {
@@ -251,10 +279,15 @@ struct Bench {
 
 impl Bench {
     async fn gate_burst(&self) -> (Vec<(Duration, Outcome)>, Duration, u64) {
-        self.gate_run(self.children.len(), self.args.concurrency).await
+        self.gate_run(self.children.len(), self.args.concurrency)
+            .await
     }
 
-    async fn gate_run(&self, n: usize, concurrency: usize) -> (Vec<(Duration, Outcome)>, Duration, u64) {
+    async fn gate_run(
+        &self,
+        n: usize,
+        concurrency: usize,
+    ) -> (Vec<(Duration, Outcome)>, Duration, u64) {
         let reads_before = self.metrics.api_reads.get();
         let (router, children) = (self.router.clone(), self.children.clone());
         let started = Instant::now();
@@ -282,7 +315,12 @@ impl Bench {
                             Outcome::Denied { code }
                         } else {
                             // 400: the gate could not judge (a read failed).
-                            Outcome::Error(v["response"]["status"]["message"].as_str().unwrap_or("").to_string())
+                            Outcome::Error(
+                                v["response"]["status"]["message"]
+                                    .as_str()
+                                    .unwrap_or("")
+                                    .to_string(),
+                            )
                         }
                     }
                     None => Outcome::Error(format!("no response.allowed in {v}")),
@@ -290,11 +328,16 @@ impl Bench {
             }
         })
         .await;
-        (results, started.elapsed(), self.metrics.api_reads.get() - reads_before)
+        (
+            results,
+            started.elapsed(),
+            self.metrics.api_reads.get() - reads_before,
+        )
     }
 
     async fn get_burst(&self) -> (Vec<(Duration, Outcome)>, Duration) {
-        self.get_run(self.children.len(), self.args.concurrency).await
+        self.get_run(self.children.len(), self.args.concurrency)
+            .await
     }
 
     async fn get_run(&self, n: usize, concurrency: usize) -> (Vec<(Duration, Outcome)>, Duration) {
@@ -390,7 +433,11 @@ impl Bench {
         let gate_p99 = median(col(&gate_rows, |s| s.p99));
         let get_p99 = median(col(&get_rows, |s| s.p99));
         let rpd = median(reads_per_decision);
-        let paired: Vec<f64> = gate_rows.iter().zip(&get_rows).map(|(g, b)| g.p99 / b.p99).collect();
+        let paired: Vec<f64> = gate_rows
+            .iter()
+            .zip(&get_rows)
+            .map(|(g, b)| g.p99 / b.p99)
+            .collect();
         println!(
             "  {name}: gate p99 / bare-GET p99 = {:.2} (per-burst {}), API reads per decision {rpd:.2}",
             gate_p99 / get_p99,
@@ -403,7 +450,9 @@ impl Bench {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = Args::parse();
-    let cpus = std::thread::available_parallelism().map(|n| n.get()).unwrap_or(1);
+    let cpus = std::thread::available_parallelism()
+        .map(|n| n.get())
+        .unwrap_or(1);
     println!("bench-burst: gate decisions with fresh reads against the harness API server");
     println!(
         "  {} DELETE reviews of child HelmReleases over {} tenants, {} in flight, {} burst(s) per state; {} CPUs; load average {}",
@@ -416,18 +465,30 @@ async fn main() {
     );
 
     let started = Instant::now();
-    let cp = tokio::task::spawn_blocking(common::cluster::control_plane).await.expect("control plane");
+    let cp = tokio::task::spawn_blocking(common::cluster::control_plane)
+        .await
+        .expect("control plane");
     common::gate::apply_crds(cp).await;
     let client = cp.management_client().await;
-    println!("  control plane up and CRDs established in {:.1}s (state {})", started.elapsed().as_secs_f64(), cp.state.display());
+    println!(
+        "  control plane up and CRDs established in {:.1}s (state {})",
+        started.elapsed().as_secs_f64(),
+        cp.state.display()
+    );
 
     // Tenants: namespace, parent in custody, children.
     let hr = common::gate::helmrelease_resource();
-    let tenants: Vec<(String, String)> = (0..args.tenants).map(|t| (format!("tenant-burst{t}"), format!("kubernetes-burst{t}"))).collect();
+    let tenants: Vec<(String, String)> = (0..args.tenants)
+        .map(|t| (format!("tenant-burst{t}"), format!("kubernetes-burst{t}")))
+        .collect();
     let mut plan: Vec<(usize, String)> = Vec::new();
     for i in 0..args.children {
         let (t, k) = (i % args.tenants, i / args.tenants);
-        let suffix = if k < CHILDREN.len() { CHILDREN[k].to_string() } else { format!("addon-{k}") };
+        let suffix = if k < CHILDREN.len() {
+            CHILDREN[k].to_string()
+        } else {
+            format!("addon-{k}")
+        };
         plan.push((t, suffix));
     }
     let setup = Instant::now();
@@ -437,7 +498,9 @@ async fn main() {
             async move {
                 cp.namespace(ns).await;
                 let api: Api<DynamicObject> = Api::namespaced_with(client, ns, &hr);
-                api.create(&PostParams::default(), &parent_object(ns, parent)).await.expect("create parent");
+                api.create(&PostParams::default(), &parent_object(ns, parent))
+                    .await
+                    .expect("create parent");
             }
         })
         .await;
@@ -447,7 +510,9 @@ async fn main() {
             let (ns, parent) = tenants[*t].clone();
             async move {
                 let api: Api<DynamicObject> = Api::namespaced_with(client, &ns, &hr);
-                api.create(&PostParams::default(), &child_object(&ns, &parent, suffix)).await.expect("create child")
+                api.create(&PostParams::default(), &child_object(&ns, &parent, suffix))
+                    .await
+                    .expect("create child")
             }
         })
         .buffered(8)
@@ -458,9 +523,15 @@ async fn main() {
         .enumerate()
         .map(|(i, obj)| {
             let ns = obj.metadata.namespace.clone().unwrap();
-            let parent = obj.metadata.labels.as_ref().unwrap()["cozystack.io/target-cluster-name"].clone();
+            let parent =
+                obj.metadata.labels.as_ref().unwrap()["cozystack.io/target-cluster-name"].clone();
             let csi = obj.metadata.name.as_deref() == Some(&format!("{parent}-csi"));
-            Child { review: delete_review(&format!("burst-{i:06}"), obj), namespace: ns, parent, csi }
+            Child {
+                review: delete_review(&format!("burst-{i:06}"), obj),
+                namespace: ns,
+                parent,
+                csi,
+            }
         })
         .collect();
     let csi = children.iter().filter(|c| c.csi).count();
@@ -476,13 +547,30 @@ async fn main() {
     );
 
     let metrics = Metrics::new();
-    let gate = Arc::new(Gate::new(Profile::cozystack(), DEFAULT_WORKER_IDENTITY.to_string(), client.clone(), metrics.clone()));
-    let bench = Bench { router: router(gate, DEFAULT_MAX_BODY_BYTES), args, client: client.clone(), metrics: metrics.clone(), children: Arc::new(children) };
+    let gate = Arc::new(Gate::new(
+        Profile::cozystack(),
+        DEFAULT_WORKER_IDENTITY.to_string(),
+        client.clone(),
+        metrics.clone(),
+    ));
+    let bench = Bench {
+        router: router(gate, DEFAULT_MAX_BODY_BYTES),
+        args,
+        client: client.clone(),
+        metrics: metrics.clone(),
+        children: Arc::new(children),
+    };
 
     // Cold: the client's connection pool is empty (TLS handshakes to the API server).
     let (cold_get, wall) = bench.get_burst().await;
     let s = stats(&cold_get, wall);
-    println!("  cold bare-GET burst (new connections): p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; {}", s.p50, s.p99, s.max, outcomes(&cold_get));
+    println!(
+        "  cold bare-GET burst (new connections): p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; {}",
+        s.p50,
+        s.p99,
+        s.max,
+        outcomes(&cold_get)
+    );
     let (cold_gate, wall, reads) = bench.gate_burst().await;
     let s = stats(&cold_gate, wall);
     println!(
@@ -509,26 +597,40 @@ async fn main() {
     // (held by the custody finalizer) and deletes the children.
     let namespaces: Api<Namespace> = Api::all(client.clone());
     for (ns, _) in &tenants {
-        namespaces.delete(ns, &DeleteParams::default()).await.expect("delete namespace");
+        namespaces
+            .delete(ns, &DeleteParams::default())
+            .await
+            .expect("delete namespace");
     }
     let deleting = Instant::now();
-    common::wait::eventually("namespace controller: parents marked, children gone", Duration::from_secs(180), || {
-        let (client, hr, tenants) = (client.clone(), hr.clone(), tenants.clone());
-        async move {
-            for (ns, parent) in &tenants {
-                let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &hr);
-                let left = api.list_metadata(&ListParams::default()).await.map_err(|e| e.to_string())?;
-                let names: Vec<_> = left.items.iter().filter_map(|o| o.metadata.name.clone()).collect();
-                if names != [parent.clone()] {
-                    return Err(format!("{ns}: {} releases left", names.len()));
+    common::wait::eventually(
+        "namespace controller: parents marked, children gone",
+        Duration::from_secs(180),
+        || {
+            let (client, hr, tenants) = (client.clone(), hr.clone(), tenants.clone());
+            async move {
+                for (ns, parent) in &tenants {
+                    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &hr);
+                    let left = api
+                        .list_metadata(&ListParams::default())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let names: Vec<_> = left
+                        .items
+                        .iter()
+                        .filter_map(|o| o.metadata.name.clone())
+                        .collect();
+                    if names != [parent.clone()] {
+                        return Err(format!("{ns}: {} releases left", names.len()));
+                    }
+                    if left.items[0].metadata.deletion_timestamp.is_none() {
+                        return Err(format!("{ns}/{parent} not marked yet"));
+                    }
                 }
-                if left.items[0].metadata.deletion_timestamp.is_none() {
-                    return Err(format!("{ns}/{parent} not marked yet"));
-                }
+                Ok(())
             }
-            Ok(())
-        }
-    })
+        },
+    )
     .await;
     println!(
         "\n  deleted {} namespaces: parents marked for deletion (held by the custody finalizer), children gone, after {:.1}s",
@@ -536,11 +638,21 @@ async fn main() {
         deleting.elapsed().as_secs_f64()
     );
     let nsdel = bench
-        .state("namespace-deleting", &format!("every decision reads the parent (deleting) and refuses: expect {} denied 403", bench.children.len()))
+        .state(
+            "namespace-deleting",
+            &format!(
+                "every decision reads the parent (deleting) and refuses: expect {} denied 403",
+                bench.children.len()
+            ),
+        )
         .await;
 
     println!("\ngate decisions (volume_gate_admission_decisions_total, all bursts):");
-    for line in metrics.encode().lines().filter(|l| l.starts_with("volume_gate_admission_decisions_total")) {
+    for line in metrics
+        .encode()
+        .lines()
+        .filter(|l| l.starts_with("volume_gate_admission_decisions_total"))
+    {
         println!("  {line}");
     }
     println!("  load average at the end: {}", loadavg());

@@ -96,19 +96,38 @@ async fn main() {
     }
     println!("bench-concurrency (benchmark 5)");
     println!("{}", scale::machine());
-    println!("GOGC for harness processes: {}", if args.gogc > 0 { args.gogc.to_string() } else { "default".into() });
+    println!(
+        "GOGC for harness processes: {}",
+        if args.gogc > 0 {
+            args.gogc.to_string()
+        } else {
+            "default".into()
+        }
+    );
     let started = Instant::now();
     let cp = common::cluster::control_plane();
-    println!("control plane: {} (logs in {})", cp.management.server, cp.state.join("logs").display());
+    println!(
+        "control plane: {} (logs in {})",
+        cp.management.server,
+        cp.state.join("logs").display()
+    );
     let first = args.max_concurrent.first().copied().unwrap_or(4);
     let mut gate = BenchGate::install(cp, "conc", &worker_args(first), "info").await;
     let sim = common::sim::Simulator::start(cp);
-    let workload = Workload { claims: 3, namespaces: 1, held: 3, multi: 2 };
+    let workload = Workload {
+        claims: 3,
+        namespaces: 1,
+        held: 3,
+        multi: 2,
+    };
     println!("each tenant: {}", workload.describe());
 
     // 1. What one tenant cluster costs.
     let reserve_kib = (args.reserve_gib * 1048576.0) as u64;
-    let probe = build_tenants(cp, &workload, "probe", 1, 1, 0).await.pop().unwrap();
+    let probe = build_tenants(cp, &workload, "probe", 1, 1, 0)
+        .await
+        .pop()
+        .unwrap();
     let cluster_kib = cluster_anon_kib(cp, &probe.cluster.name).expect("cluster pids");
     let sim_before = sim.process.pid().and_then(proc_mem).map_or(0, |m| m.anon);
     let available_kib = meminfo("MemAvailable").unwrap_or(0);
@@ -127,7 +146,11 @@ async fn main() {
         args.reserve_gib,
         fit,
         n,
-        if n < args.tenants { format!(" (target {} does not fit)", args.tenants) } else { String::new() }
+        if n < args.tenants {
+            format!(" (target {} does not fit)", args.tenants)
+        } else {
+            String::new()
+        }
     );
     let probe_time = release_one(&probe).await;
     println!("probe tenant released alone in {probe_time:.2}s");
@@ -138,10 +161,24 @@ async fn main() {
         if i > 0 || m != first {
             gate.start_worker(&worker_args(m), "info").await;
         }
-        println!("\n== --max-concurrent-releases {m}: building {} tenants", n + args.singles);
+        println!(
+            "\n== --max-concurrent-releases {m}: building {} tenants",
+            n + args.singles
+        );
         let t = Instant::now();
-        let tenants = build_tenants(cp, &workload, &format!("m{m}"), n + args.singles, args.boot_concurrency, reserve_kib).await;
-        assert!(tenants.len() > args.singles, "memory ran out before any tenant of the batch was built");
+        let tenants = build_tenants(
+            cp,
+            &workload,
+            &format!("m{m}"),
+            n + args.singles,
+            args.boot_concurrency,
+            reserve_kib,
+        )
+        .await;
+        assert!(
+            tenants.len() > args.singles,
+            "memory ran out before any tenant of the batch was built"
+        );
         let build_seconds = t.elapsed().as_secs_f64();
         let (singles, batch) = tenants.split_at(args.singles);
         let sim_now = sim.process.pid().and_then(proc_mem).map_or(0, |m| m.anon);
@@ -209,10 +246,20 @@ async fn main() {
             r.load_after,
             r.build_seconds
         );
-        parts.push(format!("max{}={:.2} ({:.1}s/{:.1}s)", r.max_concurrent, r.total / single.median, r.total, single.median));
+        parts.push(format!(
+            "max{}={:.2} ({:.1}s/{:.1}s)",
+            r.max_concurrent,
+            r.total / single.median,
+            r.total,
+            single.median
+        ));
     }
     println!("total wall time {:.0}s", started.elapsed().as_secs_f64());
-    println!("RATIO N={} at once / one alone: {}", results.first().map_or(0, |r| r.n), parts.join(" "));
+    println!(
+        "RATIO N={} at once / one alone: {}",
+        results.first().map_or(0, |r| r.n),
+        parts.join(" ")
+    );
     drop(sim);
 }
 
@@ -222,7 +269,10 @@ fn worker_args(max_concurrent: usize) -> Vec<String> {
 
 /// Anonymous memory of a harness cluster's processes (KiB).
 fn cluster_anon_kib(cp: &ControlPlane, cluster: &str) -> Option<u64> {
-    let info: Value = serde_json::from_str(&std::fs::read_to_string(cp.state.join(cluster).join("info.json")).ok()?).ok()?;
+    let info: Value = serde_json::from_str(
+        &std::fs::read_to_string(cp.state.join(cluster).join("info.json")).ok()?,
+    )
+    .ok()?;
     let mut total = 0;
     for key in ["apiserver_pid", "kcm_pid", "scheduler_pid"] {
         if let Some(pid) = info[key].as_u64() {
@@ -251,7 +301,10 @@ async fn build_tenants(
             async move {
                 let available = meminfo("MemAvailable").unwrap_or(0);
                 if available < min_available_kib {
-                    eprintln!("    MemAvailable {:.1} GiB below the reserve: tenant {app} not built", available as f64 / 1048576.0);
+                    eprintln!(
+                        "    MemAvailable {:.1} GiB below the reserve: tenant {app} not built",
+                        available as f64 / 1048576.0
+                    );
                     return None;
                 }
                 let t = tokio::task::spawn_blocking(move || {
@@ -272,7 +325,12 @@ async fn build_tenants(
         .enumerate()
         .map(|(i, t)| {
             if (i + 1) % 10 == 0 {
-                eprintln!("    ... {} tenants built (MemAvailable {:.1} GiB, load {})", i + 1, meminfo("MemAvailable").unwrap_or(0) as f64 / 1048576.0, loadavg());
+                eprintln!(
+                    "    ... {} tenants built (MemAvailable {:.1} GiB, load {})",
+                    i + 1,
+                    meminfo("MemAvailable").unwrap_or(0) as f64 / 1048576.0,
+                    loadavg()
+                );
             }
             t
         })
@@ -285,7 +343,13 @@ async fn build_tenants(
 async fn release_one(t: &Tenant) -> f64 {
     let t0 = Instant::now();
     t.delete_parent().await;
-    let seen = scale::poll_phase(t, Phase::Released, Duration::from_millis(100), Duration::from_secs(900)).await;
+    let seen = scale::poll_phase(
+        t,
+        Phase::Released,
+        Duration::from_millis(100),
+        Duration::from_secs(900),
+    )
+    .await;
     seen.duration_since(t0).as_secs_f64()
 }
 
@@ -295,8 +359,11 @@ async fn release_all(cp: &ControlPlane, tenants: &[Tenant]) -> (f64, Vec<f64>, f
     let client = cp.management_client().await;
     let api: Api<DynamicObject> = Api::all_with(client, &helmrelease_resource());
     let keys = Keys::new("volumes.cozystack.io/");
-    let wanted: HashMap<(String, String), usize> =
-        tenants.iter().enumerate().map(|(i, t)| ((t.namespace.clone(), t.name.clone()), i)).collect();
+    let wanted: HashMap<(String, String), usize> = tenants
+        .iter()
+        .enumerate()
+        .map(|(i, t)| ((t.namespace.clone(), t.name.clone()), i))
+        .collect();
     let t0 = Instant::now();
     futures::stream::iter(tenants)
         .map(|t| async move { t.hr_api().delete(&t.name, &DeleteParams::default()).await })
@@ -318,10 +385,16 @@ async fn release_all(cp: &ControlPlane, tenants: &[Tenant]) -> (f64, Vec<f64>, f
         if let Ok(list) = api.list_metadata(&lp).await {
             let mut present = std::collections::HashSet::new();
             for p in &list.items {
-                let key = (p.metadata.namespace.clone().unwrap_or_default(), p.metadata.name.clone().unwrap_or_default());
+                let key = (
+                    p.metadata.namespace.clone().unwrap_or_default(),
+                    p.metadata.name.clone().unwrap_or_default(),
+                );
                 let Some(&i) = wanted.get(&key) else { continue };
                 present.insert(i);
-                let r = Record::from_annotations(&keys, &p.metadata.annotations.clone().unwrap_or_default());
+                let r = Record::from_annotations(
+                    &keys,
+                    &p.metadata.annotations.clone().unwrap_or_default(),
+                );
                 if r.phase == Some(Phase::Released) {
                     done.entry(i).or_insert(now);
                 }
@@ -334,10 +407,20 @@ async fn release_all(cp: &ControlPlane, tenants: &[Tenant]) -> (f64, Vec<f64>, f
         }
         min_avail = min_avail.min(meminfo("MemAvailable").unwrap_or(0) as f64 / 1048576.0);
         if last_print.elapsed() > Duration::from_secs(15) {
-            eprintln!("    ... {}/{} Released after {now:.0}s (load {})", done.len(), tenants.len(), loadavg());
+            eprintln!(
+                "    ... {}/{} Released after {now:.0}s (load {})",
+                done.len(),
+                tenants.len(),
+                loadavg()
+            );
             last_print = Instant::now();
         }
-        assert!(Instant::now() < deadline, "only {}/{} Released after 1800s", done.len(), tenants.len());
+        assert!(
+            Instant::now() < deadline,
+            "only {}/{} Released after 1800s",
+            done.len(),
+            tenants.len()
+        );
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
     println!("  ({} DELETEs sent in {delete_took:.2}s)", tenants.len());
@@ -348,7 +431,9 @@ async fn release_all(cp: &ControlPlane, tenants: &[Tenant]) -> (f64, Vec<f64>, f
 async fn wait_all_gone(tenants: &[Tenant], timeout: Duration) {
     let deadline = Instant::now() + timeout;
     for t in tenants {
-        let left = deadline.saturating_duration_since(Instant::now()).max(Duration::from_secs(10));
+        let left = deadline
+            .saturating_duration_since(Instant::now())
+            .max(Duration::from_secs(10));
         t.wait_parent_gone(left).await;
     }
 }

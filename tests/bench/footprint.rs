@@ -115,12 +115,20 @@ struct Round {
 #[tokio::main(flavor = "multi_thread", worker_threads = 2)]
 async fn main() {
     let args = Args::parse();
-    assert!(args.children <= CHILDREN.len(), "at most {} children", CHILDREN.len());
+    assert!(
+        args.children <= CHILDREN.len(),
+        "at most {} children",
+        CHILDREN.len()
+    );
     println!("bench-footprint (benchmark 4)");
     println!("{}", scale::machine());
     let started = Instant::now();
     let cp = common::cluster::control_plane();
-    println!("control plane: {} (logs in {})", cp.management.server, cp.state.join("logs").display());
+    println!(
+        "control plane: {} (logs in {})",
+        cp.management.server,
+        cp.state.join("logs").display()
+    );
     common::gate::apply_crds(cp).await;
     let client = cp.management_client().await;
     cp.namespace("bench-burst").await;
@@ -128,7 +136,9 @@ async fn main() {
     println!(
         "release objects: parent body {} bytes, child body {} bytes (JSON of metadata labels + spec)",
         serde_json::to_vec(&sample).unwrap().len(),
-        serde_json::to_vec(&child_body("sample", "csi", args.spec_bytes)).unwrap().len()
+        serde_json::to_vec(&child_body("sample", "csi", args.spec_bytes))
+            .unwrap()
+            .len()
     );
 
     println!("\n== floor: 0 tenants");
@@ -139,7 +149,11 @@ async fn main() {
         floor.push(r);
     }
 
-    println!("\n== creating {} tenants ({} releases)", args.tenants, args.tenants * (1 + args.children));
+    println!(
+        "\n== creating {} tenants ({} releases)",
+        args.tenants,
+        args.tenants * (1 + args.children)
+    );
     let t = Instant::now();
     create_tenants(&client, &args).await;
     println!(
@@ -157,31 +171,83 @@ async fn main() {
         strip_custody(&client, &args).await;
     }
 
-    println!("\n== summary, MiB (median [min..max] over {} rounds)", args.rounds);
-    let col = |rs: &[Round], f: &dyn Fn(&Round) -> Option<u64>| stats(&rs.iter().filter_map(f).map(|k| mib(k)).collect::<Vec<_>>());
+    println!(
+        "\n== summary, MiB (median [min..max] over {} rounds)",
+        args.rounds
+    );
+    let col = |rs: &[Round], f: &dyn Fn(&Round) -> Option<u64>| {
+        stats(&rs.iter().filter_map(f).map(|k| mib(k)).collect::<Vec<_>>())
+    };
     let lines: Vec<(&str, Box<dyn Fn(&Round) -> Option<u64>>)> = vec![
-        ("worker VmRSS after sync+custody", Box::new(|r: &Round| Some(r.worker_synced.rss))),
-        ("worker VmHWM (peak) at end", Box::new(|r: &Round| Some(r.worker_end.hwm))),
-        ("worker RssAnon after sync", Box::new(|r: &Round| Some(r.worker_synced.anon))),
-        ("webhook VmRSS idle", Box::new(|r: &Round| Some(r.webhook_idle.rss))),
-        ("webhook VmRSS after burst A", Box::new(|r: &Round| Some(r.webhook_after_a.rss))),
-        ("webhook VmHWM after burst A", Box::new(|r: &Round| Some(r.webhook_after_a.hwm))),
-        ("webhook VmRSS after burst B", Box::new(|r: &Round| r.webhook_after_b.map(|m| m.rss))),
-        ("webhook VmHWM after burst B", Box::new(|r: &Round| r.webhook_after_b.map(|m| m.hwm))),
+        (
+            "worker VmRSS after sync+custody",
+            Box::new(|r: &Round| Some(r.worker_synced.rss)),
+        ),
+        (
+            "worker VmHWM (peak) at end",
+            Box::new(|r: &Round| Some(r.worker_end.hwm)),
+        ),
+        (
+            "worker RssAnon after sync",
+            Box::new(|r: &Round| Some(r.worker_synced.anon)),
+        ),
+        (
+            "webhook VmRSS idle",
+            Box::new(|r: &Round| Some(r.webhook_idle.rss)),
+        ),
+        (
+            "webhook VmRSS after burst A",
+            Box::new(|r: &Round| Some(r.webhook_after_a.rss)),
+        ),
+        (
+            "webhook VmHWM after burst A",
+            Box::new(|r: &Round| Some(r.webhook_after_a.hwm)),
+        ),
+        (
+            "webhook VmRSS after burst B",
+            Box::new(|r: &Round| r.webhook_after_b.map(|m| m.rss)),
+        ),
+        (
+            "webhook VmHWM after burst B",
+            Box::new(|r: &Round| r.webhook_after_b.map(|m| m.hwm)),
+        ),
     ];
-    println!("{:<34} {:>28} {:>28}", "", "0 tenants", format!("{} tenants", args.tenants));
+    println!(
+        "{:<34} {:>28} {:>28}",
+        "",
+        "0 tenants",
+        format!("{} tenants", args.tenants)
+    );
     for (name, f) in &lines {
-        println!("{:<34} {:>28} {:>28}", name, col(&floor, f.as_ref()).to_string(), col(&full, f.as_ref()).to_string());
+        println!(
+            "{:<34} {:>28} {:>28}",
+            name,
+            col(&floor, f.as_ref()).to_string(),
+            col(&full, f.as_ref()).to_string()
+        );
     }
     let custody = stats(&full.iter().map(|r| r.custody_seconds).collect::<Vec<_>>());
-    println!("worker: custody of all {} parents taken in {custody} s", args.tenants);
+    println!(
+        "worker: custody of all {} parents taken in {custody} s",
+        args.tenants
+    );
     let rps_a = stats(&full.iter().map(|r| r.burst_a_rps).collect::<Vec<_>>());
-    let rps_b = stats(&full.iter().filter_map(|r| r.burst_b_rps).collect::<Vec<_>>());
+    let rps_b = stats(
+        &full
+            .iter()
+            .filter_map(|r| r.burst_b_rps)
+            .collect::<Vec<_>>(),
+    );
     println!("bursts through the API server: A {rps_a} req/s, B {rps_b} req/s");
     println!("total wall time {:.0}s", started.elapsed().as_secs_f64());
 
     let worker_peak = col(&full, &|r: &Round| Some(r.worker_end.hwm)).max;
-    let webhook_peak = col(&full, &|r: &Round| r.webhook_after_b.map(|m| m.hwm).or(Some(r.webhook_after_a.hwm))).max;
+    let webhook_peak = col(&full, &|r: &Round| {
+        r.webhook_after_b
+            .map(|m| m.hwm)
+            .or(Some(r.webhook_after_a.hwm))
+    })
+    .max;
     let worker_floor = col(&floor, &|r: &Round| Some(r.worker_end.hwm)).median;
     let webhook_floor = col(&floor, &|r: &Round| Some(r.webhook_after_a.hwm)).median;
     println!(
@@ -199,32 +265,73 @@ async fn main() {
 }
 
 fn print_round(what: &str, round: usize, r: &Round) {
-    let m = |x: Mem| format!("RSS {:.1} HWM {:.1} anon {:.1}", mib(x.rss), mib(x.hwm), mib(x.anon));
+    let m = |x: Mem| {
+        format!(
+            "RSS {:.1} HWM {:.1} anon {:.1}",
+            mib(x.rss),
+            mib(x.hwm),
+            mib(x.anon)
+        )
+    };
     println!("  {what} round {round}:");
-    println!("    worker after sync{}: {}", if r.custody_seconds > 0.0 { format!(" + custody ({:.1}s)", r.custody_seconds) } else { String::new() }, m(r.worker_synced));
-    println!("    worker sockets: {} once custody was taken, {} after settling", r.worker_sockets_at_custody, r.worker_sockets);
+    println!(
+        "    worker after sync{}: {}",
+        if r.custody_seconds > 0.0 {
+            format!(" + custody ({:.1}s)", r.custody_seconds)
+        } else {
+            String::new()
+        },
+        m(r.worker_synced)
+    );
+    println!(
+        "    worker sockets: {} once custody was taken, {} after settling",
+        r.worker_sockets_at_custody, r.worker_sockets
+    );
     println!("    worker at end: {}", m(r.worker_end));
     println!("    webhook idle: {}", m(r.webhook_idle));
-    println!("    webhook after burst A ({:.0} req/s): {}", r.burst_a_rps, m(r.webhook_after_a));
+    println!(
+        "    webhook after burst A ({:.0} req/s): {}",
+        r.burst_a_rps,
+        m(r.webhook_after_a)
+    );
     if let (Some(b), Some(rps)) = (r.webhook_after_b, r.burst_b_rps) {
-        println!("    webhook after burst B ({rps:.0} req/s, {} refused as expected): {}", r.burst_b_refused, m(b));
+        println!(
+            "    webhook after burst B ({rps:.0} req/s, {} refused as expected): {}",
+            r.burst_b_refused,
+            m(b)
+        );
     }
 }
 
 /// Open sockets of a process (its connections, listeners included).
 fn sockets(pid: u32) -> usize {
     std::fs::read_dir(format!("/proc/{pid}/fd"))
-        .map(|d| d.filter_map(|e| e.ok()).filter(|e| std::fs::read_link(e.path()).is_ok_and(|l| l.to_string_lossy().starts_with("socket:"))).count())
+        .map(|d| {
+            d.filter_map(|e| e.ok())
+                .filter(|e| {
+                    std::fs::read_link(e.path())
+                        .is_ok_and(|l| l.to_string_lossy().starts_with("socket:"))
+                })
+                .count()
+        })
         .unwrap_or(0)
 }
 
 fn apiserver_rss(cp: &ControlPlane) -> Option<u64> {
-    let info: Value = serde_json::from_str(&std::fs::read_to_string(cp.state.join("management/info.json")).ok()?).ok()?;
+    let info: Value =
+        serde_json::from_str(&std::fs::read_to_string(cp.state.join("management/info.json")).ok()?)
+            .ok()?;
     proc_mem(info["apiserver_pid"].as_u64()? as u32).map(|m| m.rss)
 }
 
 /// One install/measure/uninstall round with `tenants` tenants present.
-async fn measure(cp: &ControlPlane, client: &kube::Client, args: &Args, tenants: usize, tag: &str) -> Round {
+async fn measure(
+    cp: &ControlPlane,
+    client: &kube::Client,
+    args: &Args,
+    tenants: usize,
+    tag: &str,
+) -> Round {
     let mut r = Round::default();
     let t0 = Instant::now();
     let gate = BenchGate::install(cp, tag, &[], "info").await;
@@ -251,7 +358,11 @@ async fn measure(cp: &ControlPlane, client: &kube::Client, args: &Args, tenants:
     }
     r.worker_end = proc_mem(gate.worker_pid()).unwrap_or_default();
     let metrics = gate.worker_metrics().await;
-    let line = metrics.lines().find(|l| l.starts_with("volume_gate_tenants{phase=\"NotStarted\"}")).unwrap_or("(no gauge)").to_string();
+    let line = metrics
+        .lines()
+        .find(|l| l.starts_with("volume_gate_tenants{phase=\"NotStarted\"}"))
+        .unwrap_or("(no gauge)")
+        .to_string();
     println!("    worker gauge: {line}");
     gate.uninstall(cp).await;
     r
@@ -266,13 +377,26 @@ async fn wait_custody(client: &kube::Client, tenants: usize) {
             let held = list
                 .items
                 .iter()
-                .filter(|p| p.metadata.namespace.as_deref().is_some_and(|n| n.starts_with("tenant-f")))
-                .filter(|p| p.metadata.finalizers.as_ref().is_some_and(|f| f.iter().any(|f| f == "volumes.cozystack.io/release")))
+                .filter(|p| {
+                    p.metadata
+                        .namespace
+                        .as_deref()
+                        .is_some_and(|n| n.starts_with("tenant-f"))
+                })
+                .filter(|p| {
+                    p.metadata
+                        .finalizers
+                        .as_ref()
+                        .is_some_and(|f| f.iter().any(|f| f == "volumes.cozystack.io/release"))
+                })
                 .count();
             if held >= tenants {
                 return;
             }
-            assert!(Instant::now() < deadline, "custody of {held}/{tenants} after 600s");
+            assert!(
+                Instant::now() < deadline,
+                "custody of {held}/{tenants} after 600s"
+            );
         }
         tokio::time::sleep(Duration::from_millis(250)).await;
     }
@@ -280,15 +404,27 @@ async fn wait_custody(client: &kube::Client, tenants: usize) {
 
 /// Burst A: dry-run CREATEs of parents in one namespace (nothing persists).
 async fn burst_a(client: &kube::Client, args: &Args) -> (f64, usize) {
-    let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), "bench-burst", &helmrelease_resource());
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), "bench-burst", &helmrelease_resource());
     let t = Instant::now();
     let errors = futures::stream::iter(0..args.burst)
         .map(|i| {
             let api = api.clone();
             let name = format!("kubernetes-burst-{i:05}");
-            let mut o = scale::parent_object("bench-burst", &name, parent_body(&name, args.spec_bytes));
+            let mut o =
+                scale::parent_object("bench-burst", &name, parent_body(&name, args.spec_bytes));
             o.data = parent_body(&name, args.spec_bytes);
-            async move { api.create(&PostParams { dry_run: true, ..Default::default() }, &o).await.is_err() }
+            async move {
+                api.create(
+                    &PostParams {
+                        dry_run: true,
+                        ..Default::default()
+                    },
+                    &o,
+                )
+                .await
+                .is_err()
+            }
         })
         .buffer_unordered(args.burst_concurrency)
         .filter(|e| futures::future::ready(*e))
@@ -311,11 +447,21 @@ async fn burst_b(client: &kube::Client, tenants: usize, concurrency: usize) -> (
             let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &ns, &hr);
             let r = tenant_parent(i);
             async move {
-                let dp = DeleteParams { dry_run: true, ..Default::default() };
+                let dp = DeleteParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
                 let refused = api.delete(&format!("{r}-csi"), &dp).await.is_err();
-                let patch = json!({"metadata": {"annotations": {"bench.volume-gate.test/touched": "yes"}}});
-                let pp = PatchParams { dry_run: true, ..Default::default() };
-                let patched = api.patch(&format!("{r}-cilium"), &pp, &Patch::Merge(&patch)).await.is_ok();
+                let patch =
+                    json!({"metadata": {"annotations": {"bench.volume-gate.test/touched": "yes"}}});
+                let pp = PatchParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                let patched = api
+                    .patch(&format!("{r}-cilium"), &pp, &Patch::Merge(&patch))
+                    .await
+                    .is_ok();
                 (refused, patched)
             }
         })
@@ -425,7 +571,10 @@ async fn create_tenants(client: &kube::Client, args: &Args) {
                         o.metadata.labels = Some(
                             [
                                 ("cozystack.io/target-cluster-name".to_string(), r.clone()),
-                                ("helm.toolkit.fluxcd.io/name".to_string(), format!("{r}-{c}")),
+                                (
+                                    "helm.toolkit.fluxcd.io/name".to_string(),
+                                    format!("{r}-{c}"),
+                                ),
                             ]
                             .into(),
                         );
@@ -456,7 +605,10 @@ async fn create_ok(api: &Api<DynamicObject>, o: &DynamicObject) {
             Ok(_) => return,
             Err(kube::Error::Api(s)) if s.code == 409 => return,
             Err(e) if attempt < 4 => {
-                eprintln!("    create {}: {e}; retrying", o.metadata.name.as_deref().unwrap_or("?"));
+                eprintln!(
+                    "    create {}: {e}; retrying",
+                    o.metadata.name.as_deref().unwrap_or("?")
+                );
                 tokio::time::sleep(Duration::from_secs(1)).await;
             }
             Err(e) => panic!("create {}: {e}", o.metadata.name.as_deref().unwrap_or("?")),
@@ -473,7 +625,14 @@ async fn strip_custody(client: &kube::Client, args: &Args) {
             let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &tenant_ns(i), &hr);
             async move {
                 let patch = json!({"metadata": {"finalizers": ["finalizers.fluxcd.io"]}});
-                if let Err(e) = api.patch(&tenant_parent(i), &PatchParams::default(), &Patch::Merge(&patch)).await {
+                if let Err(e) = api
+                    .patch(
+                        &tenant_parent(i),
+                        &PatchParams::default(),
+                        &Patch::Merge(&patch),
+                    )
+                    .await
+                {
                     eprintln!("    strip custody {}: {e}", tenant_parent(i));
                 }
             }

@@ -102,13 +102,24 @@ async fn main() {
     let args = Args::parse();
     println!("bench-release (benchmark 3)");
     println!("{}", scale::machine());
-    println!("sizes {:?}, rounds up to {} (repeated only under {}s), create concurrency {}", args.sizes, args.rounds, args.repeat_under, args.create_concurrency);
+    println!(
+        "sizes {:?}, rounds up to {} (repeated only under {}s), create concurrency {}",
+        args.sizes, args.rounds, args.repeat_under, args.create_concurrency
+    );
 
     let started = Instant::now();
     let cp = common::cluster::control_plane();
-    println!("control plane: {} (logs in {})", cp.management.server, cp.state.join("logs").display());
+    println!(
+        "control plane: {} (logs in {})",
+        cp.management.server,
+        cp.state.join("logs").display()
+    );
     let gate = BenchGate::install(cp, "release", &args.worker_args, scale::WORKER_TRACE_LOG).await;
-    println!("gate installed: worker flags {:?} (defaults otherwise), worker log {}", args.worker_args, gate.worker_log.display());
+    println!(
+        "gate installed: worker flags {:?} (defaults otherwise), worker log {}",
+        args.worker_args,
+        gate.worker_log.display()
+    );
     let sim = common::sim::Simulator::start(cp);
     println!("simulator: log {}", sim.process.log.display());
     let cache_dir = cp.state.join("bench-kubectl-cache");
@@ -135,11 +146,30 @@ async fn main() {
                 (t, took)
             };
             let (g, b) = tokio::join!(
-                async { if need_g { Some(build(format!("g{size}r{round}")).await) } else { None } },
-                async { if need_b { Some(build(format!("b{size}r{round}")).await) } else { None } },
+                async {
+                    if need_g {
+                        Some(build(format!("g{size}r{round}")).await)
+                    } else {
+                        None
+                    }
+                },
+                async {
+                    if need_b {
+                        Some(build(format!("b{size}r{round}")).await)
+                    } else {
+                        None
+                    }
+                },
             );
-            let took = |x: &Option<(Tenant, Duration)>| x.as_ref().map_or("-".to_string(), |(_, d)| format!("{:.0}s", d.as_secs_f64()));
-            println!("  round {round}: tenants built (gate {}, baseline {})", took(&g), took(&b));
+            let took = |x: &Option<(Tenant, Duration)>| {
+                x.as_ref()
+                    .map_or("-".to_string(), |(_, d)| format!("{:.0}s", d.as_secs_f64()))
+            };
+            println!(
+                "  round {round}: tenants built (gate {}, baseline {})",
+                took(&g),
+                took(&b)
+            );
             let (g, b) = (g.map(|x| x.0), b.map(|x| x.0));
 
             let mut gr = None;
@@ -169,14 +199,20 @@ async fn main() {
             if let Some(gr) = gr {
                 if round == 1 && gr.seconds >= args.repeat_under {
                     gate_rounds = 1;
-                    println!("  (gate took {:.0}s >= {}s: not repeated)", gr.seconds, args.repeat_under);
+                    println!(
+                        "  (gate took {:.0}s >= {}s: not repeated)",
+                        gr.seconds, args.repeat_under
+                    );
                 }
                 e.0.push(gr);
             }
             if let Some(br) = br {
                 if round == 1 && br.seconds >= args.repeat_under {
                     base_rounds = 1;
-                    println!("  (baseline took {:.0}s >= {}s: not repeated)", br.seconds, args.repeat_under);
+                    println!(
+                        "  (baseline took {:.0}s >= {}s: not repeated)",
+                        br.seconds, args.repeat_under
+                    );
                 }
                 e.1.push(br);
             }
@@ -193,18 +229,40 @@ async fn main() {
         let n = *size as f64;
         let gt = stats(&gs.iter().map(|r| r.seconds).collect::<Vec<_>>());
         let bt = stats(&bs.iter().map(|r| r.seconds).collect::<Vec<_>>());
-        let gpv = stats(&gs.iter().map(|r| 1000.0 * r.seconds / n).collect::<Vec<_>>());
-        let bpv = stats(&bs.iter().map(|r| 1000.0 * r.seconds / n).collect::<Vec<_>>());
+        let gpv = stats(
+            &gs.iter()
+                .map(|r| 1000.0 * r.seconds / n)
+                .collect::<Vec<_>>(),
+        );
+        let bpv = stats(
+            &bs.iter()
+                .map(|r| 1000.0 * r.seconds / n)
+                .collect::<Vec<_>>(),
+        );
         let ratio = gt.median / bt.median;
-        let tenant_rpv = stats(&gs.iter().map(|r| r.requests.tenant as f64 / n).collect::<Vec<_>>());
-        let mgmt_rpv = stats(&gs.iter().map(|r| (r.requests.management - r.requests.management_lease) as f64 / n).collect::<Vec<_>>());
-        let all_rpv = stats(&gs.iter().map(|r| (r.requests.tenant + r.requests.management) as f64 / n).collect::<Vec<_>>());
+        let tenant_rpv = stats(
+            &gs.iter()
+                .map(|r| r.requests.tenant as f64 / n)
+                .collect::<Vec<_>>(),
+        );
+        let mgmt_rpv = stats(
+            &gs.iter()
+                .map(|r| (r.requests.management - r.requests.management_lease) as f64 / n)
+                .collect::<Vec<_>>(),
+        );
+        let all_rpv = stats(
+            &gs.iter()
+                .map(|r| (r.requests.tenant + r.requests.management) as f64 / n)
+                .collect::<Vec<_>>(),
+        );
         let base_rpv = stats(&bs.iter().map(|r| r.requests as f64 / n).collect::<Vec<_>>());
         println!("size {size}:");
         println!("  gate      time s {gt}  | ms/volume {gpv}");
         println!("  baseline  time s {bt}  | ms/volume {bpv}");
         println!("  gate/baseline time ratio (of medians) {ratio:.3}");
-        println!("  worker requests/volume: tenant API {tenant_rpv}, management API (without Lease renewals) {mgmt_rpv}, all {all_rpv}");
+        println!(
+            "  worker requests/volume: tenant API {tenant_rpv}, management API (without Lease renewals) {mgmt_rpv}, all {all_rpv}"
+        );
         println!("  baseline (kubectl) requests/volume {base_rpv}");
         per_volume_gate.insert(*size, gpv.median);
         ratio_parts.push(format!("{size}={ratio:.2}"));
@@ -213,8 +271,15 @@ async fn main() {
         req_parts.push(format!("{size}={:.3}", all_rpv.median));
     }
     let verdict = |ok: bool| if ok { "met" } else { "MISSED" };
-    let growth = match (per_volume_gate.first_key_value(), per_volume_gate.last_key_value()) {
-        (Some((s0, v0)), Some((s1, v1))) if s0 != s1 => format!("{:.2} ({s1}/{s0}; target <= 1.5: {})", v1 / v0, verdict(v1 / v0 <= 1.5)),
+    let growth = match (
+        per_volume_gate.first_key_value(),
+        per_volume_gate.last_key_value(),
+    ) {
+        (Some((s0, v0)), Some((s1, v1))) if s0 != s1 => format!(
+            "{:.2} ({s1}/{s0}; target <= 1.5: {})",
+            v1 / v0,
+            verdict(v1 / v0 <= 1.5)
+        ),
         _ => "n/a (one size)".into(),
     };
     println!("total wall time {:.0}s", started.elapsed().as_secs_f64());
@@ -242,11 +307,21 @@ fn print_round(size: usize, round: usize, g: Option<&GateRun>, b: Option<&Baseli
             g.requests.management_lease,
             (g.requests.management - g.requests.management_lease) as f64 / n
         );
-        println!("      tenant requests: {}", fmt_kinds(&g.requests.tenant_by_kind));
-        println!("      management requests: {}", fmt_kinds(&g.requests.management_by_kind));
+        println!(
+            "      tenant requests: {}",
+            fmt_kinds(&g.requests.tenant_by_kind)
+        );
+        println!(
+            "      management requests: {}",
+            fmt_kinds(&g.requests.management_by_kind)
+        );
         println!(
             "      worker log: {}",
-            g.worker_steps.iter().map(|(k, v)| format!("{k} {v:.2}s")).collect::<Vec<_>>().join(", ")
+            g.worker_steps
+                .iter()
+                .map(|(k, v)| format!("{k} {v:.2}s"))
+                .collect::<Vec<_>>()
+                .join(", ")
         );
         println!("      observed: {}", g.milestones);
     }
@@ -260,11 +335,21 @@ fn print_round(size: usize, round: usize, g: Option<&GateRun>, b: Option<&Baseli
             b.requests,
             b.requests as f64 / n
         );
-        println!("      steps: {}", b.steps.iter().map(|(k, v)| format!("{k} {v:.2}s")).collect::<Vec<_>>().join(", "));
+        println!(
+            "      steps: {}",
+            b.steps
+                .iter()
+                .map(|(k, v)| format!("{k} {v:.2}s"))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
         println!("      observed: {}", b.milestones);
     }
     if let (Some(g), Some(b)) = (g, b) {
-        println!("  round {round} ratio gate/baseline {:.3}", g.seconds / b.seconds);
+        println!(
+            "  round {round} ratio gate/baseline {:.3}",
+            g.seconds / b.seconds
+        );
     }
 }
 
@@ -278,18 +363,35 @@ async fn gated(cp: &ControlPlane, gate: &BenchGate, t: &Tenant, poll_ms: u64) ->
     let t0 = Instant::now();
     observer.arm(t0);
     t.delete_parent().await;
-    let seen = scale::poll_phase(t, Phase::Released, Duration::from_millis(poll_ms), Duration::from_secs(3600)).await;
+    let seen = scale::poll_phase(
+        t,
+        Phase::Released,
+        Duration::from_millis(poll_ms),
+        Duration::from_secs(3600),
+    )
+    .await;
     let seconds = seen.duration_since(t0).as_secs_f64();
     observer.wait_pvs_gone(Duration::from_secs(5)).await;
     // Custody ends right after Released: let those requests land too.
     tokio::time::sleep(Duration::from_secs(2)).await;
     let requests = scale::count_requests(&gate.worker_log, offset, &cp.management.server, &servers);
     let worker_steps = worker_steps(&gate.worker_log, offset, wall0, &t.name);
-    GateRun { seconds, requests, milestones: observer.milestones(), worker_steps, load }
+    GateRun {
+        seconds,
+        requests,
+        milestones: observer.milestones(),
+        worker_steps,
+        load,
+    }
 }
 
 /// When the worker logged its steps for tenant `name`, seconds after `wall0`.
-fn worker_steps(log: &Path, from: u64, wall0: jiff::Timestamp, name: &str) -> BTreeMap<&'static str, f64> {
+fn worker_steps(
+    log: &Path,
+    from: u64,
+    wall0: jiff::Timestamp,
+    name: &str,
+) -> BTreeMap<&'static str, f64> {
     let bytes = std::fs::read(log).unwrap_or_default();
     let text = String::from_utf8_lossy(&bytes[(from as usize).min(bytes.len())..]).to_string();
     let mut out = BTreeMap::new();
@@ -297,7 +399,9 @@ fn worker_steps(log: &Path, from: u64, wall0: jiff::Timestamp, name: &str) -> BT
         if line.contains("\"requesting\"") || !line.contains(name) {
             continue;
         }
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
         let msg = v.get("message").and_then(|m| m.as_str()).unwrap_or("");
         let reason = v.get("reason").and_then(|m| m.as_str()).unwrap_or("");
         let step = match (msg, reason) {
@@ -308,7 +412,13 @@ fn worker_steps(log: &Path, from: u64, wall0: jiff::Timestamp, name: &str) -> BT
             ("custody ended: finalizer removed", _) => "5 custody ended",
             _ => continue,
         };
-        let Some(ts) = v.get("timestamp").and_then(|t| t.as_str()).and_then(|t| t.parse::<jiff::Timestamp>().ok()) else { continue };
+        let Some(ts) = v
+            .get("timestamp")
+            .and_then(|t| t.as_str())
+            .and_then(|t| t.parse::<jiff::Timestamp>().ok())
+        else {
+            continue;
+        };
         let secs = ts.duration_since(wall0).as_secs_f64();
         out.entry(step).or_insert(secs);
     }
@@ -319,7 +429,13 @@ fn worker_steps(log: &Path, from: u64, wall0: jiff::Timestamp, name: &str) -> BT
 async fn baseline(cp: &ControlPlane, t: &Tenant, cache_dir: &Path, pod_wait: bool) -> BaselineRun {
     let observer = Observer::start(&t.api).await;
     let kubeconfig = t.cluster.kubeconfig.clone();
-    let mut k = Kubectl { cp, kubeconfig, cache_dir: cache_dir.to_path_buf(), processes: 0, requests: 0 };
+    let mut k = Kubectl {
+        cp,
+        kubeconfig,
+        cache_dir: cache_dir.to_path_buf(),
+        processes: 0,
+        requests: 0,
+    };
     let load = loadavg();
     let t0 = Instant::now();
     observer.arm(t0);
@@ -335,35 +451,61 @@ async fn baseline(cp: &ControlPlane, t: &Tenant, cache_dir: &Path, pod_wait: boo
     step("readyz", &mut mark);
     let (ok, out) = k.run(&["get", "pv", "-o", "name"]).await;
     assert!(ok, "baseline: get pv");
-    let pvs: Vec<String> = out.lines().filter(|l| !l.trim().is_empty()).map(|l| l.trim().to_string()).collect();
+    let pvs: Vec<String> = out
+        .lines()
+        .filter(|l| !l.trim().is_empty())
+        .map(|l| l.trim().to_string())
+        .collect();
     step("get pv", &mut mark);
-    let (ok, _) = k.run(&["delete", "pvc", "--all", "--all-namespaces", "--wait=false"]).await;
+    let (ok, _) = k
+        .run(&["delete", "pvc", "--all", "--all-namespaces", "--wait=false"])
+        .await;
     assert!(ok, "baseline: delete pvc");
     step("delete pvc --all", &mut mark);
-    let (ok, out) = k.run(&["get", "pods", "--all-namespaces", "-o", "json"]).await;
+    let (ok, out) = k
+        .run(&["get", "pods", "--all-namespaces", "-o", "json"])
+        .await;
     assert!(ok, "baseline: get pods");
     let list: serde_json::Value = serde_json::from_str(&out).expect("pods JSON");
     let pods: Vec<Pod> = serde_json::from_value(list["items"].clone()).expect("pods");
     let holding: Vec<(String, String)> = pods
         .iter()
         .filter(|p| !volume_gate::worker::claims::claims_of(p).is_empty())
-        .map(|p| (p.metadata.namespace.clone().unwrap_or_default(), p.metadata.name.clone().unwrap_or_default()))
+        .map(|p| {
+            (
+                p.metadata.namespace.clone().unwrap_or_default(),
+                p.metadata.name.clone().unwrap_or_default(),
+            )
+        })
         .collect();
     step("get pods", &mut mark);
-    let wait_flag = if pod_wait { "--wait=true" } else { "--wait=false" };
+    let wait_flag = if pod_wait {
+        "--wait=true"
+    } else {
+        "--wait=false"
+    };
     for (ns, name) in &holding {
         let (ok, _) = k.run(&["delete", "pod", "-n", ns, name, wait_flag]).await;
         assert!(ok, "baseline: delete pod {ns}/{name}");
     }
     step(&format!("delete pod x{}", holding.len()), &mut mark);
     for pv in &pvs {
-        let (ok, _) = k.run(&["wait", "--for=delete", pv, "--timeout=1200s"]).await;
+        let (ok, _) = k
+            .run(&["wait", "--for=delete", pv, "--timeout=1200s"])
+            .await;
         assert!(ok, "baseline: wait {pv}");
     }
     step(&format!("wait pv x{}", pvs.len()), &mut mark);
     let seconds = t0.elapsed().as_secs_f64();
     observer.wait_pvs_gone(Duration::from_secs(5)).await;
-    BaselineRun { seconds, processes: k.processes, requests: k.requests, steps, milestones: observer.milestones(), load }
+    BaselineRun {
+        seconds,
+        processes: k.processes,
+        requests: k.requests,
+        steps,
+        milestones: observer.milestones(),
+        load,
+    }
 }
 
 struct Kubectl<'a> {
@@ -379,15 +521,36 @@ impl Kubectl<'_> {
     /// returns (success, stdout).
     async fn run(&mut self, args: &[&str]) -> (bool, String) {
         let mut cmd = self.cp.kubectl(&self.kubeconfig);
-        cmd.arg("--cache-dir").arg(&self.cache_dir).arg("-v=6").args(args);
-        cmd.stdin(Stdio::null()).stdout(Stdio::piped()).stderr(Stdio::piped());
-        let out = tokio::process::Command::from(cmd).output().await.expect("spawn kubectl");
+        cmd.arg("--cache-dir")
+            .arg(&self.cache_dir)
+            .arg("-v=6")
+            .args(args);
+        cmd.stdin(Stdio::null())
+            .stdout(Stdio::piped())
+            .stderr(Stdio::piped());
+        let out = tokio::process::Command::from(cmd)
+            .output()
+            .await
+            .expect("spawn kubectl");
         self.processes += 1;
         let stderr = String::from_utf8_lossy(&out.stderr);
-        self.requests += stderr.lines().filter(|l| l.contains("\"Response\"")).count();
+        self.requests += stderr
+            .lines()
+            .filter(|l| l.contains("\"Response\""))
+            .count();
         if !out.status.success() {
-            eprintln!("kubectl {args:?} failed: {}", stderr.lines().filter(|l| !l.contains("\"Response\"")).collect::<Vec<_>>().join(" | "));
+            eprintln!(
+                "kubectl {args:?} failed: {}",
+                stderr
+                    .lines()
+                    .filter(|l| !l.contains("\"Response\""))
+                    .collect::<Vec<_>>()
+                    .join(" | ")
+            );
         }
-        (out.status.success(), String::from_utf8_lossy(&out.stdout).to_string())
+        (
+            out.status.success(),
+            String::from_utf8_lossy(&out.stdout).to_string(),
+        )
     }
 }

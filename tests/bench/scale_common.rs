@@ -18,7 +18,9 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, ObjectMeta, PostPa
 use kube::runtime::watcher;
 
 use crate::common::cluster::ControlPlane;
-use crate::common::gate::{NAMESPACE, WEBHOOK_SA, WORKER_SA, binary, free_port, helmrelease_resource, http_get};
+use crate::common::gate::{
+    NAMESPACE, WEBHOOK_SA, WORKER_SA, binary, free_port, helmrelease_resource, http_get,
+};
 use crate::common::manifests;
 use crate::common::process::Process;
 use crate::common::tenant::{STORAGE_CLASS, Tenant};
@@ -35,7 +37,14 @@ fn first_line(cmd: &str, args: &[&str]) -> String {
         .args(args)
         .output()
         .ok()
-        .map(|o| String::from_utf8_lossy(&o.stdout).lines().next().unwrap_or("").trim().to_string())
+        .map(|o| {
+            String::from_utf8_lossy(&o.stdout)
+                .lines()
+                .next()
+                .unwrap_or("")
+                .trim()
+                .to_string()
+        })
         .unwrap_or_default()
 }
 
@@ -51,7 +60,9 @@ pub fn machine() -> String {
     let mem_kib = meminfo("MemTotal").unwrap_or(0);
     format!(
         "machine: nproc {} | CPU {} | memory {:.1} GiB | kernel {} | {}",
-        std::thread::available_parallelism().map(|n| n.get()).unwrap_or(0),
+        std::thread::available_parallelism()
+            .map(|n| n.get())
+            .unwrap_or(0),
         model,
         mem_kib as f64 / (1024.0 * 1024.0),
         first_line("uname", &["-r"]),
@@ -73,7 +84,12 @@ pub fn meminfo(field: &str) -> Option<u64> {
 
 /// The 1-minute load average: other sessions share this machine.
 pub fn loadavg() -> String {
-    std::fs::read_to_string("/proc/loadavg").unwrap_or_default().split_whitespace().next().unwrap_or("?").to_string()
+    std::fs::read_to_string("/proc/loadavg")
+        .unwrap_or_default()
+        .split_whitespace()
+        .next()
+        .unwrap_or("?")
+        .to_string()
 }
 
 /// VmRSS, VmHWM, RssAnon of a process, in KiB.
@@ -93,7 +109,11 @@ pub fn proc_mem(pid: u32) -> Option<Mem> {
             .and_then(|v| v.parse().ok())
             .unwrap_or(0)
     };
-    Some(Mem { rss: field("VmRSS:"), hwm: field("VmHWM:"), anon: field("RssAnon:") })
+    Some(Mem {
+        rss: field("VmRSS:"),
+        hwm: field("VmHWM:"),
+        anon: field("RssAnon:"),
+    })
 }
 
 pub fn mib(kib: u64) -> f64 {
@@ -115,11 +135,25 @@ pub fn stats(xs: &[f64]) -> Stats {
     let mut v: Vec<f64> = xs.iter().copied().filter(|x| x.is_finite()).collect();
     v.sort_by(|a, b| a.partial_cmp(b).unwrap());
     if v.is_empty() {
-        return Stats { median: f64::NAN, min: f64::NAN, max: f64::NAN, n: 0 };
+        return Stats {
+            median: f64::NAN,
+            min: f64::NAN,
+            max: f64::NAN,
+            n: 0,
+        };
     }
     let n = v.len();
-    let median = if n % 2 == 1 { v[n / 2] } else { (v[n / 2 - 1] + v[n / 2]) / 2.0 };
-    Stats { median, min: v[0], max: v[n - 1], n }
+    let median = if n % 2 == 1 {
+        v[n / 2]
+    } else {
+        (v[n / 2 - 1] + v[n / 2]) / 2.0
+    };
+    Stats {
+        median,
+        min: v[0],
+        max: v[n - 1],
+        n,
+    }
 }
 
 impl std::fmt::Display for Stats {
@@ -127,7 +161,11 @@ impl std::fmt::Display for Stats {
         if self.n <= 1 {
             write!(f, "{:.3} (n={})", self.median, self.n)
         } else {
-            write!(f, "{:.3} [{:.3}..{:.3}] (n={})", self.median, self.min, self.max, self.n)
+            write!(
+                f,
+                "{:.3} [{:.3}..{:.3}] (n={})",
+                self.median, self.min, self.max, self.n
+            )
         }
     }
 }
@@ -154,10 +192,18 @@ impl BenchGate {
     /// Installs RBAC and CRDs, starts the webhook, applies the webhook
     /// configurations, starts the worker with `worker_args` and waits until
     /// it leads and the API server calls both webhooks.
-    pub async fn install(cp: &ControlPlane, tag: &str, worker_args: &[String], worker_log_filter: &str) -> BenchGate {
+    pub async fn install(
+        cp: &ControlPlane,
+        tag: &str,
+        worker_args: &[String],
+        worker_log_filter: &str,
+    ) -> BenchGate {
         let client = cp.management_client().await;
         let docs = manifests::base_documents();
-        for doc in docs.iter().filter(|d| !manifests::is_workload(d) && !manifests::is_webhook_configuration(d)) {
+        for doc in docs
+            .iter()
+            .filter(|d| !manifests::is_workload(d) && !manifests::is_webhook_configuration(d))
+        {
             manifests::apply(&client, doc).await;
         }
         crate::common::gate::apply_crds(cp).await;
@@ -176,15 +222,25 @@ impl BenchGate {
             .arg(certs.join("tls.crt"))
             .arg("--tls-key")
             .arg(certs.join("tls.key"))
-            .env("KUBECONFIG", cp.service_account_kubeconfig(NAMESPACE, WEBHOOK_SA).await)
+            .env(
+                "KUBECONFIG",
+                cp.service_account_kubeconfig(NAMESPACE, WEBHOOK_SA).await,
+            )
             // One JSON line per decision, as shipped; warnings only, so the
             // log's own cost is not what a burst measures.
             .env("RUST_LOG", "warn");
-        let webhook = Process::start("webhook", cmd, log_dir.join(format!("bench-webhook-{tag}.log")));
+        let webhook = Process::start(
+            "webhook",
+            cmd,
+            log_dir.join(format!("bench-webhook-{tag}.log")),
+        );
         wait_admin_ready(webhook_admin, &webhook).await;
 
         let base = format!("https://127.0.0.1:{webhook_port}");
-        for doc in docs.iter().filter(|d| manifests::is_webhook_configuration(d)) {
+        for doc in docs
+            .iter()
+            .filter(|d| manifests::is_webhook_configuration(d))
+        {
             manifests::apply(&client, &manifests::point_at_local(doc, &base, &ca_bundle)).await;
         }
         let worker_kubeconfig = cp.service_account_kubeconfig(NAMESPACE, WORKER_SA).await;
@@ -216,11 +272,16 @@ impl BenchGate {
         cmd.arg("worker")
             .arg(format!("--admin-listen=127.0.0.1:{}", self.worker_admin))
             .args(args)
-            .arg(format!("--identity=bench-worker-{}-{}", self.tag, self.generation))
+            .arg(format!(
+                "--identity=bench-worker-{}-{}",
+                self.tag, self.generation
+            ))
             .env("KUBECONFIG", &self.worker_kubeconfig)
             .env("POD_NAMESPACE", NAMESPACE)
             .env("RUST_LOG", log_filter);
-        self.worker_log = self.log_dir.join(format!("bench-worker-{}-{}.log", self.tag, self.generation));
+        self.worker_log = self
+            .log_dir
+            .join(format!("bench-worker-{}-{}.log", self.tag, self.generation));
         self.generation += 1;
         let worker = Process::start("worker", cmd, self.worker_log.clone());
         wait_admin_ready(self.worker_admin, &worker).await;
@@ -229,7 +290,11 @@ impl BenchGate {
             let log = log.clone();
             async move {
                 let text = std::fs::read_to_string(&log).unwrap_or_default();
-                if text.contains("leading: starting the controller") { Ok(()) } else { Err("not leading yet".into()) }
+                if text.contains("leading: starting the controller") {
+                    Ok(())
+                } else {
+                    Err("not leading yet".into())
+                }
             }
         })
         .await;
@@ -237,7 +302,10 @@ impl BenchGate {
     }
 
     pub fn worker_pid(&self) -> u32 {
-        self.worker.as_ref().and_then(|w| w.pid()).expect("worker running")
+        self.worker
+            .as_ref()
+            .and_then(|w| w.pid())
+            .expect("worker running")
     }
 
     pub fn webhook_pid(&self) -> u32 {
@@ -245,15 +313,23 @@ impl BenchGate {
     }
 
     pub fn worker_log_len(&self) -> u64 {
-        std::fs::metadata(&self.worker_log).map(|m| m.len()).unwrap_or(0)
+        std::fs::metadata(&self.worker_log)
+            .map(|m| m.len())
+            .unwrap_or(0)
     }
 
     pub async fn worker_metrics(&self) -> String {
-        http_get(self.worker_admin, "/metrics").await.map(|(_, b)| b).unwrap_or_default()
+        http_get(self.worker_admin, "/metrics")
+            .await
+            .map(|(_, b)| b)
+            .unwrap_or_default()
     }
 
     pub async fn webhook_metrics(&self) -> String {
-        http_get(self.webhook_admin, "/metrics").await.map(|(_, b)| b).unwrap_or_default()
+        http_get(self.webhook_admin, "/metrics")
+            .await
+            .map(|(_, b)| b)
+            .unwrap_or_default()
     }
 
     /// Removes the webhook configurations and stops both processes: the
@@ -261,8 +337,14 @@ impl BenchGate {
     pub async fn uninstall(mut self, cp: &ControlPlane) {
         let client = cp.management_client().await;
         for (kind, plural) in [
-            ("ValidatingWebhookConfiguration", "validatingwebhookconfigurations"),
-            ("MutatingWebhookConfiguration", "mutatingwebhookconfigurations"),
+            (
+                "ValidatingWebhookConfiguration",
+                "validatingwebhookconfigurations",
+            ),
+            (
+                "MutatingWebhookConfiguration",
+                "mutatingwebhookconfigurations",
+            ),
         ] {
             let ar = kube::core::ApiResource::from_gvk_with_plural(
                 &kube::core::GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", kind),
@@ -278,32 +360,52 @@ impl BenchGate {
         // The API server's webhook cache lags the deletion: wait until a
         // parent create is no longer mutated.
         cp.namespace("volume-gate-probe").await;
-        let api: Api<DynamicObject> = Api::namespaced_with(client, "volume-gate-probe", &helmrelease_resource());
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(client, "volume-gate-probe", &helmrelease_resource());
         let probe = parent_object("volume-gate-probe", "kubernetes-probe", json_spec_small());
-        eventually("webhooks gone from the API server", Duration::from_secs(60), || {
-            let (api, probe) = (api.clone(), probe.clone());
-            async move {
-                match api.create(&PostParams { dry_run: true, ..Default::default() }, &probe).await {
-                    Ok(o) if o.metadata.finalizers.as_ref().is_none_or(|f| f.is_empty()) => Ok(()),
-                    other => Err(format!("{other:?}")),
+        eventually(
+            "webhooks gone from the API server",
+            Duration::from_secs(60),
+            || {
+                let (api, probe) = (api.clone(), probe.clone());
+                async move {
+                    match api
+                        .create(
+                            &PostParams {
+                                dry_run: true,
+                                ..Default::default()
+                            },
+                            &probe,
+                        )
+                        .await
+                    {
+                        Ok(o) if o.metadata.finalizers.as_ref().is_none_or(|f| f.is_empty()) => {
+                            Ok(())
+                        }
+                        other => Err(format!("{other:?}")),
+                    }
                 }
-            }
-        })
+            },
+        )
         .await;
     }
 }
 
 async fn wait_admin_ready(admin_port: u16, process: &Process) {
-    eventually(&format!("{} /readyz", process.name), Duration::from_secs(60), || async {
-        if !process.alive() {
-            panic!("{} exited; its log:\n{}", process.name, process.log_text());
-        }
-        match http_get(admin_port, "/readyz").await {
-            Ok((200, _)) => Ok(()),
-            Ok((code, body)) => Err(format!("{code} {body}")),
-            Err(e) => Err(e),
-        }
-    })
+    eventually(
+        &format!("{} /readyz", process.name),
+        Duration::from_secs(60),
+        || async {
+            if !process.alive() {
+                panic!("{} exited; its log:\n{}", process.name, process.log_text());
+            }
+            match http_get(admin_port, "/readyz").await {
+                Ok((200, _)) => Ok(()),
+                Ok((code, body)) => Err(format!("{code} {body}")),
+                Err(e) => Err(e),
+            }
+        },
+    )
     .await;
 }
 
@@ -319,9 +421,18 @@ pub fn parent_object(namespace: &str, name: &str, body: serde_json::Value) -> Dy
         namespace: Some(namespace.into()),
         labels: Some(
             [
-                ("apps.cozystack.io/application.kind".to_string(), "Kubernetes".to_string()),
-                ("apps.cozystack.io/application.group".to_string(), "apps.cozystack.io".to_string()),
-                ("apps.cozystack.io/application.name".to_string(), name.trim_start_matches("kubernetes-").to_string()),
+                (
+                    "apps.cozystack.io/application.kind".to_string(),
+                    "Kubernetes".to_string(),
+                ),
+                (
+                    "apps.cozystack.io/application.group".to_string(),
+                    "apps.cozystack.io".to_string(),
+                ),
+                (
+                    "apps.cozystack.io/application.name".to_string(),
+                    name.trim_start_matches("kubernetes-").to_string(),
+                ),
             ]
             .into(),
         ),
@@ -337,26 +448,60 @@ pub fn parent_object(namespace: &str, name: &str, body: serde_json::Value) -> Dy
 async fn wait_webhooks_active(cp: &ControlPlane) {
     let client = cp.management_client().await;
     cp.namespace("volume-gate-probe").await;
-    let api: Api<DynamicObject> = Api::namespaced_with(client, "volume-gate-probe", &helmrelease_resource());
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client, "volume-gate-probe", &helmrelease_resource());
     let mut probe = parent_object("volume-gate-probe", "kubernetes-probe", json_spec_small());
-    probe.metadata.annotations = Some([("volumes.cozystack.io/phase".to_string(), "Released".to_string())].into());
-    eventually("webhooks active in the API server", Duration::from_secs(60), || {
-        let (api, probe) = (api.clone(), probe.clone());
-        async move {
-            match api.create(&PostParams { dry_run: true, ..Default::default() }, &probe).await {
-                Err(kube::Error::Api(s)) if s.message.contains("volume-gate") => {}
-                other => return Err(format!("validating webhook not active yet: {other:?}")),
+    probe.metadata.annotations = Some(
+        [(
+            "volumes.cozystack.io/phase".to_string(),
+            "Released".to_string(),
+        )]
+        .into(),
+    );
+    eventually(
+        "webhooks active in the API server",
+        Duration::from_secs(60),
+        || {
+            let (api, probe) = (api.clone(), probe.clone());
+            async move {
+                match api
+                    .create(
+                        &PostParams {
+                            dry_run: true,
+                            ..Default::default()
+                        },
+                        &probe,
+                    )
+                    .await
+                {
+                    Err(kube::Error::Api(s)) if s.message.contains("volume-gate") => {}
+                    other => return Err(format!("validating webhook not active yet: {other:?}")),
+                }
+                let mut honest = probe.clone();
+                honest.metadata.annotations = None;
+                let created = api
+                    .create(
+                        &PostParams {
+                            dry_run: true,
+                            ..Default::default()
+                        },
+                        &honest,
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if created
+                    .metadata
+                    .finalizers
+                    .unwrap_or_default()
+                    .contains(&"volumes.cozystack.io/release".to_string())
+                {
+                    Ok(())
+                } else {
+                    Err("mutating webhook not active yet".into())
+                }
             }
-            let mut honest = probe.clone();
-            honest.metadata.annotations = None;
-            let created = api.create(&PostParams { dry_run: true, ..Default::default() }, &honest).await.map_err(|e| e.to_string())?;
-            if created.metadata.finalizers.unwrap_or_default().contains(&"volumes.cozystack.io/release".to_string()) {
-                Ok(())
-            } else {
-                Err("mutating webhook not active yet".into())
-            }
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -381,7 +526,12 @@ pub struct Requests {
 
 /// Reads the worker log from byte `from` and counts requests per server.
 /// `tenant_servers` are `https://host:port` of tenant API servers.
-pub fn count_requests(log: &Path, from: u64, management_server: &str, tenant_servers: &HashSet<String>) -> Requests {
+pub fn count_requests(
+    log: &Path,
+    from: u64,
+    management_server: &str,
+    tenant_servers: &HashSet<String>,
+) -> Requests {
     let bytes = std::fs::read(log).unwrap_or_default();
     let text = String::from_utf8_lossy(&bytes[(from as usize).min(bytes.len())..]).to_string();
     let mut r = Requests::default();
@@ -389,21 +539,29 @@ pub fn count_requests(log: &Path, from: u64, management_server: &str, tenant_ser
         if !line.contains("\"requesting\"") {
             continue;
         }
-        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else { continue };
+        let Ok(v) = serde_json::from_str::<serde_json::Value>(line) else {
+            continue;
+        };
         if v.get("message").and_then(|m| m.as_str()) != Some("requesting") {
             continue;
         }
-        let Some(url) = v
-            .get("spans")
-            .and_then(|s| s.as_array())
-            .and_then(|spans| spans.iter().rev().find_map(|s| s.get("http.url").and_then(|u| u.as_str())))
-        else {
+        let Some(url) = v.get("spans").and_then(|s| s.as_array()).and_then(|spans| {
+            spans
+                .iter()
+                .rev()
+                .find_map(|s| s.get("http.url").and_then(|u| u.as_str()))
+        }) else {
             continue;
         };
         let method = v
             .get("spans")
             .and_then(|s| s.as_array())
-            .and_then(|spans| spans.iter().rev().find_map(|s| s.get("http.method").and_then(|u| u.as_str())))
+            .and_then(|spans| {
+                spans
+                    .iter()
+                    .rev()
+                    .find_map(|s| s.get("http.method").and_then(|u| u.as_str()))
+            })
             .unwrap_or("?");
         let (server, path) = split_url(url);
         let kind = format!("{method} {}", shorten_path(&path));
@@ -426,7 +584,10 @@ pub fn count_requests(log: &Path, from: u64, management_server: &str, tenant_ser
 fn split_url(url: &str) -> (String, String) {
     let after_scheme = url.find("://").map(|i| i + 3).unwrap_or(0);
     match url[after_scheme..].find('/') {
-        Some(i) => (url[..after_scheme + i].to_string(), url[after_scheme + i..].to_string()),
+        Some(i) => (
+            url[..after_scheme + i].to_string(),
+            url[after_scheme + i..].to_string(),
+        ),
         None => (url.to_string(), "/".into()),
     }
 }
@@ -463,7 +624,10 @@ fn shorten_path(path: &str) -> String {
 }
 
 pub fn fmt_kinds(m: &BTreeMap<String, usize>) -> String {
-    m.iter().map(|(k, v)| format!("{k}={v}")).collect::<Vec<_>>().join(", ")
+    m.iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 // ---------------------------------------------------------------- workloads
@@ -484,7 +648,12 @@ impl Workload {
     /// the others two each.
     pub fn for_size(claims: usize) -> Workload {
         let namespaces = if claims >= 1000 { 5 } else { 2 };
-        Workload { claims, namespaces, held: (claims / 10).max(7).min(claims), multi: 5.min(claims) }
+        Workload {
+            claims,
+            namespaces,
+            held: (claims / 10).max(7).min(claims),
+            multi: 5.min(claims),
+        }
     }
 
     fn namespace_of(&self, i: usize) -> String {
@@ -496,14 +665,21 @@ impl Workload {
         // Claims are held per namespace so a Pod mounts claims of its own namespace.
         let mut by_ns: BTreeMap<String, Vec<String>> = BTreeMap::new();
         for i in 0..self.held {
-            by_ns.entry(self.namespace_of(i)).or_default().push(format!("data-{i:05}"));
+            by_ns
+                .entry(self.namespace_of(i))
+                .or_default()
+                .push(format!("data-{i:05}"));
         }
         let mut out = Vec::new();
         let mut first = true;
         for (ns, claims) in by_ns {
             let mut rest = claims.as_slice();
             if first && rest.len() >= self.multi {
-                out.push((ns.clone(), "multi-0".to_string(), rest[..self.multi].to_vec()));
+                out.push((
+                    ns.clone(),
+                    "multi-0".to_string(),
+                    rest[..self.multi].to_vec(),
+                ));
                 rest = &rest[self.multi..];
                 first = false;
             }
@@ -564,7 +740,10 @@ async fn create_claim(api: &kube::Client, ns: &str, name: &str) -> Result<(), ku
                  "resources": {"requests": {"storage": "1Gi"}}},
     }))
     .unwrap();
-    match Api::<PersistentVolumeClaim>::namespaced(api.clone(), ns).create(&PostParams::default(), &pvc).await {
+    match Api::<PersistentVolumeClaim>::namespaced(api.clone(), ns)
+        .create(&PostParams::default(), &pvc)
+        .await
+    {
         Ok(_) => Ok(()),
         Err(kube::Error::Api(s)) if s.code == 409 => Ok(()),
         Err(e) => Err(e),
@@ -578,19 +757,35 @@ pub async fn wait_settled(api: &kube::Client, claims: usize, pods: usize, timeou
     let mut last_print = Instant::now();
     loop {
         let lp = ListParams::default();
-        let pvcs = Api::<PersistentVolumeClaim>::all(api.clone()).list(&lp).await;
+        let pvcs = Api::<PersistentVolumeClaim>::all(api.clone())
+            .list(&lp)
+            .await;
         let podl = Api::<Pod>::all(api.clone()).list(&lp).await;
         if let (Ok(pvcs), Ok(podl)) = (pvcs, podl) {
-            let bound = pvcs.items.iter().filter(|c| c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")).count();
-            let running = podl.items.iter().filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")).count();
+            let bound = pvcs
+                .items
+                .iter()
+                .filter(|c| c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound"))
+                .count();
+            let running = podl
+                .items
+                .iter()
+                .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+                .count();
             if bound >= claims && running >= pods {
                 return;
             }
             if last_print.elapsed() > Duration::from_secs(30) {
-                eprintln!("    ... {bound}/{claims} claims bound, {running}/{pods} pods running ({:.0}s)", started.elapsed().as_secs_f64());
+                eprintln!(
+                    "    ... {bound}/{claims} claims bound, {running}/{pods} pods running ({:.0}s)",
+                    started.elapsed().as_secs_f64()
+                );
                 last_print = Instant::now();
             }
-            assert!(started.elapsed() < timeout, "not settled after {timeout:?}: {bound}/{claims} bound, {running}/{pods} running");
+            assert!(
+                started.elapsed() < timeout,
+                "not settled after {timeout:?}: {bound}/{claims} bound, {running}/{pods} running"
+            );
         }
         tokio::time::sleep(Duration::from_secs(if claims > 1000 { 3 } else { 1 })).await;
     }
@@ -650,7 +845,10 @@ impl Observer {
         let mut tasks = Vec::new();
         {
             let state = state.clone();
-            let stream = watcher(Api::<PersistentVolumeClaim>::all(api.clone()), watcher::Config::default());
+            let stream = watcher(
+                Api::<PersistentVolumeClaim>::all(api.clone()),
+                watcher::Config::default(),
+            );
             tasks.push(tokio::spawn(async move {
                 futures::pin_mut!(stream);
                 while let Some(ev) = stream.next().await {
@@ -661,7 +859,10 @@ impl Observer {
                     match ev {
                         watcher::Event::InitApply(c) | watcher::Event::Apply(c) => {
                             let key = key_of(&c.metadata);
-                            if c.metadata.deletion_timestamp.is_some() && armed && s.first_claim_deleting.is_none() {
+                            if c.metadata.deletion_timestamp.is_some()
+                                && armed
+                                && s.first_claim_deleting.is_none()
+                            {
                                 s.first_claim_deleting = Some(now);
                             }
                             s.pvcs.insert(key);
@@ -680,7 +881,10 @@ impl Observer {
         }
         {
             let state = state.clone();
-            let stream = watcher(Api::<PersistentVolume>::all(api.clone()), watcher::Config::default());
+            let stream = watcher(
+                Api::<PersistentVolume>::all(api.clone()),
+                watcher::Config::default(),
+            );
             tasks.push(tokio::spawn(async move {
                 futures::pin_mut!(stream);
                 while let Some(ev) = stream.next().await {
@@ -691,7 +895,8 @@ impl Observer {
                     match ev {
                         watcher::Event::InitApply(pv) | watcher::Event::Apply(pv) => {
                             let released = pv.metadata.deletion_timestamp.is_some()
-                                || pv.status.as_ref().and_then(|st| st.phase.as_deref()) == Some("Released");
+                                || pv.status.as_ref().and_then(|st| st.phase.as_deref())
+                                    == Some("Released");
                             let name = pv.metadata.name.clone().unwrap_or_default();
                             s.pvs.insert(name, released);
                             if armed && s.all_pvs_released.is_none() && s.pvs.values().all(|r| *r) {
@@ -699,7 +904,8 @@ impl Observer {
                             }
                         }
                         watcher::Event::Delete(pv) => {
-                            s.pvs.remove(pv.metadata.name.as_deref().unwrap_or_default());
+                            s.pvs
+                                .remove(pv.metadata.name.as_deref().unwrap_or_default());
                             if armed && s.all_pvs_released.is_none() && s.pvs.values().all(|r| *r) {
                                 s.all_pvs_released = Some(now);
                             }
@@ -718,7 +924,11 @@ impl Observer {
             let st = st.clone();
             async move {
                 let s = st.lock().unwrap();
-                if s.pv_synced && s.pvc_synced { Ok(()) } else { Err("syncing".into()) }
+                if s.pv_synced && s.pvc_synced {
+                    Ok(())
+                } else {
+                    Err("syncing".into())
+                }
             }
         })
         .await;
@@ -765,27 +975,43 @@ impl Drop for Observer {
 }
 
 fn key_of(m: &ObjectMeta) -> String {
-    format!("{}/{}", m.namespace.as_deref().unwrap_or(""), m.name.as_deref().unwrap_or(""))
+    format!(
+        "{}/{}",
+        m.namespace.as_deref().unwrap_or(""),
+        m.name.as_deref().unwrap_or("")
+    )
 }
 
 // ---------------------------------------------------------------- records
 
 /// Polls the parent's record every `every` until `phase` (or panics after
 /// `timeout`); returns when it was first seen.
-pub async fn poll_phase(t: &Tenant, phase: volume_gate::record::Phase, every: Duration, timeout: Duration) -> Instant {
+pub async fn poll_phase(
+    t: &Tenant,
+    phase: volume_gate::record::Phase,
+    every: Duration,
+    timeout: Duration,
+) -> Instant {
     let keys = volume_gate::record::Keys::new("volumes.cozystack.io/");
     let deadline = Instant::now() + timeout;
     let mut last = String::new();
     loop {
         let seen = Instant::now();
         if let Ok(Some(p)) = t.hr_api().get_metadata_opt(&t.name).await {
-            let r = volume_gate::record::Record::from_annotations(&keys, &p.metadata.annotations.unwrap_or_default());
+            let r = volume_gate::record::Record::from_annotations(
+                &keys,
+                &p.metadata.annotations.unwrap_or_default(),
+            );
             if r.phase == Some(phase) {
                 return seen;
             }
             last = format!("{:?} {:?}", r.phase, r.message);
         }
-        assert!(Instant::now() < deadline, "{}: phase {phase} not reached in {timeout:?}; last {last}", t.name);
+        assert!(
+            Instant::now() < deadline,
+            "{}: phase {phase} not reached in {timeout:?}; last {last}",
+            t.name
+        );
         tokio::time::sleep(every).await;
     }
 }

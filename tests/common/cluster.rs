@@ -44,7 +44,8 @@ static CONTROL_PLANE: OnceLock<ControlPlane> = OnceLock::new();
 /// The harness binary, built on first use into a cache keyed by its sources.
 pub fn harness_binary() -> PathBuf {
     static BIN: OnceLock<PathBuf> = OnceLock::new();
-    BIN.get_or_init(|| run_build_script("tests/harness/build.sh")).clone()
+    BIN.get_or_init(|| run_build_script("tests/harness/build.sh"))
+        .clone()
 }
 
 /// Runs a build script of the repository (its messages go to the test's
@@ -55,7 +56,10 @@ pub fn run_build_script(script: &str) -> PathBuf {
         .stderr(Stdio::inherit())
         .output()
         .unwrap_or_else(|e| panic!("run {script}: {e}"));
-    assert!(out.status.success(), "{script} failed (see its messages above)");
+    assert!(
+        out.status.success(),
+        "{script} failed (see its messages above)"
+    );
     PathBuf::from(String::from_utf8(out.stdout).expect("utf-8 path").trim())
 }
 
@@ -69,7 +73,12 @@ pub fn control_plane() -> &'static ControlPlane {
         let out = Command::new(&harness)
             .args(["up", "--state"])
             .arg(&state)
-            .args(["--owner-pid", &std::process::id().to_string(), "--tenant", "t0"])
+            .args([
+                "--owner-pid",
+                &std::process::id().to_string(),
+                "--tenant",
+                "t0",
+            ])
             .output()
             .expect("run harness up");
         assert!(
@@ -79,15 +88,26 @@ pub fn control_plane() -> &'static ControlPlane {
             String::from_utf8_lossy(&out.stderr),
             state.join("logs").display()
         );
-        eprintln!("control plane up in {:.1}s (state {})", started.elapsed().as_secs_f64(), state.display());
+        eprintln!(
+            "control plane up in {:.1}s (state {})",
+            started.elapsed().as_secs_f64(),
+            state.display()
+        );
         let management = read_info(&state, "management");
-        ControlPlane { state, harness, management, first_tenant_cluster: "t0".into(), names: AtomicUsize::new(0) }
+        ControlPlane {
+            state,
+            harness,
+            management,
+            first_tenant_cluster: "t0".into(),
+            names: AtomicUsize::new(0),
+        }
     })
 }
 
 fn read_info(state: &Path, name: &str) -> ClusterInfo {
     let path = state.join(name).join("info.json");
-    let text = std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let text =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
     serde_json::from_str(&text).unwrap_or_else(|e| panic!("parse {}: {e}", path.display()))
 }
 
@@ -113,7 +133,11 @@ impl ControlPlane {
             .stderr(Stdio::inherit())
             .output()
             .expect("run harness cluster up");
-        assert!(out.status.success(), "harness cluster up {name} failed; logs in {}", self.state.join("logs").display());
+        assert!(
+            out.status.success(),
+            "harness cluster up {name} failed; logs in {}",
+            self.state.join("logs").display()
+        );
         serde_json::from_slice(&out.stdout).expect("cluster info JSON")
     }
 
@@ -141,7 +165,13 @@ impl ControlPlane {
     /// Creates a namespace in the management cluster.
     pub async fn namespace(&self, name: &str) {
         let api: Api<Namespace> = Api::all(self.management_client().await);
-        let ns = Namespace { metadata: ObjectMeta { name: Some(name.into()), ..Default::default() }, ..Default::default() };
+        let ns = Namespace {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            ..Default::default()
+        };
         match api.create(&PostParams::default(), &ns).await {
             Ok(_) => {}
             Err(kube::Error::Api(s)) if s.code == 409 => {}
@@ -155,7 +185,10 @@ impl ControlPlane {
         let client = self.management_client().await;
         let api: Api<ServiceAccount> = Api::namespaced(client, namespace);
         let req = TokenRequest {
-            spec: Some(TokenRequestSpec { expiration_seconds: Some(24 * 3600), ..Default::default() }),
+            spec: Some(TokenRequestSpec {
+                expiration_seconds: Some(24 * 3600),
+                ..Default::default()
+            }),
             ..Default::default()
         };
         let token = api
@@ -177,7 +210,8 @@ impl ControlPlane {
             "current-context": "sa",
         });
         let path = self.state.join(format!("sa-{namespace}-{name}.kubeconfig"));
-        std::fs::write(&path, serde_json::to_vec_pretty(&kc).unwrap()).expect("write SA kubeconfig");
+        std::fs::write(&path, serde_json::to_vec_pretty(&kc).unwrap())
+            .expect("write SA kubeconfig");
         path
     }
 
@@ -187,10 +221,12 @@ impl ControlPlane {
 }
 
 pub async fn client_from(kubeconfig: &Path) -> kube::Client {
-    let kc = kube::config::Kubeconfig::read_from(kubeconfig).unwrap_or_else(|e| panic!("read {}: {e}", kubeconfig.display()));
-    let config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
-        .await
-        .unwrap_or_else(|e| panic!("kubeconfig {}: {e}", kubeconfig.display()));
+    let kc = kube::config::Kubeconfig::read_from(kubeconfig)
+        .unwrap_or_else(|e| panic!("read {}: {e}", kubeconfig.display()));
+    let config =
+        kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+            .await
+            .unwrap_or_else(|e| panic!("kubeconfig {}: {e}", kubeconfig.display()));
     kube::Client::try_from(config).expect("client")
 }
 
@@ -198,8 +234,12 @@ impl ControlPlane {
     /// A management client acting as `user` in `groups` (impersonation by
     /// the admin): how a test speaks as a person without real credentials.
     pub async fn client_as(&self, user: &str, groups: &[&str]) -> kube::Client {
-        let kc = kube::config::Kubeconfig::read_from(&self.management.kubeconfig).expect("read kubeconfig");
-        let mut config = kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default()).await.expect("config");
+        let kc = kube::config::Kubeconfig::read_from(&self.management.kubeconfig)
+            .expect("read kubeconfig");
+        let mut config =
+            kube::Config::from_custom_kubeconfig(kc, &kube::config::KubeConfigOptions::default())
+                .await
+                .expect("config");
         config.auth_info.impersonate = Some(user.to_string());
         config.auth_info.impersonate_groups = Some(groups.iter().map(|g| g.to_string()).collect());
         kube::Client::try_from(config).expect("client")

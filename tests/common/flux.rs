@@ -8,7 +8,9 @@ use std::process::Command;
 use std::sync::OnceLock;
 use std::time::Duration;
 
-use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams};
+use kube::api::{
+    Api, ApiResource, DynamicObject, GroupVersionKind, Patch, PatchParams, PostParams,
+};
 use serde_json::json;
 
 use super::cluster::{ControlPlane, repo_root, run_build_script};
@@ -20,11 +22,15 @@ use super::wait::eventually;
 /// The directory `tests/flux/build.sh` prints: `helm-controller`, `crds/`.
 pub fn flux_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| run_build_script("tests/flux/build.sh")).clone()
+    DIR.get_or_init(|| run_build_script("tests/flux/build.sh"))
+        .clone()
 }
 
 pub fn external_artifact_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("source.toolkit.fluxcd.io", "v1", "ExternalArtifact"), "externalartifacts")
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("source.toolkit.fluxcd.io", "v1", "ExternalArtifact"),
+        "externalartifacts",
+    )
 }
 
 /// helm-controller running against the management cluster, and the server
@@ -58,12 +64,20 @@ impl Flux {
     pub async fn start(cp: &ControlPlane) -> Flux {
         let dir = flux_dir();
         let client = cp.management_client().await;
-        let mut files: Vec<PathBuf> = std::fs::read_dir(dir.join("crds")).expect("crds").map(|e| e.expect("entry").path()).collect();
+        let mut files: Vec<PathBuf> = std::fs::read_dir(dir.join("crds"))
+            .expect("crds")
+            .map(|e| e.expect("entry").path())
+            .collect();
         files.sort();
         for f in &files {
             manifests::apply_file(&client, f).await;
         }
-        for name in ["helmreleases.helm.toolkit.fluxcd.io", "externalartifacts.source.toolkit.fluxcd.io", "helmcharts.source.toolkit.fluxcd.io", "ocirepositories.source.toolkit.fluxcd.io"] {
+        for name in [
+            "helmreleases.helm.toolkit.fluxcd.io",
+            "externalartifacts.source.toolkit.fluxcd.io",
+            "helmcharts.source.toolkit.fluxcd.io",
+            "ocirepositories.source.toolkit.fluxcd.io",
+        ] {
             super::gate::wait_crd_established(&client, name).await;
         }
         let health = free_port();
@@ -80,42 +94,78 @@ impl Flux {
             &format!("--metrics-addr=127.0.0.1:{}", free_port()),
             &format!("--health-addr=127.0.0.1:{health}"),
         ]);
-        let log = cp.state.join("logs").join(format!("{}.log", cp.unique("helm-controller")));
+        let log = cp
+            .state
+            .join("logs")
+            .join(format!("{}.log", cp.unique("helm-controller")));
         let process = Process::start("helm-controller", cmd, log);
-        eventually("helm-controller /readyz", Duration::from_secs(60), || async {
-            if !process.alive() {
-                panic!("helm-controller exited; its log:\n{}", process.log_text());
-            }
-            match http_get(health, "/readyz").await {
-                Ok((200, _)) => Ok(()),
-                Ok((code, body)) => Err(format!("{code} {body}")),
-                Err(e) => Err(e),
-            }
-        })
+        eventually(
+            "helm-controller /readyz",
+            Duration::from_secs(60),
+            || async {
+                if !process.alive() {
+                    panic!("helm-controller exited; its log:\n{}", process.log_text());
+                }
+                match http_get(health, "/readyz").await {
+                    Ok((200, _)) => Ok(()),
+                    Ok((code, body)) => Err(format!("{code} {body}")),
+                    Err(e) => Err(e),
+                }
+            },
+        )
         .await;
-        Flux { process, charts: ChartServer::start(cp.state.join(cp.unique("charts"))) }
+        Flux {
+            process,
+            charts: ChartServer::start(cp.state.join(cp.unique("charts"))),
+        }
     }
 
     /// Packages the chart at `tests/fixtures/charts/<chart>` and publishes it
     /// as ExternalArtifact `name` in `namespace`, status and all, as a
     /// source producer would.
-    pub async fn publish_chart(&self, client: &kube::Client, namespace: &str, name: &str, chart: &str) {
-        let (file, digest) = self.charts.package(&repo_root().join("tests/fixtures/charts").join(chart), &format!("{namespace}-{name}"));
-        let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &external_artifact_resource());
+    pub async fn publish_chart(
+        &self,
+        client: &kube::Client,
+        namespace: &str,
+        name: &str,
+        chart: &str,
+    ) {
+        let (file, digest) = self.charts.package(
+            &repo_root().join("tests/fixtures/charts").join(chart),
+            &format!("{namespace}-{name}"),
+        );
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(client.clone(), namespace, &external_artifact_resource());
         let mut obj = DynamicObject::new(name, &external_artifact_resource()).within(namespace);
         obj.data = json!({"spec": {"sourceRef": {"apiVersion": "volume-gate.test/v1", "kind": "ChartServer", "name": "charts"}}});
-        api.create(&PostParams::default(), &obj).await.expect("create ExternalArtifact");
-        let now = jiff::Timestamp::now().strftime("%Y-%m-%dT%H:%M:%SZ").to_string();
+        api.create(&PostParams::default(), &obj)
+            .await
+            .expect("create ExternalArtifact");
+        let now = jiff::Timestamp::now()
+            .strftime("%Y-%m-%dT%H:%M:%SZ")
+            .to_string();
         let status = json!({"status": {"artifact": {
             "path": file, "url": format!("http://127.0.0.1:{}/{file}", self.charts.port),
             "revision": format!("1.0.0@{digest}"), "digest": digest, "lastUpdateTime": now,
         }}});
-        api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status)).await.expect("ExternalArtifact status");
+        api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
+            .await
+            .expect("ExternalArtifact status");
     }
 
     pub fn log(&self) -> String {
         self.process.log_text()
     }
+}
+
+/// The Ready condition of a HelmRelease: (status, reason, message).
+pub fn ready_condition(hr: &DynamicObject) -> Option<(String, String, String)> {
+    let c = hr.data["status"]["conditions"]
+        .as_array()?
+        .iter()
+        .find(|c| c["type"] == "Ready")?;
+    let s = |k: &str| c[k].as_str().unwrap_or("").to_string();
+    Some((s("status"), s("reason"), s("message")))
 }
 
 /// Files from one directory over plain HTTP on loopback: `GET /<file>`.
@@ -137,12 +187,30 @@ impl ChartServer {
                 let mut buf = vec![0u8; 8192];
                 let n = conn.read(&mut buf).unwrap_or(0);
                 let head = String::from_utf8_lossy(&buf[..n]).to_string();
-                let path = head.split_whitespace().nth(1).unwrap_or("/").trim_start_matches('/').to_string();
+                let path = head
+                    .split_whitespace()
+                    .nth(1)
+                    .unwrap_or("/")
+                    .trim_start_matches('/')
+                    .to_string();
                 // One flat directory: no separators, no parent references.
-                let body = (!path.is_empty() && !path.contains('/') && !path.contains("..")).then(|| std::fs::read(root.join(&path)).ok()).flatten();
+                let body = (!path.is_empty() && !path.contains('/') && !path.contains(".."))
+                    .then(|| std::fs::read(root.join(&path)).ok())
+                    .flatten();
                 let response = match body {
-                    Some(b) => [format!("HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n", b.len()).into_bytes(), b].concat(),
-                    None => b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n".to_vec(),
+                    Some(b) => [
+                        format!(
+                            "HTTP/1.1 200 OK\r\nContent-Length: {}\r\nConnection: close\r\n\r\n",
+                            b.len()
+                        )
+                        .into_bytes(),
+                        b,
+                    ]
+                    .concat(),
+                    None => {
+                        b"HTTP/1.1 404 Not Found\r\nContent-Length: 0\r\nConnection: close\r\n\r\n"
+                            .to_vec()
+                    }
                 };
                 let _ = conn.write_all(&response);
             }
@@ -154,7 +222,11 @@ impl ChartServer {
     /// whose top folder is the chart, one file per artifact (tests publish
     /// at once). Returns its file name and digest.
     fn package(&self, chart: &Path, artifact: &str) -> (String, String) {
-        let name = chart.file_name().expect("chart folder").to_string_lossy().to_string();
+        let name = chart
+            .file_name()
+            .expect("chart folder")
+            .to_string_lossy()
+            .to_string();
         let file = format!("{artifact}.tgz");
         let status = Command::new("tar")
             .arg("-C")
@@ -165,8 +237,15 @@ impl ChartServer {
             .status()
             .expect("run tar");
         assert!(status.success(), "tar of {}", chart.display());
-        let out = Command::new("sha256sum").arg(self.dir.join(&file)).output().expect("run sha256sum");
-        let hex = String::from_utf8_lossy(&out.stdout).split_whitespace().next().expect("a digest").to_string();
+        let out = Command::new("sha256sum")
+            .arg(self.dir.join(&file))
+            .output()
+            .expect("run sha256sum");
+        let hex = String::from_utf8_lossy(&out.stdout)
+            .split_whitespace()
+            .next()
+            .expect("a digest")
+            .to_string();
         (file, format!("sha256:{hex}"))
     }
 }

@@ -30,15 +30,22 @@ pub fn binary() -> PathBuf {
     BUILT
         .get_or_init(|| {
             let exe = std::env::current_exe().expect("current exe");
-            let profile_dir = exe.parent().and_then(|d| d.parent()).expect("target/<profile>/examples");
+            let profile_dir = exe
+                .parent()
+                .and_then(|d| d.parent())
+                .expect("target/<profile>/examples");
             let release = profile_dir.ends_with("release");
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             let mut cmd = Command::new(cargo);
-            cmd.args(["build", "--bin", "volume-gate"]).current_dir(super::cluster::repo_root());
+            cmd.args(["build", "--bin", "volume-gate"])
+                .current_dir(super::cluster::repo_root());
             if release {
                 cmd.arg("--release");
             }
-            assert!(cmd.status().expect("run cargo build").success(), "cargo build --bin volume-gate failed");
+            assert!(
+                cmd.status().expect("run cargo build").success(),
+                "cargo build --bin volume-gate failed"
+            );
             profile_dir.join("volume-gate")
         })
         .clone()
@@ -59,14 +66,28 @@ pub fn free_port() -> u16 {
 }
 
 pub fn helmrelease_resource() -> ApiResource {
-    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk("helm.toolkit.fluxcd.io", "v2", "HelmRelease"), "helmreleases")
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("helm.toolkit.fluxcd.io", "v2", "HelmRelease"),
+        "helmreleases",
+    )
 }
 
 /// Worker flags for tests: short bounds so Blocked is reached quickly.
 pub fn test_worker_args() -> Vec<String> {
-    ["--wait-bound", "90s", "--retry-base", "1s", "--retry-max", "5s", "--probe-timeout", "3s", "--lease-duration", "4s"]
-        .map(String::from)
-        .to_vec()
+    [
+        "--wait-bound",
+        "90s",
+        "--retry-base",
+        "1s",
+        "--retry-max",
+        "5s",
+        "--probe-timeout",
+        "3s",
+        "--lease-duration",
+        "4s",
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 pub struct Gate {
@@ -91,7 +112,10 @@ impl Gate {
     pub async fn install_with(cp: &ControlPlane, worker_args: Vec<String>) -> Gate {
         let client = cp.management_client().await;
         let docs = manifests::base_documents();
-        for doc in docs.iter().filter(|d| !manifests::is_workload(d) && !manifests::is_webhook_configuration(d)) {
+        for doc in docs
+            .iter()
+            .filter(|d| !manifests::is_workload(d) && !manifests::is_webhook_configuration(d))
+        {
             manifests::apply(&client, doc).await;
         }
         apply_crds(cp).await;
@@ -111,13 +135,19 @@ impl Gate {
             .arg("--tls-key")
             .arg(certs.join("tls.key"))
             .arg("--cert-reload-interval=500ms")
-            .env("KUBECONFIG", cp.service_account_kubeconfig(NAMESPACE, WEBHOOK_SA).await)
+            .env(
+                "KUBECONFIG",
+                cp.service_account_kubeconfig(NAMESPACE, WEBHOOK_SA).await,
+            )
             .env("RUST_LOG", "info");
         let webhook = Process::start("webhook", cmd, log_dir.join("volume-gate-webhook.log"));
         wait_ready(webhook_admin, &webhook).await;
 
         let base = format!("https://127.0.0.1:{webhook_port}");
-        for doc in docs.iter().filter(|d| manifests::is_webhook_configuration(d)) {
+        for doc in docs
+            .iter()
+            .filter(|d| manifests::is_webhook_configuration(d))
+        {
             manifests::apply(&client, &manifests::point_at_local(doc, &base, &ca_bundle)).await;
         }
 
@@ -151,7 +181,9 @@ impl Gate {
             .env("KUBECONFIG", &self.worker_kubeconfig)
             .env("POD_NAMESPACE", NAMESPACE)
             .env("RUST_LOG", "info");
-        let log = self.log_dir.join(format!("volume-gate-worker-{}.log", self.restarts));
+        let log = self
+            .log_dir
+            .join(format!("volume-gate-worker-{}.log", self.restarts));
         self.restarts += 1;
         self.worker = Some(Process::start("worker", cmd, log));
     }
@@ -166,14 +198,19 @@ impl Gate {
     /// SIGTERMs the worker, as the kubelet does, and waits up to `bound`
     /// for it to exit by itself; a worker still running then is SIGKILLed
     /// and the failure returned.
-    pub fn terminate_worker(&mut self, bound: Duration) -> Result<std::process::ExitStatus, String> {
+    pub fn terminate_worker(
+        &mut self,
+        bound: Duration,
+    ) -> Result<std::process::ExitStatus, String> {
         let w = self.worker.take().ok_or("no worker running")?;
         w.signal(libc::SIGTERM);
         match w.wait_exit(bound) {
             Some(status) => Ok(status),
             None => {
                 w.kill(libc::SIGKILL);
-                Err(format!("the worker was still running {bound:?} after SIGTERM"))
+                Err(format!(
+                    "the worker was still running {bound:?} after SIGTERM"
+                ))
             }
         }
     }
@@ -186,7 +223,10 @@ impl Gate {
     pub fn worker_log(&self) -> String {
         let mut all = String::new();
         for i in 0..self.restarts {
-            all.push_str(&std::fs::read_to_string(self.log_dir.join(format!("volume-gate-worker-{i}.log"))).unwrap_or_default());
+            all.push_str(
+                &std::fs::read_to_string(self.log_dir.join(format!("volume-gate-worker-{i}.log")))
+                    .unwrap_or_default(),
+            );
         }
         all
     }
@@ -196,7 +236,10 @@ impl Gate {
     }
 
     pub async fn worker_metrics(&self) -> String {
-        http_get(self.worker_admin, "/metrics").await.map(|(_, b)| b).unwrap_or_default()
+        http_get(self.worker_admin, "/metrics")
+            .await
+            .map(|(_, b)| b)
+            .unwrap_or_default()
     }
 }
 
@@ -204,7 +247,10 @@ impl Gate {
 pub async fn apply_crds(cp: &ControlPlane) {
     let client = cp.management_client().await;
     let dir = super::cluster::repo_root().join("tests/fixtures/crds/management");
-    let mut files: Vec<_> = std::fs::read_dir(&dir).expect("CRD dir").map(|e| e.unwrap().path()).collect();
+    let mut files: Vec<_> = std::fs::read_dir(&dir)
+        .expect("CRD dir")
+        .map(|e| e.unwrap().path())
+        .collect();
     files.sort();
     for f in files {
         manifests::apply_file(&client, &f).await;
@@ -221,45 +267,71 @@ pub async fn wait_crd_established(client: &kube::Client, name: &str) {
             "customresourcedefinitions",
         ),
     );
-    eventually(&format!("CRD {name} established"), Duration::from_secs(30), || {
-        let crds = crds.clone();
-        async move {
-            let crd = crds.get(name).await.map_err(|e| e.to_string())?;
-            let established = crd.data["status"]["conditions"]
-                .as_array()
-                .is_some_and(|c| c.iter().any(|c| c["type"] == "Established" && c["status"] == "True"));
-            if established { Ok(()) } else { Err("not established".into()) }
-        }
-    })
+    eventually(
+        &format!("CRD {name} established"),
+        Duration::from_secs(30),
+        || {
+            let crds = crds.clone();
+            async move {
+                let crd = crds.get(name).await.map_err(|e| e.to_string())?;
+                let established = crd.data["status"]["conditions"]
+                    .as_array()
+                    .is_some_and(|c| {
+                        c.iter()
+                            .any(|c| c["type"] == "Established" && c["status"] == "True")
+                    });
+                if established {
+                    Ok(())
+                } else {
+                    Err("not established".into())
+                }
+            }
+        },
+    )
     .await;
 }
 
 /// A minimal HTTP/1.1 GET on loopback: (status, body).
 pub async fn http_get(port: u16, path: &str) -> Result<(u16, String), String> {
     use tokio::io::{AsyncReadExt, AsyncWriteExt};
-    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port)).await.map_err(|e| e.to_string())?;
-    s.write_all(format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes())
+    let mut s = tokio::net::TcpStream::connect(("127.0.0.1", port))
         .await
         .map_err(|e| e.to_string())?;
+    s.write_all(
+        format!("GET {path} HTTP/1.1\r\nHost: localhost\r\nConnection: close\r\n\r\n").as_bytes(),
+    )
+    .await
+    .map_err(|e| e.to_string())?;
     let mut buf = Vec::new();
     s.read_to_end(&mut buf).await.map_err(|e| e.to_string())?;
     let text = String::from_utf8_lossy(&buf).to_string();
-    let status = text.split_whitespace().nth(1).and_then(|c| c.parse().ok()).ok_or("no status line")?;
-    let body = text.split_once("\r\n\r\n").map(|(_, b)| b.to_string()).unwrap_or_default();
+    let status = text
+        .split_whitespace()
+        .nth(1)
+        .and_then(|c| c.parse().ok())
+        .ok_or("no status line")?;
+    let body = text
+        .split_once("\r\n\r\n")
+        .map(|(_, b)| b.to_string())
+        .unwrap_or_default();
     Ok((status, body))
 }
 
 async fn wait_ready(admin_port: u16, process: &Process) {
-    eventually(&format!("{} /readyz", process.name), Duration::from_secs(60), || async {
-        if !process.alive() {
-            panic!("{} exited; its log:\n{}", process.name, process.log_text());
-        }
-        match http_get(admin_port, "/readyz").await {
-            Ok((200, _)) => Ok(()),
-            Ok((code, body)) => Err(format!("{code} {body}")),
-            Err(e) => Err(e),
-        }
-    })
+    eventually(
+        &format!("{} /readyz", process.name),
+        Duration::from_secs(60),
+        || async {
+            if !process.alive() {
+                panic!("{} exited; its log:\n{}", process.name, process.log_text());
+            }
+            match http_get(admin_port, "/readyz").await {
+                Ok((200, _)) => Ok(()),
+                Ok((code, body)) => Err(format!("{code} {body}")),
+                Err(e) => Err(e),
+            }
+        },
+    )
     .await;
 }
 
@@ -268,39 +340,79 @@ async fn wait_ready(admin_port: u16, process: &Process) {
 async fn wait_webhooks_active(cp: &ControlPlane) {
     let client = cp.management_client().await;
     cp.namespace("volume-gate-probe").await;
-    let api: Api<DynamicObject> = Api::namespaced_with(client, "volume-gate-probe", &helmrelease_resource());
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client, "volume-gate-probe", &helmrelease_resource());
     let mut probe = DynamicObject::new("kubernetes-probe", &helmrelease_resource());
     probe.metadata = ObjectMeta {
         name: Some("kubernetes-probe".into()),
         labels: Some(
             [
-                ("apps.cozystack.io/application.kind".to_string(), "Kubernetes".to_string()),
-                ("apps.cozystack.io/application.group".to_string(), "apps.cozystack.io".to_string()),
+                (
+                    "apps.cozystack.io/application.kind".to_string(),
+                    "Kubernetes".to_string(),
+                ),
+                (
+                    "apps.cozystack.io/application.group".to_string(),
+                    "apps.cozystack.io".to_string(),
+                ),
             ]
             .into(),
         ),
-        annotations: Some([("volumes.cozystack.io/phase".to_string(), "Released".to_string())].into()),
+        annotations: Some(
+            [(
+                "volumes.cozystack.io/phase".to_string(),
+                "Released".to_string(),
+            )]
+            .into(),
+        ),
         ..Default::default()
     };
     probe.data = serde_json::json!({"spec": {}});
-    eventually("webhooks active in the API server", Duration::from_secs(30), || {
-        let (api, probe) = (api.clone(), probe.clone());
-        async move {
-            // The forged record must be refused by the validating webhook.
-            match api.create(&PostParams { dry_run: true, ..Default::default() }, &probe).await {
-                Err(kube::Error::Api(s)) if s.message.contains("volume-gate") => {}
-                other => return Err(format!("validating webhook not active yet: {other:?}")),
+    eventually(
+        "webhooks active in the API server",
+        Duration::from_secs(30),
+        || {
+            let (api, probe) = (api.clone(), probe.clone());
+            async move {
+                // The forged record must be refused by the validating webhook.
+                match api
+                    .create(
+                        &PostParams {
+                            dry_run: true,
+                            ..Default::default()
+                        },
+                        &probe,
+                    )
+                    .await
+                {
+                    Err(kube::Error::Api(s)) if s.message.contains("volume-gate") => {}
+                    other => return Err(format!("validating webhook not active yet: {other:?}")),
+                }
+                let mut honest = probe.clone();
+                honest.metadata.annotations = None;
+                let created = api
+                    .create(
+                        &PostParams {
+                            dry_run: true,
+                            ..Default::default()
+                        },
+                        &honest,
+                    )
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if created
+                    .metadata
+                    .finalizers
+                    .unwrap_or_default()
+                    .contains(&"volumes.cozystack.io/release".to_string())
+                {
+                    Ok(())
+                } else {
+                    Err("mutating webhook not active yet".into())
+                }
             }
-            let mut honest = probe.clone();
-            honest.metadata.annotations = None;
-            let created = api.create(&PostParams { dry_run: true, ..Default::default() }, &honest).await.map_err(|e| e.to_string())?;
-            if created.metadata.finalizers.unwrap_or_default().contains(&"volumes.cozystack.io/release".to_string()) {
-                Ok(())
-            } else {
-                Err("mutating webhook not active yet".into())
-            }
-        }
-    })
+        },
+    )
     .await;
 }
 
@@ -316,6 +428,13 @@ pub fn generate_certs(dir: &std::path::Path) -> String {
         .arg(dir)
         .output()
         .expect("run volume-gate certs generate");
-    assert!(out.status.success(), "certs generate: {}", String::from_utf8_lossy(&out.stderr));
-    std::fs::read_to_string(dir.join("ca-bundle.b64")).expect("ca-bundle.b64").trim().to_string()
+    assert!(
+        out.status.success(),
+        "certs generate: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    std::fs::read_to_string(dir.join("ca-bundle.b64"))
+        .expect("ca-bundle.b64")
+        .trim()
+        .to_string()
 }

@@ -29,9 +29,10 @@ impl Seen {
     /// The record this version carried (`None` once the parent is gone).
     pub fn record(&self) -> Option<Record> {
         match self {
-            Seen::Parent(p) => {
-                Some(Record::from_annotations(&Keys::new("volumes.cozystack.io/"), &p.metadata.annotations.clone().unwrap_or_default()))
-            }
+            Seen::Parent(p) => Some(Record::from_annotations(
+                &Keys::new("volumes.cozystack.io/"),
+                &p.metadata.annotations.clone().unwrap_or_default(),
+            )),
             Seen::Gone => None,
         }
     }
@@ -106,13 +107,23 @@ impl ParentHistory {
             .await
             .unwrap_or_else(|_| panic!("watch on HelmRelease {name} not synced within 30s"))
             .expect("watch task alive");
-        ParentHistory { name: name.to_string(), seen: rx, cursor: Mutex::new(0), task }
+        ParentHistory {
+            name: name.to_string(),
+            seen: rx,
+            cursor: Mutex::new(0),
+            task,
+        }
     }
 
     /// Waits for the first observation after the cursor that satisfies
     /// `matches`, moves the cursor past it and returns it; panics after
     /// `timeout` naming `what` and the last observations.
-    pub async fn next_matching<T>(&self, what: &str, timeout: Duration, mut matches: impl FnMut(&Seen) -> Option<T>) -> T {
+    pub async fn next_matching<T>(
+        &self,
+        what: &str,
+        timeout: Duration,
+        mut matches: impl FnMut(&Seen) -> Option<T>,
+    ) -> T {
         let from = *self.cursor.lock().unwrap();
         let mut found = None;
         let mut rx = self.seen.clone();
@@ -136,14 +147,24 @@ impl ParentHistory {
                 v
             }
             (Ok(Err(_)), _) => panic!("the watch on {} ended while waiting for {what}", self.name),
-            _ => panic!("timed out after {timeout:?} waiting for {what} on {}; last seen:\n{}", self.name, self.tail(5)),
+            _ => panic!(
+                "timed out after {timeout:?} waiting for {what} on {}; last seen:\n{}",
+                self.name,
+                self.tail(5)
+            ),
         }
     }
 
     /// The record of the first version after the cursor that satisfies
     /// `matches` (see [`Self::next_matching`]).
-    pub async fn next_record(&self, what: &str, timeout: Duration, matches: impl Fn(&Record) -> bool) -> Record {
-        self.next_matching(what, timeout, |s| s.record().filter(|r| matches(r))).await
+    pub async fn next_record(
+        &self,
+        what: &str,
+        timeout: Duration,
+        matches: impl Fn(&Record) -> bool,
+    ) -> Record {
+        self.next_matching(what, timeout, |s| s.record().filter(|r| matches(r)))
+            .await
     }
 
     /// Everything seen so far, oldest first.
@@ -153,6 +174,10 @@ impl ParentHistory {
 
     fn tail(&self, n: usize) -> String {
         let seen = self.seen.borrow();
-        seen.iter().skip(seen.len().saturating_sub(n)).map(|s| format!("  {}", s.describe())).collect::<Vec<_>>().join("\n")
+        seen.iter()
+            .skip(seen.len().saturating_sub(n))
+            .map(|s| format!("  {}", s.describe()))
+            .collect::<Vec<_>>()
+            .join("\n")
     }
 }

@@ -37,7 +37,11 @@ pub fn gated_with(worker_args: Vec<String>) -> &'static Env {
             let rt = tokio::runtime::Runtime::new().unwrap();
             let gate = rt.block_on(gate::Gate::install_with(cp, worker_args));
             let sim = sim::Simulator::start(cp);
-            Env { cp, gate: Some(std::sync::Mutex::new(gate)), sim }
+            Env {
+                cp,
+                gate: Some(std::sync::Mutex::new(gate)),
+                sim,
+            }
         })
         .join()
         .expect("gate install")
@@ -56,7 +60,53 @@ pub fn ungated() -> &'static Env {
         .join()
         .expect("CRDs");
         let sim = sim::Simulator::start(cp);
-        Env { cp, gate: None, sim }
+        Env {
+            cp,
+            gate: None,
+            sim,
+        }
+    })
+}
+
+/// Control plane, simulator and gate as [`gated`], with the real Flux
+/// helm-controller in place of the simulator's emulation: tenants are
+/// installed from the tenant chart (`Tenant::create_on_flux`) and torn down
+/// by its real pre-delete hook.
+pub fn gated_on_flux() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let cp = cluster::control_plane();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            let gate = rt.block_on(gate::Gate::install_with(cp, gate::test_worker_args()));
+            let sim = sim::Simulator::start_with(cp, true);
+            Env {
+                cp,
+                gate: Some(std::sync::Mutex::new(gate)),
+                sim,
+            }
+        })
+        .join()
+        .expect("gate install")
+    })
+}
+
+/// As [`gated_on_flux`], without the gate: the world as it was, on real Flux.
+pub fn ungated_on_flux() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let cp = cluster::control_plane();
+        std::thread::spawn(move || {
+            let rt = tokio::runtime::Runtime::new().unwrap();
+            rt.block_on(gate::apply_crds(cp));
+        })
+        .join()
+        .expect("CRDs");
+        Env {
+            cp,
+            gate: None,
+            sim: sim::Simulator::start_with(cp, true),
+        }
     })
 }
 

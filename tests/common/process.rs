@@ -46,12 +46,29 @@ pub struct Process {
 impl Process {
     /// Starts `cmd` with stdout and stderr appended to `log`.
     pub fn start(name: &str, mut cmd: Command, log: PathBuf) -> Process {
-        let file = std::fs::OpenOptions::new().create(true).append(true).open(&log).expect("open log");
-        cmd.stdin(Stdio::null()).stdout(file.try_clone().expect("dup log")).stderr(file);
+        let file = std::fs::OpenOptions::new()
+            .create(true)
+            .append(true)
+            .open(&log)
+            .expect("open log");
+        cmd.stdin(Stdio::null())
+            .stdout(file.try_clone().expect("dup log"))
+            .stderr(file);
         let (tx, rx) = mpsc::channel();
-        keeper().lock().unwrap().send((cmd, tx)).expect("keeper alive");
-        let child = rx.recv().expect("keeper replies").unwrap_or_else(|e| panic!("start {name}: {e}"));
-        Process { name: name.into(), log, child: Mutex::new(Some(child)) }
+        keeper()
+            .lock()
+            .unwrap()
+            .send((cmd, tx))
+            .expect("keeper alive");
+        let child = rx
+            .recv()
+            .expect("keeper replies")
+            .unwrap_or_else(|e| panic!("start {name}: {e}"));
+        Process {
+            name: name.into(),
+            log,
+            child: Mutex::new(Some(child)),
+        }
     }
 
     pub fn pid(&self) -> Option<u32> {

@@ -14,15 +14,31 @@ pub struct Simulator {
 }
 
 impl Simulator {
-    /// Starts a simulator for every tenant of the control plane.
+    /// Starts a simulator for every tenant of the control plane, with its
+    /// emulation of Flux and the tenant chart's hook.
     pub fn start(cp: &ControlPlane) -> Simulator {
+        Self::start_with(cp, false)
+    }
+
+    /// As [`Simulator::start`]; with `real_flux` it leaves HelmReleases to
+    /// the real helm-controller and runs the Pods of Jobs (the real hook)
+    /// instead.
+    pub fn start_with(cp: &ControlPlane, real_flux: bool) -> Simulator {
         let storage = cp.state.join(cp.unique("storage"));
         std::fs::create_dir_all(&storage).expect("storage dir");
-        let control = std::fs::read_to_string(cp.state.join("control.addr")).expect("control.addr").trim().to_string();
-        let control = if control.starts_with("http") { control } else { format!("http://{control}") };
+        let control = std::fs::read_to_string(cp.state.join("control.addr"))
+            .expect("control.addr")
+            .trim()
+            .to_string();
+        let control = if control.starts_with("http") {
+            control
+        } else {
+            format!("http://{control}")
+        };
         // The platform's names, from the profile the product uses.
         let profile = cp.state.join(cp.unique("profile.json"));
-        let json = serde_json::to_string(&volume_gate::profile::Profile::cozystack()).expect("profile serializes");
+        let json = serde_json::to_string(&volume_gate::profile::Profile::cozystack())
+            .expect("profile serializes");
         std::fs::write(&profile, json).expect("write the profile");
         let mut cmd = Command::new(&cp.harness);
         cmd.arg("sim")
@@ -32,9 +48,29 @@ impl Simulator {
             .arg(&cp.management.kubeconfig)
             .arg("--storage")
             .arg(&storage)
-            .args(["--control", &control, "--retry-base", "1s", "--retry-max", "4s", "--hook-timeout", "10s", "--probe-interval", "1s"]);
-        let log = cp.state.join("logs").join(format!("{}.log", cp.unique("sim")));
-        Simulator { process: Process::start("simulator", cmd, log), storage }
+            .args([
+                "--control",
+                &control,
+                "--retry-base",
+                "1s",
+                "--retry-max",
+                "4s",
+                "--hook-timeout",
+                "10s",
+                "--probe-interval",
+                "1s",
+            ]);
+        if real_flux {
+            cmd.args(["--flux=false", "--run-jobs"]);
+        }
+        let log = cp
+            .state
+            .join("logs")
+            .join(format!("{}.log", cp.unique("sim")));
+        Simulator {
+            process: Process::start("simulator", cmd, log),
+            storage,
+        }
     }
 
     /// Volumes on storage for a tenant: the files whose names start with

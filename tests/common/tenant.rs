@@ -13,6 +13,7 @@ use kube::core::{ApiResource, GroupVersionKind};
 use serde_json::{Value, json};
 
 use super::cluster::{ClusterInfo, ControlPlane, client_from, repo_root};
+use super::flux::{FLUX_FINALIZER, Flux, ready_condition};
 use super::gate::helmrelease_resource;
 use super::history::{ParentHistory, Seen};
 use super::manifests;
@@ -30,11 +31,21 @@ pub fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiReso
 }
 
 pub fn kcp_resource() -> ApiResource {
-    resource("controlplane.cluster.x-k8s.io", "v1alpha1", "KamajiControlPlane", "kamajicontrolplanes")
+    resource(
+        "controlplane.cluster.x-k8s.io",
+        "v1alpha1",
+        "KamajiControlPlane",
+        "kamajicontrolplanes",
+    )
 }
 
 pub fn tcp_resource() -> ApiResource {
-    resource("kamaji.clastix.io", "v1alpha1", "TenantControlPlane", "tenantcontrolplanes")
+    resource(
+        "kamaji.clastix.io",
+        "v1alpha1",
+        "TenantControlPlane",
+        "tenantcontrolplanes",
+    )
 }
 
 pub struct Tenant {
@@ -66,7 +77,13 @@ impl Tenant {
         } else {
             cp.unique("t")
         };
-        Self::create_on(cp, cp.cluster_up(&cluster_name), &format!("tenant-{app}"), app).await
+        Self::create_on(
+            cp,
+            cp.cluster_up(&cluster_name),
+            &format!("tenant-{app}"),
+            app,
+        )
+        .await
     }
 
     /// Creates a tenant `app` (parent `kubernetes-<app>`) in `namespace`,
@@ -79,10 +96,21 @@ impl Tenant {
     /// which may hold other tenants, on a light tenant cluster of its own:
     /// Pods are placed on the simulated node by `spec.nodeName`.
     pub async fn create_light(cp: &ControlPlane, namespace: &str, app: &str) -> Tenant {
-        Self::create_on(cp, cp.cluster_up_with(&cp.unique("l"), true), namespace, app).await
+        Self::create_on(
+            cp,
+            cp.cluster_up_with(&cp.unique("l"), true),
+            namespace,
+            app,
+        )
+        .await
     }
 
-    async fn create_on(cp: &ControlPlane, cluster: ClusterInfo, namespace: &str, app: &str) -> Tenant {
+    async fn create_on(
+        cp: &ControlPlane,
+        cluster: ClusterInfo,
+        namespace: &str,
+        app: &str,
+    ) -> Tenant {
         let management = cp.management_client().await;
         let api = client_from(&cluster.kubeconfig).await;
         let namespace = namespace.to_string();
@@ -90,9 +118,68 @@ impl Tenant {
         cp.namespace(&namespace).await;
         let hrs = Api::namespaced_with(management.clone(), &namespace, &helmrelease_resource());
         let history = ParentHistory::open(hrs, &name).await;
-        let t = Tenant { namespace, name, cluster, management, api, history };
+        let t = Tenant {
+            namespace,
+            name,
+            cluster,
+            management,
+            api,
+            history,
+        };
         t.create_management_objects().await;
-        manifests::apply_file(&t.api, &repo_root().join("tests/fixtures/tenant-storageclass.yaml")).await;
+        manifests::apply_file(
+            &t.api,
+            &repo_root().join("tests/fixtures/tenant-storageclass.yaml"),
+        )
+        .await;
+        t
+    }
+
+    /// Creates a tenant `app` (parent `kubernetes-<app>` in `tenant-<app>`)
+    /// the way Cozystack does, on the real helm-controller: Kamaji's part
+    /// (the TenantControlPlane and its admin kubeconfig) first, then the
+    /// parent HelmRelease of the tenant chart (`tests/fixtures/charts/kubernetes`),
+    /// which installs the CSI controller, the KamajiControlPlane and the
+    /// child releases, and those install into the tenant cluster. Returns
+    /// once the parent and R-csi are Ready.
+    pub async fn create_on_flux(cp: &ControlPlane, flux: &Flux, app: &str) -> Tenant {
+        let cluster = cp.cluster_up(&cp.unique("t"));
+        let management = cp.management_client().await;
+        let api = client_from(&cluster.kubeconfig).await;
+        let namespace = format!("tenant-{app}");
+        let name = format!("kubernetes-{app}");
+        cp.namespace(&namespace).await;
+        for (artifact, chart) in [
+            ("chart-kubernetes", "kubernetes"),
+            ("chart-csi", "csi"),
+            ("chart-demo", "demo"),
+        ] {
+            flux.publish_chart(&management, &namespace, artifact, chart)
+                .await;
+        }
+        let hrs = Api::namespaced_with(management.clone(), &namespace, &helmrelease_resource());
+        let history = ParentHistory::open(hrs.clone(), &name).await;
+        let t = Tenant {
+            namespace,
+            name,
+            cluster,
+            management,
+            api,
+            history,
+        };
+        t.create_control_plane().await;
+        let mut parent = t.parent_object(json!({"spec": {
+            "interval": "10m",
+            "chartRef": {"kind": "ExternalArtifact", "name": "chart-kubernetes"},
+            "values": {"hookTimeout": "10s"},
+        }}));
+        parent.metadata.finalizers = Some(vec![FLUX_FINALIZER.into()]);
+        hrs.create(&PostParams::default(), &parent)
+            .await
+            .expect("create parent HelmRelease");
+        for release in [t.name.clone(), format!("{}-csi", t.name)] {
+            wait_ready(&hrs, &release, flux).await;
+        }
         t
     }
 
@@ -107,12 +194,12 @@ impl Tenant {
         let docs = [
             json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": kcsi, "namespace": ns}}),
             json!({"apiVersion": rbac, "kind": "Role", "metadata": {"name": kcsi, "namespace": ns},
-                "rules": [
-                    {"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "verbs": ["get", "create", "delete"]},
-                    {"apiGroups": ["kubevirt.io"], "resources": ["virtualmachineinstances"], "verbs": ["get", "list"]},
-                    {"apiGroups": ["subresources.kubevirt.io"], "resources": ["virtualmachineinstances/addvolume", "virtualmachineinstances/removevolume"], "verbs": ["update"]},
-                    {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["patch"]},
-                ]}),
+            "rules": [
+                {"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "verbs": ["get", "create", "delete"]},
+                {"apiGroups": ["kubevirt.io"], "resources": ["virtualmachineinstances"], "verbs": ["get", "list"]},
+                {"apiGroups": ["subresources.kubevirt.io"], "resources": ["virtualmachineinstances/addvolume", "virtualmachineinstances/removevolume"], "verbs": ["update"]},
+                {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["patch"]},
+            ]}),
             json!({"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": kcsi, "namespace": ns},
                 "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": kcsi},
                 "subjects": [{"kind": "ServiceAccount", "name": kcsi, "namespace": ns}]}),
@@ -127,8 +214,10 @@ impl Tenant {
                              "serviceAccountName": kcsi, "containers": [{"name": "csi-driver", "image": "kubevirt-csi-driver"}]}}}}),
         ];
         for mut d in docs {
-            d["metadata"]["labels"] = json!({"helm.toolkit.fluxcd.io/name": r, "helm.toolkit.fluxcd.io/namespace": ns});
-            d["metadata"]["annotations"] = json!({"meta.helm.sh/release-name": r, "meta.helm.sh/release-namespace": ns});
+            d["metadata"]["labels"] =
+                json!({"helm.toolkit.fluxcd.io/name": r, "helm.toolkit.fluxcd.io/namespace": ns});
+            d["metadata"]["annotations"] =
+                json!({"meta.helm.sh/release-name": r, "meta.helm.sh/release-namespace": ns});
             manifests::apply(&self.management, &d).await;
         }
     }
@@ -139,20 +228,13 @@ impl Tenant {
         let hr = helmrelease_resource();
         let hrs: Api<DynamicObject> = Api::namespaced_with(self.management.clone(), ns, &hr);
         let pp = PostParams::default();
-        let mut parent = obj(
-            &hr,
-            ns,
-            r,
-            json!({
-                "apps.cozystack.io/application.kind": "Kubernetes",
-                "apps.cozystack.io/application.group": "apps.cozystack.io",
-                "apps.cozystack.io/application.name": r.trim_start_matches("kubernetes-"),
-                "sharding.fluxcd.io/key": "shard1",
-            }),
+        let mut parent = self.parent_object(
             json!({"spec": {"chart": {"spec": {"chart": "kubernetes"}}, "interval": "5m"}}),
         );
         parent.metadata.finalizers = Some(vec!["finalizers.fluxcd.io".into()]);
-        hrs.create(&pp, &parent).await.expect("create parent HelmRelease");
+        hrs.create(&pp, &parent)
+            .await
+            .expect("create parent HelmRelease");
         for child in ["csi", "cilium", "coredns"] {
             let mut c = obj(
                 &hr,
@@ -164,12 +246,57 @@ impl Tenant {
             c.metadata.finalizers = Some(vec!["finalizers.fluxcd.io".into()]);
             hrs.create(&pp, &c).await.expect("create child HelmRelease");
         }
-        let kcps: Api<DynamicObject> = Api::namespaced_with(self.management.clone(), ns, &kcp_resource());
-        kcps.create(&pp, &obj(&kcp_resource(), ns, r, json!({}), json!({"spec": {"version": "v1.33.0"}}))).await.expect("create KamajiControlPlane");
-        let tcps: Api<DynamicObject> = Api::namespaced_with(self.management.clone(), ns, &tcp_resource());
+        let kcps: Api<DynamicObject> =
+            Api::namespaced_with(self.management.clone(), ns, &kcp_resource());
+        kcps.create(
+            &pp,
+            &obj(
+                &kcp_resource(),
+                ns,
+                r,
+                json!({}),
+                json!({"spec": {"version": "v1.33.0"}}),
+            ),
+        )
+        .await
+        .expect("create KamajiControlPlane");
+        self.create_control_plane().await;
+    }
+
+    /// The parent release with Cozystack's labels (what its API writes for
+    /// a Kubernetes application) and `body`.
+    fn parent_object(&self, body: Value) -> DynamicObject {
+        obj(
+            &helmrelease_resource(),
+            &self.namespace,
+            &self.name,
+            json!({
+                "apps.cozystack.io/application.kind": "Kubernetes",
+                "apps.cozystack.io/application.group": "apps.cozystack.io",
+                "apps.cozystack.io/application.name": self.name.trim_start_matches("kubernetes-"),
+                "sharding.fluxcd.io/key": "shard1",
+            }),
+            body,
+        )
+    }
+
+    /// What Kamaji makes of the KamajiControlPlane: the TenantControlPlane
+    /// (served by this tenant's harness API server) and the admin
+    /// kubeconfig Secret it owns.
+    async fn create_control_plane(&self) {
+        let (ns, r) = (self.namespace.as_str(), self.name.as_str());
+        let pp = PostParams::default();
+        let tcps: Api<DynamicObject> =
+            Api::namespaced_with(self.management.clone(), ns, &tcp_resource());
         let mut tcp = obj(&tcp_resource(), ns, r, json!({}), json!({"spec": {}}));
-        tcp.metadata.annotations = Some(BTreeMap::from([(CLUSTER_ANNOTATION.to_string(), self.cluster.name.clone())]));
-        let tcp = tcps.create(&pp, &tcp).await.expect("create TenantControlPlane");
+        tcp.metadata.annotations = Some(BTreeMap::from([(
+            CLUSTER_ANNOTATION.to_string(),
+            self.cluster.name.clone(),
+        )]));
+        let tcp = tcps
+            .create(&pp, &tcp)
+            .await
+            .expect("create TenantControlPlane");
 
         let kubeconfig = std::fs::read(&self.cluster.kubeconfig).expect("tenant kubeconfig");
         let secret: Secret = serde_json::from_value(json!({
@@ -188,11 +315,18 @@ impl Tenant {
             },
         }))
         .unwrap();
-        Api::<Secret>::namespaced(self.management.clone(), ns).create(&pp, &secret).await.expect("create admin kubeconfig Secret");
+        Api::<Secret>::namespaced(self.management.clone(), ns)
+            .create(&pp, &secret)
+            .await
+            .expect("create admin kubeconfig Secret");
     }
 
     pub fn hr_api(&self) -> Api<DynamicObject> {
-        Api::namespaced_with(self.management.clone(), &self.namespace, &helmrelease_resource())
+        Api::namespaced_with(
+            self.management.clone(),
+            &self.namespace,
+            &helmrelease_resource(),
+        )
     }
 
     pub async fn parent(&self) -> Option<DynamicObject> {
@@ -201,24 +335,37 @@ impl Tenant {
 
     pub async fn record(&self) -> Record {
         let p = self.parent().await.expect("parent exists");
-        Record::from_annotations(&Keys::new("volumes.cozystack.io/"), &p.metadata.annotations.unwrap_or_default())
+        Record::from_annotations(
+            &Keys::new("volumes.cozystack.io/"),
+            &p.metadata.annotations.unwrap_or_default(),
+        )
     }
 
     /// Deletes the Kubernetes application: the parent release.
     pub async fn delete_parent(&self) {
-        self.hr_api().delete(&self.name, &DeleteParams::default()).await.expect("delete parent HelmRelease");
+        self.hr_api()
+            .delete(&self.name, &DeleteParams::default())
+            .await
+            .expect("delete parent HelmRelease");
     }
 
     /// Waits until the parent release is gone from the management cluster.
     pub async fn wait_parent_gone(&self, timeout: Duration) {
         let what = format!("parent {}/{} gone", self.namespace, self.name);
-        self.history.next_matching(&what, timeout, |s| matches!(s, Seen::Gone).then_some(())).await
+        self.history
+            .next_matching(&what, timeout, |s| matches!(s, Seen::Gone).then_some(()))
+            .await
     }
 
     /// Waits until the worker has bound the tenant to its cluster (the
     /// record's `cluster` key), and returns the bound kube-system UID.
     pub async fn wait_cluster_bound(&self) -> String {
-        let record = self.history.next_record("the tenant cluster bound", Duration::from_secs(60), |r| r.cluster.is_some()).await;
+        let record = self
+            .history
+            .next_record("the tenant cluster bound", Duration::from_secs(60), |r| {
+                r.cluster.is_some()
+            })
+            .await;
         record.cluster.expect("bound").kube_system_uid
     }
 
@@ -226,14 +373,22 @@ impl Tenant {
     pub async fn wait_custody(&self) {
         let api = self.hr_api();
         let name = self.name.clone();
-        eventually("custody finalizer on the parent", Duration::from_secs(30), || {
-            let (api, name) = (api.clone(), name.clone());
-            async move {
-                let p = api.get(&name).await.map_err(|e| e.to_string())?;
-                let f = p.metadata.finalizers.unwrap_or_default();
-                if f.iter().any(|f| f == "volumes.cozystack.io/release") { Ok(()) } else { Err(format!("{f:?}")) }
-            }
-        })
+        eventually(
+            "custody finalizer on the parent",
+            Duration::from_secs(30),
+            || {
+                let (api, name) = (api.clone(), name.clone());
+                async move {
+                    let p = api.get(&name).await.map_err(|e| e.to_string())?;
+                    let f = p.metadata.finalizers.unwrap_or_default();
+                    if f.iter().any(|f| f == "volumes.cozystack.io/release") {
+                        Ok(())
+                    } else {
+                        Err(format!("{f:?}"))
+                    }
+                }
+            },
+        )
         .await
     }
 
@@ -256,7 +411,10 @@ impl Tenant {
                      "resources": {"requests": {"storage": "1Gi"}}},
         }))
         .unwrap();
-        Api::<PersistentVolumeClaim>::namespaced(self.api.clone(), ns).create(&PostParams::default(), &pvc).await.expect("create claim");
+        Api::<PersistentVolumeClaim>::namespaced(self.api.clone(), ns)
+            .create(&PostParams::default(), &pvc)
+            .await
+            .expect("create claim");
     }
 
     /// A Pod mounting each of `claims`.
@@ -272,7 +430,10 @@ impl Tenant {
         }))
         .unwrap();
         self.place(&mut pod);
-        Api::<Pod>::namespaced(self.api.clone(), ns).create(&PostParams::default(), &pod).await.expect("create pod");
+        Api::<Pod>::namespaced(self.api.clone(), ns)
+            .create(&PostParams::default(), &pod)
+            .await
+            .expect("create pod");
     }
 
     /// A light cluster has no scheduler: its Pods go to the simulated node.
@@ -293,7 +454,10 @@ impl Tenant {
         }))
         .unwrap();
         self.place(&mut pod);
-        Api::<Pod>::namespaced(self.api.clone(), ns).create(&PostParams::default(), &pod).await.expect("create ephemeral pod");
+        Api::<Pod>::namespaced(self.api.clone(), ns)
+            .create(&PostParams::default(), &pod)
+            .await
+            .expect("create ephemeral pod");
     }
 
     /// A StatefulSet whose Pods each get a claim from a template.
@@ -312,27 +476,64 @@ impl Tenant {
             },
         }))
         .unwrap();
-        Api::<StatefulSet>::namespaced(self.api.clone(), ns).create(&PostParams::default(), &sts).await.expect("create statefulset");
+        Api::<StatefulSet>::namespaced(self.api.clone(), ns)
+            .create(&PostParams::default(), &sts)
+            .await
+            .expect("create statefulset");
     }
 
     /// Waits until `n` claims are Bound and every Pod is Running.
     pub async fn wait_settled(&self, claims: usize, pods: usize) {
         let api = self.api.clone();
-        eventually(&format!("{claims} claims bound and {pods} pods running in {}", self.name), Duration::from_secs(90), || {
-            let api = api.clone();
-            async move {
-                let pvcs = Api::<PersistentVolumeClaim>::all(api.clone()).list(&ListParams::default()).await.map_err(|e| e.to_string())?;
-                let bound = pvcs.items.iter().filter(|c| c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")).count();
-                let podl = Api::<Pod>::all(api).list(&ListParams::default()).await.map_err(|e| e.to_string())?;
-                let running = podl.items.iter().filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")).count();
-                if bound >= claims && running >= pods { Ok(()) } else { Err(format!("{bound} bound, {running} running")) }
-            }
-        })
+        eventually(
+            &format!(
+                "{claims} claims bound and {pods} pods running in {}",
+                self.name
+            ),
+            Duration::from_secs(90),
+            || {
+                let api = api.clone();
+                async move {
+                    let pvcs = Api::<PersistentVolumeClaim>::all(api.clone())
+                        .list(&ListParams::default())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let bound = pvcs
+                        .items
+                        .iter()
+                        .filter(|c| {
+                            c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound")
+                        })
+                        .count();
+                    let podl = Api::<Pod>::all(api)
+                        .list(&ListParams::default())
+                        .await
+                        .map_err(|e| e.to_string())?;
+                    let running = podl
+                        .items
+                        .iter()
+                        .filter(|p| {
+                            p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                        })
+                        .count();
+                    if bound >= claims && running >= pods {
+                        Ok(())
+                    } else {
+                        Err(format!("{bound} bound, {running} running"))
+                    }
+                }
+            },
+        )
         .await
     }
 
     pub async fn pv_count(&self) -> usize {
-        Api::<PersistentVolume>::all(self.api.clone()).list(&ListParams::default()).await.expect("list PVs").items.len()
+        Api::<PersistentVolume>::all(self.api.clone())
+            .list(&ListParams::default())
+            .await
+            .expect("list PVs")
+            .items
+            .len()
     }
 }
 
@@ -345,15 +546,24 @@ impl Tenant {
     /// Events recorded on the parent release (events.k8s.io), as
     /// `(type, reason, note)`.
     pub async fn events(&self) -> Vec<(String, String, String)> {
-        let api: Api<k8s_openapi::api::events::v1::Event> = Api::namespaced(self.management.clone(), &self.namespace);
+        let api: Api<k8s_openapi::api::events::v1::Event> =
+            Api::namespaced(self.management.clone(), &self.namespace);
         let mut out: Vec<(String, String, String)> = api
             .list(&ListParams::default())
             .await
             .expect("list events")
             .items
             .into_iter()
-            .filter(|e| e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(self.name.as_str()))
-            .map(|e| (e.type_.unwrap_or_default(), e.reason.unwrap_or_default(), e.note.unwrap_or_default()))
+            .filter(|e| {
+                e.regarding.as_ref().and_then(|r| r.name.as_deref()) == Some(self.name.as_str())
+            })
+            .map(|e| {
+                (
+                    e.type_.unwrap_or_default(),
+                    e.reason.unwrap_or_default(),
+                    e.note.unwrap_or_default(),
+                )
+            })
             .collect();
         out.sort();
         out
@@ -364,17 +574,21 @@ impl Tenant {
     /// report, and the worker writes one just after the record: a test that
     /// saw the record first waits here for its Event.
     pub async fn wait_event(&self, ty: &str, reason: &str, note: impl Fn(&str) -> bool) -> String {
-        eventually(&format!("a {ty} Event {reason} on {}", self.name), Duration::from_secs(30), || {
-            let note = &note;
-            async move {
-                let events = self.events().await;
-                events
-                    .iter()
-                    .find(|(t, r, n)| t == ty && r == reason && note(n))
-                    .map(|(_, _, n)| n.clone())
-                    .ok_or_else(|| format!("{events:?}"))
-            }
-        })
+        eventually(
+            &format!("a {ty} Event {reason} on {}", self.name),
+            Duration::from_secs(30),
+            || {
+                let note = &note;
+                async move {
+                    let events = self.events().await;
+                    events
+                        .iter()
+                        .find(|(t, r, n)| t == ty && r == reason && note(n))
+                        .map(|(_, _, n)| n.clone())
+                        .ok_or_else(|| format!("{events:?}"))
+                }
+            },
+        )
         .await
     }
 
@@ -387,7 +601,11 @@ impl Tenant {
         let secrets: Api<Secret> = Api::namespaced(self.management.clone(), &self.namespace);
         let patch = json!({"data": {"super-admin.svc": base64(moved.as_bytes()), "super-admin.conf": base64(moved.as_bytes())}});
         secrets
-            .patch(&format!("{}-admin-kubeconfig", self.name), &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
+            .patch(
+                &format!("{}-admin-kubeconfig", self.name),
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            )
             .await
             .expect("patch kubeconfig Secret");
     }
@@ -396,14 +614,29 @@ impl Tenant {
     /// `phase`, and returns it. Read from the watch history: a phase the
     /// teardown has already moved past is still found.
     pub async fn wait_phase(&self, phase: volume_gate::record::Phase, timeout: Duration) -> Record {
-        self.history.next_record(&format!("phase {phase}"), timeout, |r| r.phase == Some(phase)).await
+        self.history
+            .next_record(&format!("phase {phase}"), timeout, |r| {
+                r.phase == Some(phase)
+            })
+            .await
     }
 
     /// Records an override as `client`'s user: `kubectl annotate`.
-    pub async fn annotate_override(&self, client: &kube::Client, reason: &str) -> Result<(), kube::Error> {
-        let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), &self.namespace, &helmrelease_resource());
+    pub async fn annotate_override(
+        &self,
+        client: &kube::Client,
+        reason: &str,
+    ) -> Result<(), kube::Error> {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(client.clone(), &self.namespace, &helmrelease_resource());
         let patch = json!({"metadata": {"annotations": {"volumes.cozystack.io/override": reason}}});
-        api.patch(&self.name, &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch)).await.map(|_| ())
+        api.patch(
+            &self.name,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(&patch),
+        )
+        .await
+        .map(|_| ())
     }
 
     /// Grants `group` the override verb on this tenant's namespace, from the
@@ -411,7 +644,8 @@ impl Tenant {
     pub async fn grant_override(&self, group: &str) {
         let path = repo_root().join("manifests/examples/override-role.yaml");
         let text = std::fs::read_to_string(&path).expect("override-role.yaml");
-        let docs: Vec<Value> = serde_saphyr::from_multiple(&text).expect("parse override-role.yaml");
+        let docs: Vec<Value> =
+            serde_saphyr::from_multiple(&text).expect("parse override-role.yaml");
         for mut d in docs.into_iter().filter(|d| !d.is_null()) {
             d["metadata"]["namespace"] = json!(self.namespace);
             if d["kind"] == "RoleBinding" {
@@ -419,15 +653,40 @@ impl Tenant {
             }
             manifests::apply(&self.management, &d).await;
         }
-        wait_authorized(&self.management, group, &self.namespace, "helm.toolkit.fluxcd.io", "helmreleases", "patch").await;
-        wait_authorized(&self.management, group, &self.namespace, "volumes.cozystack.io", "tenants", "override").await;
+        wait_authorized(
+            &self.management,
+            group,
+            &self.namespace,
+            "helm.toolkit.fluxcd.io",
+            "helmreleases",
+            "patch",
+        )
+        .await;
+        wait_authorized(
+            &self.management,
+            group,
+            &self.namespace,
+            "volumes.cozystack.io",
+            "tenants",
+            "override",
+        )
+        .await;
     }
 }
 
 /// RBAC reaches the API server's authorizer through an informer: waits until
 /// a SubjectAccessReview for a member of `group` is allowed.
-pub async fn wait_authorized(client: &kube::Client, group: &str, namespace: &str, api_group: &str, resource: &str, verb: &str) {
-    use k8s_openapi::api::authorization::v1::{ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec};
+pub async fn wait_authorized(
+    client: &kube::Client,
+    group: &str,
+    namespace: &str,
+    api_group: &str,
+    resource: &str,
+    verb: &str,
+) {
+    use k8s_openapi::api::authorization::v1::{
+        ResourceAttributes, SubjectAccessReview, SubjectAccessReviewSpec,
+    };
     let api: Api<SubjectAccessReview> = Api::all(client.clone());
     let sar = SubjectAccessReview {
         spec: SubjectAccessReviewSpec {
@@ -444,13 +703,24 @@ pub async fn wait_authorized(client: &kube::Client, group: &str, namespace: &str
         },
         ..Default::default()
     };
-    eventually(&format!("group {group} may {verb} {resource}.{api_group} in {namespace}"), Duration::from_secs(30), || {
-        let (api, sar) = (api.clone(), sar.clone());
-        async move {
-            let r = api.create(&PostParams::default(), &sar).await.map_err(|e| e.to_string())?;
-            if r.status.is_some_and(|s| s.allowed) { Ok(()) } else { Err("not yet".into()) }
-        }
-    })
+    eventually(
+        &format!("group {group} may {verb} {resource}.{api_group} in {namespace}"),
+        Duration::from_secs(30),
+        || {
+            let (api, sar) = (api.clone(), sar.clone());
+            async move {
+                let r = api
+                    .create(&PostParams::default(), &sar)
+                    .await
+                    .map_err(|e| e.to_string())?;
+                if r.status.is_some_and(|s| s.allowed) {
+                    Ok(())
+                } else {
+                    Err("not yet".into())
+                }
+            }
+        },
+    )
     .await
 }
 
@@ -459,24 +729,51 @@ impl Tenant {
     /// release stays installed: a stuck or crashed driver. Returns once the
     /// simulator has acted on it.
     pub async fn set_driver(&self, sim: &super::sim::Simulator, running: bool) {
-        let needle = format!("{}/{} {}", self.namespace, self.name, if running { "activated" } else { "deactivated" });
+        let needle = format!(
+            "{}/{} {}",
+            self.namespace,
+            self.name,
+            if running { "activated" } else { "deactivated" }
+        );
         let before = sim.log().matches(&needle).count();
-        let value = if running { serde_json::Value::Null } else { json!("stopped") };
-        let patch = json!({"metadata": {"annotations": {"harness.volume-gate.test/driver": value}}});
+        let value = if running {
+            serde_json::Value::Null
+        } else {
+            json!("stopped")
+        };
+        let patch =
+            json!({"metadata": {"annotations": {"harness.volume-gate.test/driver": value}}});
         self.hr_api()
-            .patch(&format!("{}-csi", self.name), &kube::api::PatchParams::default(), &kube::api::Patch::Merge(&patch))
+            .patch(
+                &format!("{}-csi", self.name),
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            )
             .await
             .expect("annotate the CSI release");
-        eventually(&format!("simulator saw: {needle}"), Duration::from_secs(20), || {
-            let n = sim.log().matches(&needle).count();
-            async move { if n > before { Ok(()) } else { Err(format!("{n} times")) } }
-        })
+        eventually(
+            &format!("simulator saw: {needle}"),
+            Duration::from_secs(20),
+            || {
+                let n = sim.log().matches(&needle).count();
+                async move {
+                    if n > before {
+                        Ok(())
+                    } else {
+                        Err(format!("{n} times"))
+                    }
+                }
+            },
+        )
         .await;
     }
 
     /// The parent's raw record annotations.
     pub async fn volumes_annotation(&self) -> Option<String> {
-        self.parent().await.and_then(|p| p.metadata.annotations).and_then(|a| a.get("volumes.cozystack.io/volumes").cloned())
+        self.parent()
+            .await
+            .and_then(|p| p.metadata.annotations)
+            .and_then(|a| a.get("volumes.cozystack.io/volumes").cloned())
     }
 }
 
@@ -509,10 +806,42 @@ impl Tenant {
     /// (the next version, after the last one a wait returned, that has it).
     pub async fn wait_inventory(&self) -> String {
         self.history
-            .next_matching("inventory in the record", Duration::from_secs(30), |s| match s {
-                Seen::Parent(p) => p.metadata.annotations.as_ref().and_then(|a| a.get("volumes.cozystack.io/volumes").cloned()),
-                Seen::Gone => None,
-            })
+            .next_matching(
+                "inventory in the record",
+                Duration::from_secs(30),
+                |s| match s {
+                    Seen::Parent(p) => p
+                        .metadata
+                        .annotations
+                        .as_ref()
+                        .and_then(|a| a.get("volumes.cozystack.io/volumes").cloned()),
+                    Seen::Gone => None,
+                },
+            )
             .await
     }
+}
+
+/// Waits until helm-controller reports HelmRelease `name` Ready=True.
+pub async fn wait_ready(hrs: &Api<DynamicObject>, name: &str, flux: &Flux) {
+    eventually(
+        &format!("HelmRelease {name} Ready=True"),
+        Duration::from_secs(120),
+        || {
+            assert!(
+                flux.process.alive(),
+                "helm-controller exited; its log:\n{}",
+                flux.log()
+            );
+            let hrs = hrs.clone();
+            async move {
+                let hr = hrs.get(name).await.map_err(|e| e.to_string())?;
+                match ready_condition(&hr) {
+                    Some((s, _, _)) if s == "True" => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            }
+        },
+    )
+    .await
 }

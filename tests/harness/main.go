@@ -8,6 +8,7 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"path/filepath"
 
 	"go.etcd.io/etcd/server/v3/etcdmain"
 	"k8s.io/component-base/cli"
@@ -40,6 +41,10 @@ var launcherCommands = map[string]func(args []string) error{
 }
 
 func main() {
+	// Linked as `kubectl` (the simulator puts it on a hook script's PATH).
+	if filepath.Base(os.Args[0]) == "kubectl" {
+		os.Args = append([]string{"harness", "kubectl"}, os.Args[1:]...)
+	}
 	if len(os.Args) < 2 {
 		fmt.Fprint(os.Stderr, usage)
 		os.Exit(2)

@@ -14,6 +14,7 @@ package main
 //	sim_snapshot.go VolumeSnapshots, when the tenant serves that API
 //	sim_kubelet.go  the fake Node "sim-node" and its Pods
 //	sim_flux.go     helm-controller uninstall + the pre-delete hook
+//	sim_jobs.go     the management cluster's Job Pods (real hooks) run locally
 //	sim_kamaji.go   TenantControlPlane deleted -> tenant API server stopped
 
 import (
@@ -69,6 +70,7 @@ var (
 type simConfig struct {
 	profile       string
 	flux          bool // emulate Flux and the tenant chart's hook (off when the real helm-controller runs)
+	runJobs       bool // run the Pods of Jobs in the management cluster (the real hook, under real Flux)
 	management    string
 	storage       string
 	control       string
@@ -110,6 +112,7 @@ func parseSimFlags(args []string) (simConfig, error) {
 	var nss names
 	fs.StringVar(&cfg.profile, "profile", "", "volume-gate's profile as JSON (`volume-gate profile` prints it): the platform's names (required)")
 	fs.BoolVar(&cfg.flux, "flux", true, "emulate Flux's helm-controller and the tenant chart's pre-delete hook; false when the real helm-controller runs")
+	fs.BoolVar(&cfg.runJobs, "run-jobs", false, "run the Pods of Jobs in the management cluster (a chart's hooks) as local shell processes on node "+jobsNodeName)
 	fs.StringVar(&cfg.management, "management", "", "kubeconfig of the management cluster (required)")
 	fs.StringVar(&cfg.storage, "storage", "", "directory of the storage ledger: one file per volume (required)")
 	fs.StringVar(&cfg.control, "control", "", "URL of the harness control API, to stop a tenant API server when its TenantControlPlane is deleted (required)")
@@ -179,6 +182,7 @@ type sim struct {
 	tcps *lazyInformer // TenantControlPlanes; likewise
 
 	flux   *flux
+	jobs   *jobs
 	kamaji *kamaji
 
 	ctx     context.Context
@@ -220,6 +224,11 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 	if s.cfg.flux {
 		s.flux = newFlux(s)
 	}
+	if s.cfg.runJobs {
+		if s.jobs, err = newJobs(s); err != nil {
+			return err
+		}
+	}
 	s.kamaji = newKamaji(s)
 	scope := "every namespace"
 	if len(cfg.namespaces) > 0 {
@@ -245,6 +254,9 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 	s.wg.Go(func() { s.hrs.run(ctx) })
 	if s.flux != nil {
 		s.wg.Go(func() { s.flux.run(ctx) })
+	}
+	if s.jobs != nil {
+		s.wg.Go(func() { s.jobs.run(ctx) })
 	}
 
 	<-ctx.Done()

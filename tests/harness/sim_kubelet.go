@@ -331,10 +331,9 @@ func (k *kubelet) registerDriver(ctx context.Context) {
 // heartbeat registers the Node if needed, keeps its Ready condition fresh
 // and renews its Lease, as a kubelet does every 10 s.
 func (k *kubelet) heartbeat(ctx context.Context) {
-	err := k.updateNode(ctx)
-	if err == nil {
-		err = k.renewLease(ctx)
-	}
+	err := beatNode(ctx, k.cs, simNodeName, func() {
+		k.t.logf("kubelet", "registered", "node %s (cpu 64, memory 256Gi, pods 500)", simNodeName)
+	})
 	msg := ""
 	if err != nil {
 		msg = err.Error()
@@ -349,25 +348,31 @@ func (k *kubelet) heartbeat(ctx context.Context) {
 	k.heartbeatErr = msg
 }
 
-func (k *kubelet) updateNode(ctx context.Context) error {
+// beatNode is one heartbeat of Node `name`: it registers the Node if needed
+// (calling registered), keeps its Ready condition fresh and renews its Lease.
+func beatNode(ctx context.Context, cs kubernetes.Interface, name string, registered func()) error {
 	// The node-lifecycle controller writes the Node too (taints, at first).
-	return retry.RetryOnConflict(retry.DefaultRetry, func() error { return k.updateNodeOnce(ctx) })
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error { return updateNodeOnce(ctx, cs, name, registered) })
+	if err != nil {
+		return err
+	}
+	return renewLease(ctx, cs, name)
 }
 
-func (k *kubelet) updateNodeOnce(ctx context.Context) error {
-	nodes := k.cs.CoreV1().Nodes()
-	node, err := nodes.Get(ctx, simNodeName, metav1.GetOptions{})
+func updateNodeOnce(ctx context.Context, cs kubernetes.Interface, name string, registered func()) error {
+	nodes := cs.CoreV1().Nodes()
+	node, err := nodes.Get(ctx, name, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
 		node, err = nodes.Create(ctx, &corev1.Node{ObjectMeta: metav1.ObjectMeta{
-			Name: simNodeName,
+			Name: name,
 			Labels: map[string]string{
-				"kubernetes.io/hostname": simNodeName,
+				"kubernetes.io/hostname": name,
 				"kubernetes.io/os":       "linux",
 				"kubernetes.io/arch":     "amd64",
 			},
 		}}, metav1.CreateOptions{})
 		if err == nil {
-			k.t.logf("kubelet", "registered", "node %s (cpu 64, memory 256Gi, pods 500)", simNodeName)
+			registered()
 		}
 	}
 	if err != nil {
@@ -383,7 +388,7 @@ func (k *kubelet) updateNodeOnce(ctx context.Context) error {
 	st := &node.Status
 	st.Capacity, st.Allocatable = resources, resources
 	st.Phase = corev1.NodeRunning
-	st.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: simNodeIP}, {Type: corev1.NodeHostName, Address: simNodeName}}
+	st.Addresses = []corev1.NodeAddress{{Type: corev1.NodeInternalIP, Address: simNodeIP}, {Type: corev1.NodeHostName, Address: name}}
 	st.DaemonEndpoints = corev1.NodeDaemonEndpoints{KubeletEndpoint: corev1.DaemonEndpoint{Port: 10250}}
 	st.NodeInfo = corev1.NodeSystemInfo{
 		MachineID: "sim", SystemUUID: "sim", BootID: "sim", KernelVersion: "sim", OSImage: "volume-gate simulator",
@@ -417,28 +422,28 @@ func (k *kubelet) updateNodeOnce(ctx context.Context) error {
 	return err
 }
 
-func (k *kubelet) renewLease(ctx context.Context) error {
-	leases := k.cs.CoordinationV1().Leases(corev1.NamespaceNodeLease)
+func renewLease(ctx context.Context, cs kubernetes.Interface, name string) error {
+	leases := cs.CoordinationV1().Leases(corev1.NamespaceNodeLease)
 	now := metav1.NowMicro()
-	lease, err := leases.Get(ctx, simNodeName, metav1.GetOptions{})
+	lease, err := leases.Get(ctx, name, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
-		node, err := k.cs.CoreV1().Nodes().Get(ctx, simNodeName, metav1.GetOptions{})
+		node, err := cs.CoreV1().Nodes().Get(ctx, name, metav1.GetOptions{})
 		if err != nil {
 			return err
 		}
 		_, err = leases.Create(ctx, &coordinationv1.Lease{
 			ObjectMeta: metav1.ObjectMeta{
-				Name: simNodeName, Namespace: corev1.NamespaceNodeLease,
+				Name: name, Namespace: corev1.NamespaceNodeLease,
 				OwnerReferences: []metav1.OwnerReference{{APIVersion: "v1", Kind: "Node", Name: node.Name, UID: node.UID}},
 			},
-			Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To(simNodeName), LeaseDurationSeconds: ptr.To[int32](leaseDuration), RenewTime: &now},
+			Spec: coordinationv1.LeaseSpec{HolderIdentity: ptr.To(name), LeaseDurationSeconds: ptr.To[int32](leaseDuration), RenewTime: &now},
 		}, metav1.CreateOptions{})
 		return err
 	}
 	if err != nil {
 		return err
 	}
-	lease.Spec.HolderIdentity, lease.Spec.LeaseDurationSeconds, lease.Spec.RenewTime = ptr.To(simNodeName), ptr.To[int32](leaseDuration), &now
+	lease.Spec.HolderIdentity, lease.Spec.LeaseDurationSeconds, lease.Spec.RenewTime = ptr.To(name), ptr.To[int32](leaseDuration), &now
 	_, err = leases.Update(ctx, lease, metav1.UpdateOptions{})
 	if apierrors.IsConflict(err) {
 		return nil // someone else wrote it; renewed on the next beat

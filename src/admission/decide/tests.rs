@@ -20,7 +20,10 @@ fn hr() -> GroupKind {
 }
 
 fn labels(pairs: &[(&str, &str)]) -> BTreeMap<String, String> {
-    pairs.iter().map(|(k, v)| (k.to_string(), v.to_string())).collect()
+    pairs
+        .iter()
+        .map(|(k, v)| (k.to_string(), v.to_string()))
+        .collect()
 }
 
 fn parent_labels() -> BTreeMap<String, String> {
@@ -85,7 +88,8 @@ impl Facts {
         self
     }
     fn ann(mut self, key: &str, value: &str) -> Self {
-        self.1.insert(format!("volumes.cozystack.io/{key}"), value.into());
+        self.1
+            .insert(format!("volumes.cozystack.io/{key}"), value.into());
         self
     }
     fn phase(self, p: &str) -> Self {
@@ -103,7 +107,12 @@ impl Facts {
 }
 
 fn subject<'a>(kind: &'a GroupKind, name: &'a str) -> Subject<'a> {
-    Subject { kind, namespace: NS, name, action: "delete" }
+    Subject {
+        kind,
+        namespace: NS,
+        name,
+        action: "delete",
+    }
 }
 
 fn delete(target: &Target, name: &str, parent: Option<ParentFacts>) -> Verdict {
@@ -120,12 +129,19 @@ fn child() -> Target {
 }
 
 fn guarded() -> Target {
-    Target::Guarded { tenant: R.into(), role: "the tenant's API server".into() }
+    Target::Guarded {
+        tenant: R.into(),
+        role: "the tenant's API server".into(),
+    }
 }
 
 fn assert_denied(v: &Verdict, reason: &str) -> String {
     match v {
-        Verdict::Deny { reason: r, message, code } => {
+        Verdict::Deny {
+            reason: r,
+            message,
+            code,
+        } => {
             assert_eq!(*r, reason, "{message}");
             assert_eq!(*code, 403);
             message.clone()
@@ -135,7 +151,10 @@ fn assert_denied(v: &Verdict, reason: &str) -> String {
 }
 
 fn assert_allowed(v: &Verdict, reason: &str) {
-    assert!(matches!(v, Verdict::Allow { reason: r, .. } if *r == reason), "expected allow {reason}, got {v:?}");
+    assert!(
+        matches!(v, Verdict::Allow { reason: r, .. } if *r == reason),
+        "expected allow {reason}, got {v:?}"
+    );
 }
 
 // ---- classification ----
@@ -143,7 +162,10 @@ fn assert_allowed(v: &Verdict, reason: &str) {
 #[test]
 fn parent_is_recognised_by_its_labels_not_its_name() {
     let p = profile();
-    assert_eq!(classify(&p, &hr(), R, &parent_labels()), Target::Parent { tenant: R.into() });
+    assert_eq!(
+        classify(&p, &hr(), R, &parent_labels()),
+        Target::Parent { tenant: R.into() }
+    );
     assert_eq!(classify(&p, &hr(), R, &BTreeMap::new()), Target::Unrelated);
 }
 
@@ -151,37 +173,84 @@ fn parent_is_recognised_by_its_labels_not_its_name() {
 fn sharding_key_plays_no_part_in_recognising_a_parent() {
     let mut l = parent_labels();
     l.insert("sharding.fluxcd.io/key".into(), "shard2".into());
-    assert_eq!(classify(&profile(), &hr(), R, &l), Target::Parent { tenant: R.into() });
+    assert_eq!(
+        classify(&profile(), &hr(), R, &l),
+        Target::Parent { tenant: R.into() }
+    );
 }
 
 #[test]
 fn csi_release_is_the_child_named_r_csi() {
     let p = profile();
-    assert_eq!(classify(&p, &hr(), "kubernetes-prod-csi", &child_labels()), csi());
-    assert_eq!(classify(&p, &hr(), "kubernetes-prod-cilium", &child_labels()), child());
+    assert_eq!(
+        classify(&p, &hr(), "kubernetes-prod-csi", &child_labels()),
+        csi()
+    );
+    assert_eq!(
+        classify(&p, &hr(), "kubernetes-prod-cilium", &child_labels()),
+        child()
+    );
 }
 
 #[test]
 fn csi_release_is_known_by_its_name_whatever_its_label_says() {
     let relabelled = labels(&[("cozystack.io/target-cluster-name", "kubernetes-other")]);
-    assert_eq!(classify(&profile(), &hr(), "kubernetes-prod-csi", &relabelled), csi());
+    assert_eq!(
+        classify(&profile(), &hr(), "kubernetes-prod-csi", &relabelled),
+        csi()
+    );
 }
 
 #[test]
 fn relabelling_a_dependent_away_from_its_tenant_is_judged_as_its_delete() {
     let p = profile();
     let moved = labels(&[("cozystack.io/target-cluster-name", "kubernetes-other")]);
-    let other = Target::Child { tenant: "kubernetes-other".into() };
-    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &moved), vec![child(), other]);
-    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &BTreeMap::new()), vec![child()]);
+    let other = Target::Child {
+        tenant: "kubernetes-other".into(),
+    };
+    assert_eq!(
+        relabel_targets(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &moved),
+        vec![child(), other]
+    );
+    assert_eq!(
+        relabel_targets(
+            &p,
+            &hr(),
+            "kubernetes-prod-cilium",
+            &child_labels(),
+            &BTreeMap::new()
+        ),
+        vec![child()]
+    );
     let machine = GroupKind::new("cluster.x-k8s.io", "Machine");
     let capi = labels(&[("cluster.x-k8s.io/cluster-name", R)]);
-    assert!(matches!(relabel_targets(&p, &machine, "m", &capi, &BTreeMap::new()).as_slice(), [Target::Guarded { .. }]));
+    assert!(matches!(
+        relabel_targets(&p, &machine, "m", &capi, &BTreeMap::new()).as_slice(),
+        [Target::Guarded { .. }]
+    ));
     // A CSI release relabelled in any way is judged as the CSI release: held until done.
     let mut as_parent = parent_labels();
     as_parent.extend(child_labels());
-    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &as_parent), vec![csi()]);
-    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &BTreeMap::new()), vec![csi()]);
+    assert_eq!(
+        relabel_targets(
+            &p,
+            &hr(),
+            "kubernetes-prod-csi",
+            &child_labels(),
+            &as_parent
+        ),
+        vec![csi()]
+    );
+    assert_eq!(
+        relabel_targets(
+            &p,
+            &hr(),
+            "kubernetes-prod-csi",
+            &child_labels(),
+            &BTreeMap::new()
+        ),
+        vec![csi()]
+    );
 }
 
 #[test]
@@ -191,18 +260,51 @@ fn adding_a_label_that_decides_what_an_object_is_counts_as_a_relabel() {
     let p = profile();
     let kind_only = {
         let mut l = child_labels();
-        l.insert("apps.cozystack.io/application.kind".into(), "Kubernetes".into());
+        l.insert(
+            "apps.cozystack.io/application.kind".into(),
+            "Kubernetes".into(),
+        );
         l
     };
-    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &kind_only), vec![csi()]);
-    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-coredns", &child_labels(), &kind_only), vec![child()]);
+    assert_eq!(
+        relabel_targets(
+            &p,
+            &hr(),
+            "kubernetes-prod-csi",
+            &child_labels(),
+            &kind_only
+        ),
+        vec![csi()]
+    );
+    assert_eq!(
+        relabel_targets(
+            &p,
+            &hr(),
+            "kubernetes-prod-coredns",
+            &child_labels(),
+            &kind_only
+        ),
+        vec![child()]
+    );
     // Adding the parent labels to a child makes it look like a parent in
     // custody: judged as the child's delete.
     let mut as_parent = parent_labels();
     as_parent.extend(child_labels());
-    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &as_parent), vec![child()]);
+    assert_eq!(
+        relabel_targets(
+            &p,
+            &hr(),
+            "kubernetes-prod-cilium",
+            &child_labels(),
+            &as_parent
+        ),
+        vec![child()]
+    );
     // Making an unrelated release a child of a tenant is judged for that tenant.
-    assert_eq!(relabel_targets(&p, &hr(), "podinfo", &BTreeMap::new(), &child_labels()), vec![child()]);
+    assert_eq!(
+        relabel_targets(&p, &hr(), "podinfo", &BTreeMap::new(), &child_labels()),
+        vec![child()]
+    );
 }
 
 #[test]
@@ -211,12 +313,25 @@ fn updates_that_keep_what_an_object_is_are_not_relabels() {
     let mut more = child_labels();
     more.insert("extra".into(), "x".into());
     more.insert("sharding.fluxcd.io/key".into(), "shard2".into());
-    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &more), vec![]);
-    assert_eq!(relabel_targets(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &more), vec![]);
-    assert_eq!(relabel_targets(&p, &hr(), R, &parent_labels(), &BTreeMap::new()), vec![], "parents have guards of their own");
+    assert_eq!(
+        relabel_targets(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &more),
+        vec![]
+    );
+    assert_eq!(
+        relabel_targets(&p, &hr(), "kubernetes-prod-csi", &child_labels(), &more),
+        vec![]
+    );
+    assert_eq!(
+        relabel_targets(&p, &hr(), R, &parent_labels(), &BTreeMap::new()),
+        vec![],
+        "parents have guards of their own"
+    );
     // A label of another kind's identity is no identity of a release.
     let capi = labels(&[("cluster.x-k8s.io/cluster-name", R)]);
-    assert_eq!(relabel_targets(&p, &hr(), "podinfo", &BTreeMap::new(), &capi), vec![]);
+    assert_eq!(
+        relabel_targets(&p, &hr(), "podinfo", &BTreeMap::new(), &capi),
+        vec![]
+    );
 }
 
 #[test]
@@ -230,15 +345,35 @@ fn every_identity_of_an_object_is_found_so_none_hides_another() {
     assert_eq!(tenants, vec![format!("{R}-extra").as_str(), R]);
     // The tenant's own Cluster relabelled for another: still R's by its name.
     let other = labels(&[("cluster.x-k8s.io/cluster-name", "kubernetes-other")]);
-    let tenants: Vec<String> = identities(&p, &cluster, R, &other).iter().filter_map(Target::tenant).map(str::to_string).collect();
+    let tenants: Vec<String> = identities(&p, &cluster, R, &other)
+        .iter()
+        .filter_map(Target::tenant)
+        .map(str::to_string)
+        .collect();
     assert_eq!(tenants, vec![R.to_string(), "kubernetes-other".to_string()]);
     // A child dressed as a parent is still the child of R.
     let mut as_parent = parent_labels();
     as_parent.extend(child_labels());
-    assert_eq!(identities(&p, &hr(), "kubernetes-prod-cilium", &as_parent), vec![Target::Parent { tenant: "kubernetes-prod-cilium".into() }, child()]);
+    assert_eq!(
+        identities(&p, &hr(), "kubernetes-prod-cilium", &as_parent),
+        vec![
+            Target::Parent {
+                tenant: "kubernetes-prod-cilium".into()
+            },
+            child()
+        ]
+    );
     // The CSI release labelled as another tenant's child: both tenants.
     let moved = labels(&[("cozystack.io/target-cluster-name", "kubernetes-other")]);
-    assert_eq!(identities(&p, &hr(), "kubernetes-prod-csi", &moved), vec![csi(), Target::Child { tenant: "kubernetes-other".into() }]);
+    assert_eq!(
+        identities(&p, &hr(), "kubernetes-prod-csi", &moved),
+        vec![
+            csi(),
+            Target::Child {
+                tenant: "kubernetes-other".into()
+            }
+        ]
+    );
 }
 
 #[test]
@@ -256,7 +391,9 @@ fn every_guarded_entry_of_the_cozystack_profile_is_reachable() {
         };
         let ids = identities(&p, &kind, &name, &l);
         assert!(
-            ids.iter().any(|t| matches!(t, Target::Guarded { tenant, role } if tenant == R && *role == g.role)),
+            ids.iter().any(
+                |t| matches!(t, Target::Guarded { tenant, role } if tenant == R && *role == g.role)
+            ),
             "guarded[{i}] ({} {name}) not reached: {ids:?}",
             g.kind
         );
@@ -265,24 +402,51 @@ fn every_guarded_entry_of_the_cozystack_profile_is_reachable() {
 
 #[test]
 fn csi_release_without_its_label_is_still_the_csi_release() {
-    assert_eq!(classify(&profile(), &hr(), "kubernetes-prod-csi", &BTreeMap::new()), csi());
+    assert_eq!(
+        classify(&profile(), &hr(), "kubernetes-prod-csi", &BTreeMap::new()),
+        csi()
+    );
 }
 
 #[test]
 fn guarded_dependencies_are_recognised_by_name_or_label() {
     let p = profile();
     let cases = [
-        (GroupKind::new("controlplane.cluster.x-k8s.io", "KamajiControlPlane"), R.to_string(), BTreeMap::new()),
-        (GroupKind::new("kamaji.clastix.io", "TenantControlPlane"), R.to_string(), BTreeMap::new()),
-        (GroupKind::new("", "Secret"), format!("{R}-admin-kubeconfig"), BTreeMap::new()),
-        (GroupKind::new("apps", "Deployment"), format!("{R}-kcsi-controller"), BTreeMap::new()),
-        (GroupKind::new("cluster.x-k8s.io", "Cluster"), R.to_string(), BTreeMap::new()),
+        (
+            GroupKind::new("controlplane.cluster.x-k8s.io", "KamajiControlPlane"),
+            R.to_string(),
+            BTreeMap::new(),
+        ),
+        (
+            GroupKind::new("kamaji.clastix.io", "TenantControlPlane"),
+            R.to_string(),
+            BTreeMap::new(),
+        ),
+        (
+            GroupKind::new("", "Secret"),
+            format!("{R}-admin-kubeconfig"),
+            BTreeMap::new(),
+        ),
+        (
+            GroupKind::new("apps", "Deployment"),
+            format!("{R}-kcsi-controller"),
+            BTreeMap::new(),
+        ),
+        (
+            GroupKind::new("cluster.x-k8s.io", "Cluster"),
+            R.to_string(),
+            BTreeMap::new(),
+        ),
         (
             GroupKind::new("cluster.x-k8s.io", "MachineDeployment"),
             "md-0".to_string(),
             labels(&[("cluster.x-k8s.io/cluster-name", R)]),
         ),
-        (GroupKind::new("cluster.x-k8s.io", "Machine"), "m-1".to_string(), labels(&[("cluster.x-k8s.io/cluster-name", R)])),
+        (
+            GroupKind::new("cluster.x-k8s.io", "Machine"),
+            "m-1".to_string(),
+            labels(&[("cluster.x-k8s.io/cluster-name", R)]),
+        ),
     ];
     for (kind, name, l) in cases {
         match classify(&p, &kind, &name, &l) {
@@ -295,9 +459,28 @@ fn guarded_dependencies_are_recognised_by_name_or_label() {
 #[test]
 fn unrelated_objects_are_not_gated() {
     let p = profile();
-    assert_eq!(classify(&p, &GroupKind::new("", "Secret"), "other", &BTreeMap::new()), Target::Unrelated);
-    assert_eq!(classify(&p, &GroupKind::new("", "ConfigMap"), &format!("{R}-admin-kubeconfig"), &BTreeMap::new()), Target::Unrelated);
-    assert_eq!(classify(&p, &GroupKind::new("cluster.x-k8s.io", "Machine"), "m", &BTreeMap::new()), Target::Unrelated);
+    assert_eq!(
+        classify(&p, &GroupKind::new("", "Secret"), "other", &BTreeMap::new()),
+        Target::Unrelated
+    );
+    assert_eq!(
+        classify(
+            &p,
+            &GroupKind::new("", "ConfigMap"),
+            &format!("{R}-admin-kubeconfig"),
+            &BTreeMap::new()
+        ),
+        Target::Unrelated
+    );
+    assert_eq!(
+        classify(
+            &p,
+            &GroupKind::new("cluster.x-k8s.io", "Machine"),
+            "m",
+            &BTreeMap::new()
+        ),
+        Target::Unrelated
+    );
 }
 
 // ---- DELETE of the parent ----
@@ -312,9 +495,17 @@ fn parent_delete_is_allowed_when_in_custody() {
 #[test]
 fn parent_delete_is_allowed_when_done_even_without_custody() {
     let kind = hr();
-    let v = decide_parent_delete(&profile(), subject(&kind, R), &facts().no_custody().phase("Released").build());
+    let v = decide_parent_delete(
+        &profile(),
+        subject(&kind, R),
+        &facts().no_custody().phase("Released").build(),
+    );
     assert_allowed(&v, "done");
-    let v = decide_parent_delete(&profile(), subject(&kind, R), &facts().no_custody().overridden().build());
+    let v = decide_parent_delete(
+        &profile(),
+        subject(&kind, R),
+        &facts().no_custody().overridden().build(),
+    );
     assert_allowed(&v, "done");
 }
 
@@ -333,7 +524,10 @@ fn parent_delete_is_refused_before_custody() {
 fn any_dependent_delete_is_allowed_with_a_warning_when_the_parent_is_absent() {
     for t in [csi(), child(), guarded()] {
         match delete(&t, "x", None) {
-            Verdict::Allow { reason: "parent-absent", warnings } => {
+            Verdict::Allow {
+                reason: "parent-absent",
+                warnings,
+            } => {
                 assert_eq!(warnings.len(), 1);
                 assert!(warnings[0].contains(R), "{warnings:?}");
             }
@@ -346,18 +540,40 @@ fn any_dependent_delete_is_allowed_with_a_warning_when_the_parent_is_absent() {
 
 #[test]
 fn csi_release_delete_is_allowed_once_released() {
-    assert_allowed(&delete(&csi(), "kubernetes-prod-csi", Some(facts().deleting().phase("Released").build())), "done");
+    assert_allowed(
+        &delete(
+            &csi(),
+            "kubernetes-prod-csi",
+            Some(facts().deleting().phase("Released").build()),
+        ),
+        "done",
+    );
 }
 
 #[test]
 fn csi_release_delete_is_allowed_once_an_override_is_stamped() {
-    assert_allowed(&delete(&csi(), "kubernetes-prod-csi", Some(facts().deleting().overridden().build())), "done");
+    assert_allowed(
+        &delete(
+            &csi(),
+            "kubernetes-prod-csi",
+            Some(facts().deleting().overridden().build()),
+        ),
+        "done",
+    );
 }
 
 #[test]
 fn csi_release_delete_is_refused_while_volumes_remain() {
-    let f = facts().deleting().phase("Blocked").ann("message", "driver stopped").ann("volumes", &inventory(3, 2)).build();
-    let msg = assert_denied(&delete(&csi(), "kubernetes-prod-csi", Some(f)), "csi-release-held");
+    let f = facts()
+        .deleting()
+        .phase("Blocked")
+        .ann("message", "driver stopped")
+        .ann("volumes", &inventory(3, 2))
+        .build();
+    let msg = assert_denied(
+        &delete(&csi(), "kubernetes-prod-csi", Some(f)),
+        "csi-release-held",
+    );
     for want in [
         "tenant kubernetes-prod",
         "tenant-acme",
@@ -372,68 +588,143 @@ fn csi_release_delete_is_refused_while_volumes_remain() {
 
 #[test]
 fn csi_release_delete_is_refused_outside_teardown_too() {
-    let msg = assert_denied(&delete(&csi(), "kubernetes-prod-csi", Some(facts().build())), "csi-release-held");
+    let msg = assert_denied(
+        &delete(&csi(), "kubernetes-prod-csi", Some(facts().build())),
+        "csi-release-held",
+    );
     assert!(msg.contains("volumes not inventoried yet"), "{msg}");
 }
 
 #[test]
 fn an_unstamped_override_does_not_release_the_csi_release() {
     let f = facts().deleting().ann("override", "please").build();
-    assert_denied(&delete(&csi(), "kubernetes-prod-csi", Some(f)), "csi-release-held");
+    assert_denied(
+        &delete(&csi(), "kubernetes-prod-csi", Some(f)),
+        "csi-release-held",
+    );
 }
 
 #[test]
 fn a_garbled_phase_does_not_release_the_csi_release() {
     let f = facts().deleting().phase("released").build();
-    assert_denied(&delete(&csi(), "kubernetes-prod-csi", Some(f)), "csi-release-held");
+    assert_denied(
+        &delete(&csi(), "kubernetes-prod-csi", Some(f)),
+        "csi-release-held",
+    );
 }
 
 // ---- other children ----
 
 #[test]
 fn child_delete_is_refused_during_teardown_until_done() {
-    assert_denied(&delete(&child(), "kubernetes-prod-cilium", Some(facts().deleting().build())), "teardown-held");
-    assert_denied(&delete(&child(), "kubernetes-prod-cilium", Some(facts().namespace_deleting().build())), "teardown-held");
+    assert_denied(
+        &delete(
+            &child(),
+            "kubernetes-prod-cilium",
+            Some(facts().deleting().build()),
+        ),
+        "teardown-held",
+    );
+    assert_denied(
+        &delete(
+            &child(),
+            "kubernetes-prod-cilium",
+            Some(facts().namespace_deleting().build()),
+        ),
+        "teardown-held",
+    );
 }
 
 #[test]
 fn child_delete_is_allowed_during_teardown_once_done() {
-    assert_allowed(&delete(&child(), "kubernetes-prod-cilium", Some(facts().deleting().phase("Released").build())), "done");
+    assert_allowed(
+        &delete(
+            &child(),
+            "kubernetes-prod-cilium",
+            Some(facts().deleting().phase("Released").build()),
+        ),
+        "done",
+    );
 }
 
 #[test]
 fn child_delete_is_allowed_outside_teardown_so_addons_can_be_toggled() {
-    assert_allowed(&delete(&child(), "kubernetes-prod-ingress-nginx", Some(facts().build())), "not-in-teardown");
+    assert_allowed(
+        &delete(
+            &child(),
+            "kubernetes-prod-ingress-nginx",
+            Some(facts().build()),
+        ),
+        "not-in-teardown",
+    );
 }
 
 #[test]
 fn child_delete_is_never_allowed_on_an_unread_namespace() {
-    let v = delete(&child(), "kubernetes-prod-cilium", Some(facts().namespace_unread().build()));
-    assert!(matches!(v, Verdict::Deny { reason: "cannot-judge", .. }), "{v:?}");
+    let v = delete(
+        &child(),
+        "kubernetes-prod-cilium",
+        Some(facts().namespace_unread().build()),
+    );
+    assert!(
+        matches!(
+            v,
+            Verdict::Deny {
+                reason: "cannot-judge",
+                ..
+            }
+        ),
+        "{v:?}"
+    );
 }
 
 // ---- guarded dependencies ----
 
 #[test]
 fn guarded_delete_is_refused_during_teardown_until_done() {
-    let msg = assert_denied(&delete(&guarded(), R, Some(facts().deleting().phase("Releasing").build())), "teardown-held");
+    let msg = assert_denied(
+        &delete(
+            &guarded(),
+            R,
+            Some(facts().deleting().phase("Releasing").build()),
+        ),
+        "teardown-held",
+    );
     assert!(msg.contains("the tenant's API server"), "{msg}");
-    assert_denied(&delete(&guarded(), R, Some(facts().namespace_deleting().build())), "teardown-held");
+    assert_denied(
+        &delete(&guarded(), R, Some(facts().namespace_deleting().build())),
+        "teardown-held",
+    );
 }
 
 #[test]
 fn guarded_delete_is_allowed_outside_teardown_or_once_done() {
-    assert_allowed(&delete(&guarded(), R, Some(facts().build())), "not-in-teardown");
-    assert_allowed(&delete(&guarded(), R, Some(facts().deleting().overridden().build())), "done");
+    assert_allowed(
+        &delete(&guarded(), R, Some(facts().build())),
+        "not-in-teardown",
+    );
+    assert_allowed(
+        &delete(&guarded(), R, Some(facts().deleting().overridden().build())),
+        "done",
+    );
 }
 
 #[test]
 fn namespace_is_read_only_when_it_could_lead_to_an_allow() {
     let unread = facts().namespace_unread();
     assert!(needs_namespace(&child(), &unread.build()));
-    assert!(!needs_namespace(&child(), &facts().namespace_unread().deleting().build()));
-    assert!(!needs_namespace(&guarded(), &facts().namespace_unread().phase("Released").build()));
-    assert!(!needs_namespace(&csi(), &facts().namespace_unread().build()));
+    assert!(!needs_namespace(
+        &child(),
+        &facts().namespace_unread().deleting().build()
+    ));
+    assert!(!needs_namespace(
+        &guarded(),
+        &facts().namespace_unread().phase("Released").build()
+    ));
+    assert!(!needs_namespace(
+        &csi(),
+        &facts().namespace_unread().build()
+    ));
 }
 
 // ---- UPDATE/CREATE guards ----
@@ -443,22 +734,38 @@ fn meta(l: BTreeMap<String, String>) -> ObjectMetaView {
         namespace: NS.into(),
         name: R.into(),
         labels: l,
-        finalizers: vec!["finalizers.fluxcd.io".into(), "volumes.cozystack.io/release".into()],
+        finalizers: vec![
+            "finalizers.fluxcd.io".into(),
+            "volumes.cozystack.io/release".into(),
+        ],
         ..Default::default()
     }
 }
 
 fn with_ann(mut m: ObjectMetaView, key: &str, value: &str) -> ObjectMetaView {
-    m.annotations.insert(format!("volumes.cozystack.io/{key}"), value.into());
+    m.annotations
+        .insert(format!("volumes.cozystack.io/{key}"), value.into());
     m
 }
 
 fn user(name: &str) -> Requester<'_> {
-    Requester { username: name, is_worker: name == WORKER }
+    Requester {
+        username: name,
+        is_worker: name == WORKER,
+    }
 }
 
 fn guard(old: &ObjectMetaView, new: &ObjectMetaView, who: &str) -> UpdateVerdict {
-    guard_update(&profile(), &keys(), Change { old: Some(old), new }, user(who), now())
+    guard_update(
+        &profile(),
+        &keys(),
+        Change {
+            old: Some(old),
+            new,
+        },
+        user(who),
+        now(),
+    )
 }
 
 fn assert_guard_denied(v: UpdateVerdict, reason: &str) -> String {
@@ -475,14 +782,26 @@ fn record_keys_change_only_for_the_worker() {
         let new = with_ann(old.clone(), key, "Released");
         let msg = assert_guard_denied(guard(&old, &new, "alice"), "record-forged");
         assert!(msg.contains(key) && msg.contains("alice"), "{msg}");
-        assert_eq!(guard(&old, &new, WORKER), UpdateVerdict::Final(Verdict::allow("guards-passed")));
+        assert_eq!(
+            guard(&old, &new, WORKER),
+            UpdateVerdict::Final(Verdict::allow("guards-passed"))
+        );
     }
 }
 
 #[test]
 fn a_record_forged_at_create_is_refused() {
     let new = with_ann(meta(parent_labels()), "phase", "Released");
-    let v = guard_update(&profile(), &keys(), Change { old: None, new: &new }, user("alice"), now());
+    let v = guard_update(
+        &profile(),
+        &keys(),
+        Change {
+            old: None,
+            new: &new,
+        },
+        user("alice"),
+        now(),
+    );
     assert_guard_denied(v, "record-forged");
 }
 
@@ -490,10 +809,21 @@ fn a_record_forged_at_create_is_refused() {
 fn custody_finalizer_is_removed_only_by_the_worker() {
     let old = meta(parent_labels());
     let mut new = old.clone();
-    new.finalizers.retain(|f| f != "volumes.cozystack.io/release");
-    let msg = assert_guard_denied(guard(&old, &new, "system:serviceaccount:flux-system:helm-controller"), "custody-finalizer-removed");
+    new.finalizers
+        .retain(|f| f != "volumes.cozystack.io/release");
+    let msg = assert_guard_denied(
+        guard(
+            &old,
+            &new,
+            "system:serviceaccount:flux-system:helm-controller",
+        ),
+        "custody-finalizer-removed",
+    );
     assert!(msg.contains("kubectl annotate"), "{msg}");
-    assert_eq!(guard(&old, &new, WORKER), UpdateVerdict::Final(Verdict::allow("guards-passed")));
+    assert_eq!(
+        guard(&old, &new, WORKER),
+        UpdateVerdict::Final(Verdict::allow("guards-passed"))
+    );
 }
 
 #[test]
@@ -501,7 +831,10 @@ fn other_finalizers_may_be_removed_by_anyone() {
     let old = meta(parent_labels());
     let mut new = old.clone();
     new.finalizers.retain(|f| f != "finalizers.fluxcd.io");
-    assert_eq!(guard(&old, &new, "helm-controller"), UpdateVerdict::Final(Verdict::allow("guards-passed")));
+    assert_eq!(
+        guard(&old, &new, "helm-controller"),
+        UpdateVerdict::Final(Verdict::allow("guards-passed"))
+    );
 }
 
 #[test]
@@ -515,30 +848,60 @@ fn removing_the_tenant_labels_is_refused() {
 fn updates_to_non_parents_pass() {
     let old = meta(child_labels());
     let new = with_ann(old.clone(), "phase", "Released");
-    assert_eq!(guard(&old, &new, "alice"), UpdateVerdict::Final(Verdict::allow("not-a-parent")));
+    assert_eq!(
+        guard(&old, &new, "alice"),
+        UpdateVerdict::Final(Verdict::allow("not-a-parent"))
+    );
 }
 
 #[test]
 fn a_stamped_override_needs_the_override_permission() {
     let old = meta(parent_labels());
-    let new = with_ann(with_ann(with_ann(old.clone(), "override", "abandoned"), "override-by", "alice"), "override-at", "2026-12-02T10:00:00Z");
+    let new = with_ann(
+        with_ann(
+            with_ann(old.clone(), "override", "abandoned"),
+            "override-by",
+            "alice",
+        ),
+        "override-at",
+        "2026-12-02T10:00:00Z",
+    );
     assert_eq!(
         guard(&old, &new, "alice"),
-        UpdateVerdict::NeedsOverridePermission { namespace: NS.into(), tenant: R.into() }
+        UpdateVerdict::NeedsOverridePermission {
+            namespace: NS.into(),
+            tenant: R.into()
+        }
     );
 }
 
 #[test]
 fn an_override_without_reason_is_refused() {
     let old = meta(parent_labels());
-    let new = with_ann(with_ann(with_ann(old.clone(), "override", "  "), "override-by", "alice"), "override-at", "2026-12-02T10:00:00Z");
+    let new = with_ann(
+        with_ann(
+            with_ann(old.clone(), "override", "  "),
+            "override-by",
+            "alice",
+        ),
+        "override-at",
+        "2026-12-02T10:00:00Z",
+    );
     assert_guard_denied(guard(&old, &new, "alice"), "override-without-reason");
 }
 
 #[test]
 fn an_override_stamped_for_someone_else_is_refused() {
     let old = meta(parent_labels());
-    let new = with_ann(with_ann(with_ann(old.clone(), "override", "x"), "override-by", "root"), "override-at", "2026-12-02T10:00:00Z");
+    let new = with_ann(
+        with_ann(
+            with_ann(old.clone(), "override", "x"),
+            "override-by",
+            "root",
+        ),
+        "override-at",
+        "2026-12-02T10:00:00Z",
+    );
     assert_guard_denied(guard(&old, &new, "alice"), "stamp-forged");
 }
 
@@ -546,7 +909,15 @@ fn an_override_stamped_for_someone_else_is_refused() {
 fn an_override_with_a_stale_or_garbled_stamp_time_is_refused() {
     let old = meta(parent_labels());
     for at in ["2020-01-01T00:00:00Z", "yesterday", ""] {
-        let new = with_ann(with_ann(with_ann(old.clone(), "override", "x"), "override-by", "alice"), "override-at", at);
+        let new = with_ann(
+            with_ann(
+                with_ann(old.clone(), "override", "x"),
+                "override-by",
+                "alice",
+            ),
+            "override-at",
+            at,
+        );
         assert_guard_denied(guard(&old, &new, "alice"), "stamp-forged");
     }
 }
@@ -573,9 +944,23 @@ fn forged_stamps_without_an_override_change_are_refused() {
 
 #[test]
 fn withdrawing_an_override_needs_the_permission_and_its_stamps_removed() {
-    let old = with_ann(with_ann(with_ann(meta(parent_labels()), "override", "x"), "override-by", "alice"), "override-at", "2026-12-02T09:00:00Z");
+    let old = with_ann(
+        with_ann(
+            with_ann(meta(parent_labels()), "override", "x"),
+            "override-by",
+            "alice",
+        ),
+        "override-at",
+        "2026-12-02T09:00:00Z",
+    );
     let clean = meta(parent_labels());
-    assert_eq!(guard(&old, &clean, "bob"), UpdateVerdict::NeedsOverridePermission { namespace: NS.into(), tenant: R.into() });
+    assert_eq!(
+        guard(&old, &clean, "bob"),
+        UpdateVerdict::NeedsOverridePermission {
+            namespace: NS.into(),
+            tenant: R.into()
+        }
+    );
     let stale = with_ann(meta(parent_labels()), "override-by", "alice");
     assert_guard_denied(guard(&old, &stale, "bob"), "stamp-forged");
 }
@@ -584,15 +969,24 @@ fn withdrawing_an_override_needs_the_permission_and_its_stamps_removed() {
 fn unrelated_annotation_changes_pass() {
     let old = meta(parent_labels());
     let mut new = old.clone();
-    new.annotations.insert("reconcile.fluxcd.io/requestedAt".into(), "now".into());
-    assert_eq!(guard(&old, &new, "alice"), UpdateVerdict::Final(Verdict::allow("guards-passed")));
+    new.annotations
+        .insert("reconcile.fluxcd.io/requestedAt".into(), "now".into());
+    assert_eq!(
+        guard(&old, &new, "alice"),
+        UpdateVerdict::Final(Verdict::allow("guards-passed"))
+    );
 }
 
 #[test]
 fn override_refusal_names_the_permission_to_grant() {
     let v = override_refused(&profile(), "bob", NS, R, "");
     let msg = assert_denied(&v, "override-unauthorized");
-    assert!(msg.contains("\"override\"") && msg.contains("\"tenants\"") && msg.contains("volumes.cozystack.io"), "{msg}");
+    assert!(
+        msg.contains("\"override\"")
+            && msg.contains("\"tenants\"")
+            && msg.contains("volumes.cozystack.io"),
+        "{msg}"
+    );
 }
 
 // ---- mutations ----
@@ -605,9 +999,15 @@ fn mutations(old: Option<&ObjectMetaView>, new: &ObjectMetaView, who: &str) -> V
 fn custody_finalizer_is_added_to_a_new_parent() {
     let mut new = meta(parent_labels());
     new.finalizers.clear();
-    assert_eq!(mutations(None, &new, "flux"), vec![Mutation::AddFinalizer { create_list: true }]);
+    assert_eq!(
+        mutations(None, &new, "flux"),
+        vec![Mutation::AddFinalizer { create_list: true }]
+    );
     new.finalizers.push("finalizers.fluxcd.io".into());
-    assert_eq!(mutations(Some(&new.clone()), &new, "flux"), vec![Mutation::AddFinalizer { create_list: false }]);
+    assert_eq!(
+        mutations(Some(&new.clone()), &new, "flux"),
+        vec![Mutation::AddFinalizer { create_list: false }]
+    );
 }
 
 #[test]
@@ -622,7 +1022,8 @@ fn custody_finalizer_is_not_added_once_deletion_began() {
 fn a_removed_custody_finalizer_is_left_for_the_guard_to_refuse() {
     let old = meta(parent_labels());
     let mut new = old.clone();
-    new.finalizers.retain(|f| f != "volumes.cozystack.io/release");
+    new.finalizers
+        .retain(|f| f != "volumes.cozystack.io/release");
     assert!(mutations(Some(&old), &new, "mallory").is_empty());
 }
 
@@ -636,10 +1037,17 @@ fn children_are_not_mutated() {
 #[test]
 fn an_override_is_stamped_with_the_requester_and_time() {
     let old = meta(parent_labels());
-    let new = with_ann(with_ann(old.clone(), "override", "abandoned"), "override-by", "forged");
+    let new = with_ann(
+        with_ann(old.clone(), "override", "abandoned"),
+        "override-by",
+        "forged",
+    );
     assert_eq!(
         mutations(Some(&old), &new, "alice"),
-        vec![Mutation::Stamp { by: "alice".into(), at: "2026-12-02T10:00:00Z".into() }]
+        vec![Mutation::Stamp {
+            by: "alice".into(),
+            at: "2026-12-02T10:00:00Z".into()
+        }]
     );
 }
 
@@ -651,13 +1059,38 @@ fn an_override_set_while_the_parent_labels_go_is_stamped_and_accepted_from_the_w
     let new = with_ann(meta(BTreeMap::new()), "override", "abandoned");
     let worker = WORKER;
     let ms = mutations(Some(&old), &new, worker);
-    assert_eq!(ms, vec![Mutation::Stamp { by: worker.into(), at: "2026-12-02T10:00:00Z".into() }]);
+    assert_eq!(
+        ms,
+        vec![Mutation::Stamp {
+            by: worker.into(),
+            at: "2026-12-02T10:00:00Z".into()
+        }]
+    );
     let mut doc = serde_json::json!({"metadata": {"annotations": new.annotations}});
     json_patch::patch(&mut doc, &to_json_patch(&profile(), &keys(), &ms)).unwrap();
-    let patched: BTreeMap<String, String> = serde_json::from_value(doc["metadata"]["annotations"].clone()).unwrap();
-    let after = ObjectMetaView { annotations: patched, ..new };
-    let v = guard_update(&profile(), &keys(), Change { old: Some(&old), new: &after }, user(worker), now());
-    assert_eq!(v, UpdateVerdict::NeedsOverridePermission { namespace: NS.into(), tenant: R.into() });
+    let patched: BTreeMap<String, String> =
+        serde_json::from_value(doc["metadata"]["annotations"].clone()).unwrap();
+    let after = ObjectMetaView {
+        annotations: patched,
+        ..new
+    };
+    let v = guard_update(
+        &profile(),
+        &keys(),
+        Change {
+            old: Some(&old),
+            new: &after,
+        },
+        user(worker),
+        now(),
+    );
+    assert_eq!(
+        v,
+        UpdateVerdict::NeedsOverridePermission {
+            namespace: NS.into(),
+            tenant: R.into()
+        }
+    );
 }
 
 #[test]
@@ -671,11 +1104,17 @@ fn a_release_that_stops_being_a_parent_gets_no_custody_finalizer() {
 
 #[test]
 fn a_withdrawn_override_loses_its_stamps() {
-    let old = with_ann(with_ann(meta(parent_labels()), "override", "x"), "override-by", "alice");
+    let old = with_ann(
+        with_ann(meta(parent_labels()), "override", "x"),
+        "override-by",
+        "alice",
+    );
     let new = with_ann(meta(parent_labels()), "override-by", "alice");
     assert_eq!(
         mutations(Some(&old), &new, "bob"),
-        vec![Mutation::Unstamp { keys: vec!["volumes.cozystack.io/override-by".into()] }]
+        vec![Mutation::Unstamp {
+            keys: vec!["volumes.cozystack.io/override-by".into()]
+        }]
     );
 }
 
@@ -686,72 +1125,164 @@ fn mutation_then_guard_accepts_an_honest_override() {
     let patch = to_json_patch(&profile(), &keys(), &mutations(Some(&old), &new, "alice"));
     let mut doc = serde_json::json!({"metadata": {"annotations": new.annotations, "finalizers": new.finalizers}});
     json_patch::patch(&mut doc, &patch).unwrap();
-    let patched: BTreeMap<String, String> = serde_json::from_value(doc["metadata"]["annotations"].clone()).unwrap();
-    let after = ObjectMetaView { annotations: patched, ..new };
-    assert_eq!(guard(&old, &after, "alice"), UpdateVerdict::NeedsOverridePermission { namespace: NS.into(), tenant: R.into() });
+    let patched: BTreeMap<String, String> =
+        serde_json::from_value(doc["metadata"]["annotations"].clone()).unwrap();
+    let after = ObjectMetaView {
+        annotations: patched,
+        ..new
+    };
+    assert_eq!(
+        guard(&old, &after, "alice"),
+        UpdateVerdict::NeedsOverridePermission {
+            namespace: NS.into(),
+            tenant: R.into()
+        }
+    );
 }
 
 #[test]
 fn json_patch_escapes_annotation_keys_and_appends_finalizers() {
     let ms = vec![
         Mutation::AddFinalizer { create_list: false },
-        Mutation::Stamp { by: "a".into(), at: "t".into() },
+        Mutation::Stamp {
+            by: "a".into(),
+            at: "t".into(),
+        },
     ];
     let text = serde_json::to_string(&to_json_patch(&profile(), &keys(), &ms)).unwrap();
-    assert!(text.contains(r#""path":"/metadata/finalizers/-""#), "{text}");
-    assert!(text.contains(r#""path":"/metadata/annotations/volumes.cozystack.io~1override-by""#), "{text}");
+    assert!(
+        text.contains(r#""path":"/metadata/finalizers/-""#),
+        "{text}"
+    );
+    assert!(
+        text.contains(r#""path":"/metadata/annotations/volumes.cozystack.io~1override-by""#),
+        "{text}"
+    );
     let mut doc = serde_json::json!({"metadata": {"finalizers": ["f"], "annotations": {"volumes.cozystack.io/override": "x"}}});
     json_patch::patch(&mut doc, &to_json_patch(&profile(), &keys(), &ms)).unwrap();
-    assert_eq!(doc["metadata"]["finalizers"][1], "volumes.cozystack.io/release");
-    assert_eq!(doc["metadata"]["annotations"]["volumes.cozystack.io/override-by"], "a");
+    assert_eq!(
+        doc["metadata"]["finalizers"][1],
+        "volumes.cozystack.io/release"
+    );
+    assert_eq!(
+        doc["metadata"]["annotations"]["volumes.cozystack.io/override-by"],
+        "a"
+    );
 }
 
 #[test]
 fn json_patch_creates_the_finalizer_list_when_absent() {
-    let patch = to_json_patch(&profile(), &keys(), &[Mutation::AddFinalizer { create_list: true }]);
+    let patch = to_json_patch(
+        &profile(),
+        &keys(),
+        &[Mutation::AddFinalizer { create_list: true }],
+    );
     let mut doc = serde_json::json!({"metadata": {}});
     json_patch::patch(&mut doc, &patch).unwrap();
-    assert_eq!(doc["metadata"]["finalizers"], serde_json::json!(["volumes.cozystack.io/release"]));
+    assert_eq!(
+        doc["metadata"]["finalizers"],
+        serde_json::json!(["volumes.cozystack.io/release"])
+    );
 }
 
 // ---- objects of the parent release ----
 
 fn helm_owned(release: &str, namespace: &str) -> BTreeMap<String, String> {
-    labels(&[("meta.helm.sh/release-name", release), ("meta.helm.sh/release-namespace", namespace)])
+    labels(&[
+        ("meta.helm.sh/release-name", release),
+        ("meta.helm.sh/release-namespace", namespace),
+    ])
 }
 
 #[test]
 fn an_object_of_the_parent_release_is_known_by_helms_annotations_or_fluxs_labels() {
     let p = profile();
     let none = BTreeMap::new();
-    assert_eq!(release_of(&p, NS, &none, &helm_owned(R, NS)), Some((NS.into(), R.into())));
-    let flux = labels(&[("helm.toolkit.fluxcd.io/name", R), ("helm.toolkit.fluxcd.io/namespace", NS)]);
-    assert_eq!(release_of(&p, NS, &flux, &none), Some((NS.into(), R.into())));
+    assert_eq!(
+        release_of(&p, NS, &none, &helm_owned(R, NS)),
+        Some((NS.into(), R.into()))
+    );
+    let flux = labels(&[
+        ("helm.toolkit.fluxcd.io/name", R),
+        ("helm.toolkit.fluxcd.io/namespace", NS),
+    ]);
+    assert_eq!(
+        release_of(&p, NS, &flux, &none),
+        Some((NS.into(), R.into()))
+    );
     // A cluster-scoped object (ClusterRole, ClusterRoleBinding) names its release's namespace.
-    assert_eq!(release_of(&p, "", &none, &helm_owned(R, NS)), Some((NS.into(), R.into())));
-    assert_eq!(release_of(&p, "", &none, &labels(&[("meta.helm.sh/release-name", R)])), None, "no namespace, no release");
+    assert_eq!(
+        release_of(&p, "", &none, &helm_owned(R, NS)),
+        Some((NS.into(), R.into()))
+    );
+    assert_eq!(
+        release_of(&p, "", &none, &labels(&[("meta.helm.sh/release-name", R)])),
+        None,
+        "no namespace, no release"
+    );
     // A namespaced object belongs to a release of its own namespace only.
-    assert_eq!(release_of(&p, "tenant-mallory", &none, &helm_owned(R, NS)), Some(("tenant-mallory".into(), R.into())));
+    assert_eq!(
+        release_of(&p, "tenant-mallory", &none, &helm_owned(R, NS)),
+        Some(("tenant-mallory".into(), R.into()))
+    );
     assert_eq!(release_of(&p, NS, &none, &none), None);
 }
 
 #[test]
 fn a_release_object_is_judged_for_its_release_unless_another_identity_stands_for_that_tenant() {
     let owned = Some((NS.to_string(), R.to_string()));
-    let ro = Target::ReleaseObject { tenant: R.into(), namespace: NS.into() };
-    assert_eq!(with_release_identity(vec![], NS, owned.clone()), vec![ro.clone()]);
-    assert_eq!(with_release_identity(vec![child()], NS, owned.clone()), vec![child()], "a child of R is already held for R");
+    let ro = Target::ReleaseObject {
+        tenant: R.into(),
+        namespace: NS.into(),
+    };
+    assert_eq!(
+        with_release_identity(vec![], NS, owned.clone()),
+        vec![ro.clone()]
+    );
+    assert_eq!(
+        with_release_identity(vec![child()], NS, owned.clone()),
+        vec![child()],
+        "a child of R is already held for R"
+    );
     assert_eq!(with_release_identity(vec![], "", owned.clone()), vec![ro]);
-    let other = Target::Child { tenant: "kubernetes-other".into() };
-    assert_eq!(with_release_identity(vec![other.clone()], NS, owned).len(), 2);
+    let other = Target::Child {
+        tenant: "kubernetes-other".into(),
+    };
+    assert_eq!(
+        with_release_identity(vec![other.clone()], NS, owned).len(),
+        2
+    );
 }
 
 #[test]
 fn a_release_object_is_held_during_teardown_only() {
-    let ro = Target::ReleaseObject { tenant: R.into(), namespace: NS.into() };
-    let m = assert_denied(&delete(&ro, "kubernetes-prod-kcsi", Some(facts().deleting().build())), "teardown-held");
-    assert!(m.contains("parent release") && m.contains("kubectl annotate"), "{m}");
-    assert_allowed(&delete(&ro, "kubernetes-prod-kcsi", Some(facts().build())), "not-in-teardown");
-    assert_allowed(&delete(&ro, "kubernetes-prod-kcsi", Some(facts().deleting().phase("Released").build())), "done");
+    let ro = Target::ReleaseObject {
+        tenant: R.into(),
+        namespace: NS.into(),
+    };
+    let m = assert_denied(
+        &delete(
+            &ro,
+            "kubernetes-prod-kcsi",
+            Some(facts().deleting().build()),
+        ),
+        "teardown-held",
+    );
+    assert!(
+        m.contains("parent release") && m.contains("kubectl annotate"),
+        "{m}"
+    );
+    assert_allowed(
+        &delete(&ro, "kubernetes-prod-kcsi", Some(facts().build())),
+        "not-in-teardown",
+    );
+    assert_allowed(
+        &delete(
+            &ro,
+            "kubernetes-prod-kcsi",
+            Some(facts().deleting().phase("Released").build()),
+        ),
+        "done",
+    );
     assert!(needs_namespace(&ro, &facts().namespace_unread().build()));
 }

@@ -42,13 +42,21 @@ pub enum UpdateVerdict {
 }
 
 fn annotation<'a>(meta: Option<&'a ObjectMetaView>, key: &str) -> Option<&'a str> {
-    meta.and_then(|m| m.annotations.get(key)).map(String::as_str)
+    meta.and_then(|m| m.annotations.get(key))
+        .map(String::as_str)
 }
 
 /// Validating guards for CREATE/UPDATE of a parent release (`docs/design.md` §4).
-pub fn guard_update(profile: &Profile, keys: &Keys, change: Change<'_>, who: Requester<'_>, now: jiff::Timestamp) -> UpdateVerdict {
+pub fn guard_update(
+    profile: &Profile,
+    keys: &Keys,
+    change: Change<'_>,
+    who: Requester<'_>,
+    now: jiff::Timestamp,
+) -> UpdateVerdict {
     let Change { old, new } = change;
-    let is_parent = profile.is_parent(&new.labels) || old.is_some_and(|o| profile.is_parent(&o.labels));
+    let is_parent =
+        profile.is_parent(&new.labels) || old.is_some_and(|o| profile.is_parent(&o.labels));
     if !is_parent {
         return UpdateVerdict::Final(Verdict::allow("not-a-parent"));
     }
@@ -73,7 +81,10 @@ pub fn guard_update(profile: &Profile, keys: &Keys, change: Change<'_>, who: Req
     }
     // Custody is a stated intent; hiding a parent behind other labels would
     // end it silently.
-    if old.is_some_and(|o| profile.is_parent(&o.labels)) && !profile.is_parent(&new.labels) && !who.is_worker {
+    if old.is_some_and(|o| profile.is_parent(&o.labels))
+        && !profile.is_parent(&new.labels)
+        && !who.is_worker
+    {
         return UpdateVerdict::Final(forbid(
             "parent-labels-removed",
             format!(
@@ -84,7 +95,11 @@ pub fn guard_update(profile: &Profile, keys: &Keys, change: Change<'_>, who: Req
             ),
         ));
     }
-    let worker_keys: Vec<&str> = keys.worker_owned().into_iter().filter(|k| changed(k)).collect();
+    let worker_keys: Vec<&str> = keys
+        .worker_owned()
+        .into_iter()
+        .filter(|k| changed(k))
+        .collect();
     if !worker_keys.is_empty() && !who.is_worker {
         return UpdateVerdict::Final(forbid(
             "record-forged",
@@ -114,7 +129,10 @@ pub fn guard_update(profile: &Profile, keys: &Keys, change: Change<'_>, who: Req
     match annotation(Some(new), &keys.override_reason) {
         Some(reason) if reason.trim().is_empty() => UpdateVerdict::Final(forbid(
             "override-without-reason",
-            format!("the override on {}/{tenant} needs a reason: say why these volumes may be abandoned", new.namespace),
+            format!(
+                "the override on {}/{tenant} needs a reason: say why these volumes may be abandoned",
+                new.namespace
+            ),
         )),
         Some(_) => {
             let by = annotation(Some(new), &keys.override_by);
@@ -132,25 +150,48 @@ pub fn guard_update(profile: &Profile, keys: &Keys, change: Change<'_>, who: Req
                     ),
                 ));
             }
-            UpdateVerdict::NeedsOverridePermission { namespace: new.namespace.clone(), tenant: tenant.to_string() }
+            UpdateVerdict::NeedsOverridePermission {
+                namespace: new.namespace.clone(),
+                tenant: tenant.to_string(),
+            }
         }
         None => {
             // Withdrawing an override is as much a decision as recording one.
-            if keys.stamped().into_iter().any(|k| annotation(Some(new), k).is_some()) {
+            if keys
+                .stamped()
+                .into_iter()
+                .any(|k| annotation(Some(new), k).is_some())
+            {
                 return UpdateVerdict::Final(forbid(
                     "stamp-forged",
-                    format!("the override on {}/{tenant} was removed but its stamps were not", new.namespace),
+                    format!(
+                        "the override on {}/{tenant} was removed but its stamps were not",
+                        new.namespace
+                    ),
                 ));
             }
-            UpdateVerdict::NeedsOverridePermission { namespace: new.namespace.clone(), tenant: tenant.to_string() }
+            UpdateVerdict::NeedsOverridePermission {
+                namespace: new.namespace.clone(),
+                tenant: tenant.to_string(),
+            }
         }
     }
 }
 
 /// The message when the SubjectAccessReview refuses an override.
-pub fn override_refused(profile: &Profile, username: &str, namespace: &str, tenant: &str, why: &str) -> Verdict {
+pub fn override_refused(
+    profile: &Profile,
+    username: &str,
+    namespace: &str,
+    tenant: &str,
+    why: &str,
+) -> Verdict {
     let p = &profile.override_permission;
-    let why = if why.is_empty() { String::new() } else { format!(" ({why})") };
+    let why = if why.is_empty() {
+        String::new()
+    } else {
+        format!(" ({why})")
+    };
     forbid(
         "override-unauthorized",
         format!(
@@ -176,7 +217,13 @@ pub enum Mutation {
 }
 
 /// Mutations for CREATE/UPDATE of a release (`docs/design.md` §2, §3).
-pub fn mutate(profile: &Profile, keys: &Keys, change: Change<'_>, who: Requester<'_>, now: jiff::Timestamp) -> Vec<Mutation> {
+pub fn mutate(
+    profile: &Profile,
+    keys: &Keys,
+    change: Change<'_>,
+    who: Requester<'_>,
+    now: jiff::Timestamp,
+) -> Vec<Mutation> {
     let Change { old, new } = change;
     // The same test as `guard_update`: a write that removes the parent
     // labels is still judged (and stamped) as a write to a parent, or the
@@ -190,8 +237,14 @@ pub fn mutate(profile: &Profile, keys: &Keys, change: Change<'_>, who: Requester
     // a parent after the write. A removal is not quietly undone here: the
     // validating guard refuses it, loudly.
     let removal = old.is_some_and(|o| o.finalizers.contains(&profile.custody_finalizer));
-    if parent_now && !new.deleting && !removal && !new.finalizers.contains(&profile.custody_finalizer) {
-        out.push(Mutation::AddFinalizer { create_list: new.finalizers.is_empty() });
+    if parent_now
+        && !new.deleting
+        && !removal
+        && !new.finalizers.contains(&profile.custody_finalizer)
+    {
+        out.push(Mutation::AddFinalizer {
+            create_list: new.finalizers.is_empty(),
+        });
     }
     if annotation(old, &keys.override_reason) != annotation(Some(new), &keys.override_reason) {
         if annotation(Some(new), &keys.override_reason).is_some() {
@@ -200,8 +253,12 @@ pub fn mutate(profile: &Profile, keys: &Keys, change: Change<'_>, who: Requester
                 at: crate::record::rfc3339(now),
             });
         } else {
-            let present: Vec<String> =
-                keys.stamped().into_iter().filter(|k| new.annotations.contains_key(*k)).map(str::to_string).collect();
+            let present: Vec<String> = keys
+                .stamped()
+                .into_iter()
+                .filter(|k| new.annotations.contains_key(*k))
+                .map(str::to_string)
+                .collect();
             if !present.is_empty() {
                 out.push(Mutation::Unstamp { keys: present });
             }
@@ -212,29 +269,41 @@ pub fn mutate(profile: &Profile, keys: &Keys, change: Change<'_>, who: Requester
 
 /// Renders mutations as RFC 6902 operations.
 pub fn to_json_patch(profile: &Profile, keys: &Keys, mutations: &[Mutation]) -> json_patch::Patch {
-    use json_patch::{AddOperation, PatchOperation, RemoveOperation};
     use json_patch::jsonptr::PointerBuf;
+    use json_patch::{AddOperation, PatchOperation, RemoveOperation};
     use serde_json::{Value, json};
     let annotation_path = |key: &str| PointerBuf::from_tokens(["metadata", "annotations", key]);
     let mut ops = Vec::new();
     for m in mutations {
         match m {
-            Mutation::AddFinalizer { create_list: true } => ops.push(PatchOperation::Add(AddOperation {
-                path: PointerBuf::from_tokens(["metadata", "finalizers"]),
-                value: json!([profile.custody_finalizer]),
-            })),
-            Mutation::AddFinalizer { create_list: false } => ops.push(PatchOperation::Add(AddOperation {
-                path: PointerBuf::from_tokens(["metadata", "finalizers", "-"]),
-                value: Value::String(profile.custody_finalizer.clone()),
-            })),
+            Mutation::AddFinalizer { create_list: true } => {
+                ops.push(PatchOperation::Add(AddOperation {
+                    path: PointerBuf::from_tokens(["metadata", "finalizers"]),
+                    value: json!([profile.custody_finalizer]),
+                }))
+            }
+            Mutation::AddFinalizer { create_list: false } => {
+                ops.push(PatchOperation::Add(AddOperation {
+                    path: PointerBuf::from_tokens(["metadata", "finalizers", "-"]),
+                    value: Value::String(profile.custody_finalizer.clone()),
+                }))
+            }
             Mutation::Stamp { by, at } => {
                 // The override annotation exists, so the map does too.
-                ops.push(PatchOperation::Add(AddOperation { path: annotation_path(&keys.override_by), value: json!(by) }));
-                ops.push(PatchOperation::Add(AddOperation { path: annotation_path(&keys.override_at), value: json!(at) }));
+                ops.push(PatchOperation::Add(AddOperation {
+                    path: annotation_path(&keys.override_by),
+                    value: json!(by),
+                }));
+                ops.push(PatchOperation::Add(AddOperation {
+                    path: annotation_path(&keys.override_at),
+                    value: json!(at),
+                }));
             }
             Mutation::Unstamp { keys } => {
                 for k in keys {
-                    ops.push(PatchOperation::Remove(RemoveOperation { path: annotation_path(k) }));
+                    ops.push(PatchOperation::Remove(RemoveOperation {
+                        path: annotation_path(k),
+                    }));
                 }
             }
         }

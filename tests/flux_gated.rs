@@ -1,0 +1,144 @@
+//! volume-gate on the real control plane with the real Flux helm-controller:
+//! tenants installed from a tenant chart in the shape of Cozystack's
+//! `kubernetes` application and torn down by its real pre-delete hook (a
+//! shell Job run by the simulator's management node), retried by Flux's own
+//! backoff. helm-controller here waits at least `MIN_RETRY_DELAY` (10
+//! minutes) before retrying a failed uninstall, so a teardown that ends
+//! within a few minutes was resumed by the worker's retry request.
+
+mod common;
+
+use std::time::Duration;
+
+use common::flux::ready_condition;
+use common::history::Seen;
+use common::tenant::Tenant;
+use kube::api::DynamicObject;
+use volume_gate::record::Phase;
+
+/// The hook's lines in the simulator's log for tenant `t` (the Job is
+/// `R-pre-cleanup`).
+fn hook_lines(sim: &common::sim::Simulator, t: &Tenant) -> Vec<String> {
+    let job = format!(" {}/{}-pre-cleanup ", t.namespace, t.name);
+    sim.log()
+        .lines()
+        .filter(|l| l.contains(" job ") && l.contains(&job))
+        .map(str::to_string)
+        .collect()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_real_flux_the_gate_fails_the_hook_until_the_volumes_are_freed_and_the_retry_request_finishes_the_teardown()
+ {
+    let env = common::gated_on_flux();
+    let flux = common::flux::flux(env.cp).await;
+    let t = Tenant::create_on_flux(env.cp, flux, &env.cp.unique("real")).await;
+    t.wait_custody().await;
+    t.incident_workload().await;
+    assert_eq!(
+        env.sim.volumes_of(&t.namespace, &t.name).len(),
+        4,
+        "one disk per claim"
+    );
+
+    // A driver that frees slowly: stopped until the hook has failed once.
+    t.set_driver(&env.sim, false).await;
+    t.delete_parent().await;
+
+    // While the phase runs the gate holds: the hook's step 3 is refused,
+    // the hook fails, and helm-controller records the failed uninstall
+    // (what an operator sees in `kubectl get hr`).
+    let (_, _, message) = t
+        .history
+        .next_matching(
+            "the parent UninstallFailed",
+            Duration::from_secs(120),
+            |s| match s {
+                Seen::Parent(p) => ready_condition(p)
+                    .filter(|(status, reason, _)| status == "False" && reason == "UninstallFailed"),
+                Seen::Gone => None,
+            },
+        )
+        .await;
+    // Helm v4: "... failed early due to stalled resources: [Job/N/R-pre-cleanup status: 'Failed']".
+    assert!(
+        message.contains(&format!("Job/{}/{}-pre-cleanup", t.namespace, t.name))
+            && message.contains("Failed"),
+        "Flux names the failed hook: {message}"
+    );
+    let hook = hook_lines(&env.sim, &t);
+    assert!(
+        hook.iter()
+            .any(|l| l.contains("denied the request") && l.contains("volume-gate")),
+        "the hook's output carries the gate's refusal:\n{}",
+        hook.join("\n")
+    );
+    assert!(
+        hook.iter().any(|l| l.contains("exit 1 (Failed)")),
+        "the refused run failed:\n{}",
+        hook.join("\n")
+    );
+
+    t.set_driver(&env.sim, true).await;
+    t.wait_parent_gone(Duration::from_secs(300)).await;
+    let left = env.sim.volumes_of(&t.namespace, &t.name);
+    assert!(
+        left.is_empty(),
+        "volumes left on storage after the teardown on real Flux: {left:?}\nsimulator log:\n{}",
+        env.sim.log()
+    );
+
+    // The hook ran twice: refused at step 3 with the gate's message, then,
+    // after Released, to the end.
+    let hook = hook_lines(&env.sim, &t);
+    let runs = hook.iter().filter(|l| l.contains(" running ")).count();
+    assert!(
+        runs >= 2,
+        "the hook ran again after the refusal:\n{}",
+        hook.join("\n")
+    );
+    assert!(
+        hook.last()
+            .is_some_and(|l| l.contains("exit 0 (Succeeded)")),
+        "the last run succeeded:\n{}",
+        hook.join("\n")
+    );
+    assert!(
+        hook.iter()
+            .any(|l| l.contains("Cleanup completed successfully")),
+        "{}",
+        hook.join("\n")
+    );
+
+    // What resumed it: the write that recorded Released asked for a retry,
+    // and nothing before it did.
+    let versions: Vec<_> = t
+        .history
+        .all()
+        .into_iter()
+        .filter_map(|s| match s {
+            Seen::Parent(p) => Some(p),
+            Seen::Gone => None,
+        })
+        .collect();
+    let request = |p: &DynamicObject| {
+        p.metadata
+            .annotations
+            .as_ref()
+            .and_then(|a| a.get("reconcile.fluxcd.io/requestedAt").cloned())
+    };
+    let released = versions
+        .iter()
+        .position(|p| {
+            Seen::Parent(p.clone()).record().and_then(|r| r.phase) == Some(Phase::Released)
+        })
+        .expect("a Released version");
+    assert!(
+        request(&versions[released]).is_some(),
+        "the Released write carries reconcile.fluxcd.io/requestedAt"
+    );
+    assert!(
+        versions[..released].iter().all(|p| request(p).is_none()),
+        "no retry request before Released"
+    );
+}
