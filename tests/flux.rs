@@ -326,3 +326,55 @@ async fn a_refused_delete_fails_the_uninstall_and_a_reconcile_request_retries_it
         "the retried uninstall removed the chart's objects"
     );
 }
+
+/// The seed's incident on real Flux, with no gate: the tenant chart's real
+/// pre-delete hook suspends and deletes the child releases (the CSI driver
+/// among them) before anyone deleted a claim, then the control plane, and
+/// every volume stays on storage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_gate_the_real_teardown_leaks_every_volume() {
+    let env = common::ungated_on_flux();
+    let flux = common::flux::flux(env.cp).await;
+    let t = common::tenant::Tenant::create_on_flux(env.cp, flux, &env.cp.unique("leak")).await;
+    t.incident_workload().await;
+    let before = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(
+        before.len(),
+        4,
+        "the driver provisioned one disk per claim: {before:?}"
+    );
+
+    t.delete_parent().await;
+    t.wait_parent_gone(Duration::from_secs(180)).await;
+
+    let after = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(
+        after, before,
+        "THE INCIDENT, on real Flux: the hook took the CSI driver away before the claims, so every volume stayed"
+    );
+    let log = env.sim.log();
+    let job = format!(" {}/{}-pre-cleanup ", t.namespace, t.name);
+    let hook: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains(" job ") && l.contains(&job))
+        .collect();
+    assert_eq!(
+        hook.iter().filter(|l| l.contains(" running ")).count(),
+        1,
+        "one run of the hook did it:\n{}",
+        hook.join("\n")
+    );
+    assert!(
+        hook.iter()
+            .any(|l| l.contains("Cleanup completed successfully")),
+        "{}",
+        hook.join("\n")
+    );
+    assert!(
+        log.contains(&format!(
+            "{}/{} stopped tenant API server",
+            t.namespace, t.name
+        )),
+        "the tenant API went with its control plane"
+    );
+}

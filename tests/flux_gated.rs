@@ -142,3 +142,50 @@ async fn on_real_flux_the_gate_fails_the_hook_until_the_volumes_are_freed_and_th
         "no retry request before Released"
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn on_real_flux_deleting_the_tenant_namespace_frees_every_volume() {
+    let env = common::gated_on_flux();
+    let flux = common::flux::flux(env.cp).await;
+    let t = Tenant::create_on_flux(env.cp, flux, &env.cp.unique("realns")).await;
+    t.wait_custody().await;
+    t.incident_workload().await;
+    assert_eq!(
+        env.sim.volumes_of(&t.namespace, &t.name).len(),
+        4,
+        "one disk per claim"
+    );
+
+    let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> =
+        kube::Api::all(t.management.clone());
+    namespaces
+        .delete(&t.namespace, &Default::default())
+        .await
+        .expect("delete the tenant namespace");
+    t.wait_phase(Phase::Released, Duration::from_secs(180))
+        .await;
+    common::wait::eventually("tenant namespace gone", Duration::from_secs(240), || {
+        let namespaces = namespaces.clone();
+        let ns = t.namespace.clone();
+        async move {
+            match namespaces.get_opt(&ns).await.map_err(|e| e.to_string())? {
+                None => Ok(()),
+                Some(n) => Err(format!(
+                    "terminating: {:?}",
+                    n.status
+                        .and_then(|s| s.conditions)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|c| c.message.clone().unwrap_or_default())
+                        .collect::<Vec<_>>()
+                )),
+            }
+        }
+    })
+    .await;
+    let left = env.sim.volumes_of(&t.namespace, &t.name);
+    assert!(
+        left.is_empty(),
+        "volumes left after deleting the namespace on real Flux: {left:?}"
+    );
+}
