@@ -141,6 +141,19 @@ async fn on_real_flux_the_gate_fails_the_hook_until_the_volumes_are_freed_and_th
         versions[..released].iter().all(|p| request(p).is_none()),
         "no retry request before Released"
     );
+    // And ends custody: helm-controller patches finalizers from the version
+    // it read, so a custody finalizer still on the version it acts on would
+    // be put back, refused on an object being deleted, and cost a backoff.
+    let finalizers = versions[released]
+        .metadata
+        .finalizers
+        .clone()
+        .unwrap_or_default();
+    assert_eq!(
+        finalizers,
+        [common::flux::FLUX_FINALIZER],
+        "custody ends in the Released write"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -105,22 +105,64 @@ impl Context {
         Api::namespaced_with(self.client.clone(), namespace, &self.parent_resource)
     }
 
-    /// Writes worker-owned record keys with a merge patch that names only
-    /// them: other annotations, and anything a person set, stay untouched.
-    /// An outcome that ends the phase (`Released`, `Overridden`) also asks
-    /// the parent's controller to reconcile now, in the same write.
+    /// Writes worker-owned record keys with a patch that names only them:
+    /// other annotations, and anything a person set, stay untouched. An
+    /// outcome that ends the phase (`Released`, `Overridden`) also asks the
+    /// parent's controller to reconcile now and ends custody, in the same
+    /// write (`custody::outcome_patch`).
     pub async fn write_record(&self, t: &TenantRef, update: &Update) -> Result<(), kube::Error> {
         let mut annotations = update.annotations(&self.keys);
-        let request = &self.profile.parent.reconcile_request_annotation;
-        if matches!(update.phase, Some(Phase::Released | Phase::Overridden)) && !request.is_empty()
-        {
-            annotations.insert(request.clone(), serde_json::Value::String(now_rfc3339()));
+        if matches!(update.phase, Some(Phase::Released | Phase::Overridden)) {
+            let request = &self.profile.parent.reconcile_request_annotation;
+            if !request.is_empty() {
+                annotations.insert(request.clone(), serde_json::Value::String(now_rfc3339()));
+            }
+            if let Some(done) = self.write_outcome(t, &annotations).await? {
+                return Ok(done);
+            }
         }
         let patch = serde_json::json!({"metadata": {"annotations": annotations}});
         self.parent_api(&t.namespace)
             .patch_metadata(&t.name, &PatchParams::default(), &Patch::Merge(&patch))
             .await?;
         Ok(())
+    }
+
+    /// Writes an outcome and ends custody in one JSON Patch, built on a
+    /// fresh read and retried when the parent changed under it (the patch's
+    /// `test` fails). `None` when the parent was not found: the caller's
+    /// plain write reports that.
+    async fn write_outcome(
+        &self,
+        t: &TenantRef,
+        annotations: &serde_json::Map<String, serde_json::Value>,
+    ) -> Result<Option<()>, kube::Error> {
+        let api = self.parent_api(&t.namespace);
+        let mut attempt = 0;
+        loop {
+            let Some(parent) = api.get_metadata_opt(&t.name).await? else {
+                return Ok(None);
+            };
+            let patch = custody::outcome_patch(
+                parent.finalizers(),
+                &self.profile.custody_finalizer,
+                !parent.annotations().is_empty(),
+                annotations,
+            );
+            match api
+                .patch_metadata(&t.name, &PatchParams::default(), &Patch::<()>::Json(patch))
+                .await
+            {
+                Ok(_) => {
+                    info!(tenant = %t, "outcome recorded; custody ended in the same write");
+                    return Ok(Some(()));
+                }
+                Err(kube::Error::Api(s)) if (s.code == 422 || s.code == 409) && attempt < 3 => {
+                    attempt += 1;
+                }
+                Err(e) => return Err(e),
+            }
+        }
     }
 
     /// The parent's record, read now, if a release pass should run on it:

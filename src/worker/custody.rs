@@ -56,6 +56,37 @@ pub fn remove_finalizer_patch(finalizers: &[String], finalizer: &str) -> Option<
     ]))
 }
 
+/// One JSON Patch that records an outcome that ends the phase and ends
+/// custody with it: each of `annotations` set (or the whole map, when the
+/// parent has no annotations at all) and `finalizer` removed by index under
+/// a `test`, when it is there. One write, so no version of the parent ever
+/// asks its controller to reconcile while still carrying the finalizer: a
+/// controller that patches finalizers from the version it read (Flux's
+/// helm-controller does, with a merge patch) would otherwise put it back,
+/// which the API server refuses on an object being deleted.
+pub fn outcome_patch(
+    finalizers: &[String],
+    finalizer: &str,
+    has_annotations: bool,
+    annotations: &serde_json::Map<String, serde_json::Value>,
+) -> Patch {
+    let mut ops = remove_finalizer_patch(finalizers, finalizer).map_or_else(Vec::new, |p| p.0);
+    if has_annotations {
+        ops.extend(annotations.iter().map(|(k, v)| {
+            PatchOperation::Add(AddOperation {
+                path: PointerBuf::from_tokens(["metadata", "annotations", k.as_str()]),
+                value: v.clone(),
+            })
+        }));
+    } else {
+        ops.push(PatchOperation::Add(AddOperation {
+            path: PointerBuf::from_tokens(["metadata", "annotations"]),
+            value: serde_json::Value::Object(annotations.clone()),
+        }));
+    }
+    Patch(ops)
+}
+
 /// Every parent release (metadata), in one namespace or all.
 pub async fn list_parents(
     client: &kube::Client,

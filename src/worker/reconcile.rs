@@ -115,8 +115,11 @@ pub async fn reconcile(
                 ctx.event(&t, true, "Overridden", message).await;
                 ctx.observe_outcome(&t, "overridden");
                 ctx.retries.lock().expect("lock").remove(&t);
+            } else {
+                // Recorded before; custody ends here (the write that
+                // records an outcome ends it too).
+                ctx.end_custody(&t, parent.finalizers()).await?;
             }
-            ctx.end_custody(&t, parent.finalizers()).await?;
             Ok(Action::await_change())
         }
         Next::RetryIn(delay) => Ok(Action::requeue(delay)),
@@ -208,7 +211,7 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
                     ctx.event(&t, false, "Released", message).await;
                     ctx.observe_outcome(&t, "released");
                     ctx.retries.lock().expect("lock").remove(&t);
-                    // Custody ends in the reconcile this write triggers.
+                    // Custody ended in the same write.
                     Ok(())
                 }
                 Err(e) => Err(e),
@@ -463,7 +466,7 @@ mod tests {
         let p = parent(
             true,
             true,
-            &[CUSTODY],
+            &["finalizers.fluxcd.io", CUSTODY],
             json!({
                 "volumes.cozystack.io/phase": "Blocked",
                 "volumes.cozystack.io/override": "tenant abandoned",
@@ -471,35 +474,71 @@ mod tests {
                 "volumes.cozystack.io/override-at": "2026-01-01T00:00:00Z",
             }),
         );
+        w.api.get(PARENT, p.clone());
         w.api.on("PATCH", PARENT, 200, p.clone());
         reconcile(meta(&p), w.ctx.clone()).await.unwrap();
         let sent = patches(&w.api);
-        assert_eq!(sent.len(), 2, "{sent:?}");
-        assert_eq!(sent[0].0, "application/merge-patch+json");
-        let ann = &sent[0].1["metadata"]["annotations"];
-        assert_eq!(ann["volumes.cozystack.io/phase"], "Overridden");
+        assert_eq!(
+            sent.len(),
+            1,
+            "one write records the outcome and ends custody: {sent:?}"
+        );
+        assert_eq!(sent[0].0, "application/json-patch+json");
+        let ops = sent[0].1.as_array().expect("a JSON Patch");
+        assert_eq!(
+            ops[..2],
+            [
+                json!({"op": "test", "path": "/metadata/finalizers/1", "value": CUSTODY}),
+                json!({"op": "remove", "path": "/metadata/finalizers/1"})
+            ],
+            "custody ends by index under a test, Flux's finalizer untouched"
+        );
+        let set = |key: &str| {
+            let path = format!("/metadata/annotations/{}", key.replace('/', "~1"));
+            ops.iter()
+                .find(|o| o["op"] == "add" && o["path"] == path.as_str())
+                .map(|o| o["value"].clone())
+        };
+        assert_eq!(set("volumes.cozystack.io/phase"), Some(json!("Overridden")));
+        let message = set("volumes.cozystack.io/message").expect("a message");
         assert!(
-            ann["volumes.cozystack.io/message"]
+            message
                 .as_str()
                 .unwrap()
                 .starts_with("override by alice (tenant abandoned)"),
-            "{ann}"
-        );
-        assert!(
-            ann.get("volumes.cozystack.io/override").is_none(),
-            "the person's keys are not rewritten: {ann}"
-        );
-        assert!(
-            ann["reconcile.fluxcd.io/requestedAt"].is_string(),
-            "Flux is asked to retry in the same write: {ann}"
+            "{message}"
         );
         assert_eq!(
-            sent[1].1[1],
-            json!({"op": "remove", "path": "/metadata/finalizers/0"})
+            set("volumes.cozystack.io/override"),
+            None,
+            "the person's keys are not rewritten: {ops:?}"
+        );
+        assert!(
+            set("reconcile.fluxcd.io/requestedAt").is_some_and(|v| v.is_string()),
+            "Flux is asked to retry in the same write: {ops:?}"
         );
         assert_eq!(
             event_reasons(&w.api),
             [("Warning".to_string(), "Overridden".to_string())]
+        );
+    }
+
+    #[test]
+    fn an_outcome_on_a_parent_without_annotations_sets_the_whole_map_and_leaves_a_missing_finalizer_alone()
+     {
+        let annotations = serde_json::Map::from_iter([(
+            "volumes.cozystack.io/phase".to_string(),
+            json!("Released"),
+        )]);
+        let patch = crate::worker::custody::outcome_patch(
+            &["finalizers.fluxcd.io".into()],
+            CUSTODY,
+            false,
+            &annotations,
+        );
+        assert_eq!(
+            serde_json::to_value(&patch).unwrap(),
+            json!([{"op": "add", "path": "/metadata/annotations", "value": {"volumes.cozystack.io/phase": "Released"}}])
         );
     }
 

@@ -768,6 +768,39 @@ impl Tenant {
         .await;
     }
 
+    /// Makes this tenant's simulated driver slow: it frees a released
+    /// volume `delay` (a Go duration, "20s") after it sees it released.
+    /// Returns once the simulator has seen it.
+    pub async fn set_free_after(&self, sim: &super::sim::Simulator, delay: &str) {
+        let needle = format!("{}/{} free-after ", self.namespace, self.name);
+        let before = sim.log().matches(&needle).count();
+        let patch =
+            json!({"metadata": {"annotations": {"harness.volume-gate.test/free-after": delay}}});
+        self.hr_api()
+            .patch(
+                &format!("{}-csi", self.name),
+                &kube::api::PatchParams::default(),
+                &kube::api::Patch::Merge(&patch),
+            )
+            .await
+            .expect("annotate the CSI release");
+        eventually(
+            &format!("simulator saw: {needle}"),
+            Duration::from_secs(20),
+            || {
+                let n = sim.log().matches(&needle).count();
+                async move {
+                    if n > before {
+                        Ok(())
+                    } else {
+                        Err(format!("{n} times"))
+                    }
+                }
+            },
+        )
+        .await;
+    }
+
     /// The parent's raw record annotations.
     pub async fn volumes_annotation(&self) -> Option<String> {
         self.parent()

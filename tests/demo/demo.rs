@@ -2,16 +2,20 @@
 //!
 //! Starts a real management cluster and a tenant cluster (kube-apiserver,
 //! kube-controller-manager, kube-scheduler, etcd), installs volume-gate from
-//! `manifests/`, runs the simulator (storage, CSI driver, kubelet, Flux and
-//! the tenant's pre-delete hook), creates a tenant with volumes in use,
-//! deletes it, and shows the gate holding the teardown until every volume is
-//! freed. Everything it starts stops when it exits.
+//! `manifests/`, runs the simulator (storage, CSI driver, kubelet, and the
+//! management node that runs Jobs) and Flux's real helm-controller, installs
+//! a tenant from the tenant chart with volumes in use, deletes it, and shows
+//! the gate holding the teardown (the hook refused, Flux's `UninstallFailed`)
+//! until every volume is freed, and the worker's retry request ending it.
+//! Everything it starts stops when it exits.
 
 #[path = "../common/mod.rs"]
 mod common;
 
 use std::time::{Duration, Instant};
 
+use common::flux::ready_condition;
+use common::history::Seen;
 use common::tenant::Tenant;
 use volume_gate::record::Phase;
 
@@ -41,7 +45,7 @@ async fn main() {
     let started = Instant::now();
     step(
         1,
-        "Starting a local control plane (building the harness on first use; a cold build takes minutes)",
+        "Starting a local control plane (building the harness and helm-controller on first use; a cold build takes minutes)",
     );
     let cp = common::cluster::control_plane();
     println!(
@@ -51,22 +55,28 @@ async fn main() {
 
     step(
         2,
-        "Installing volume-gate from manifests/ (RBAC, ServiceAccounts, webhook configurations) and the simulator",
+        "Installing volume-gate from manifests/, the simulator, and Flux's real helm-controller",
     );
-    let env = tokio::task::spawn_blocking(common::gated)
+    let env = tokio::task::spawn_blocking(common::gated_on_flux)
         .await
         .expect("install");
+    let flux = common::flux::flux(cp).await;
     println!(
-        "    webhook on https://127.0.0.1:{}, worker leading; logs in {}",
+        "    webhook on https://127.0.0.1:{}, worker leading; helm-controller {}; logs in {}",
         env.gate.as_ref().unwrap().lock().unwrap().webhook_port,
+        if flux.process.alive() {
+            "running"
+        } else {
+            "NOT running"
+        },
         cp.state.join("logs").display()
     );
 
     step(
         3,
-        "Creating tenant kubernetes-demo: a Pod with two claims, a Pod with one, a StatefulSet",
+        "Installing tenant kubernetes-demo from the tenant chart (through Flux), then a Pod with two claims, a Pod with one, a StatefulSet",
     );
-    let t = Tenant::create(cp, "demo").await;
+    let t = Tenant::create_on_flux(cp, flux, "demo").await;
     t.wait_custody().await;
     println!(
         "    custody taken: finalizer volumes.cozystack.io/release on {}/{}",
@@ -74,47 +84,78 @@ async fn main() {
     );
     t.incident_workload().await;
     let before = ledger(&env.sim, &t);
+    // A disk backend that takes its time, so the hold is there to see.
+    t.set_free_after(&env.sim, "20s").await;
+    println!(
+        "    the simulated driver frees each volume 20s after its claim goes (a slow storage backend)"
+    );
 
     step(
         4,
-        "Deleting the tenant (its parent HelmRelease), as Cozystack does",
+        "Deleting the tenant (its parent HelmRelease), as Cozystack does; what `kubectl get hr` and the record say",
     );
     t.delete_parent().await;
-    let mut last = String::new();
-    let deadline = Instant::now() + Duration::from_secs(300);
-    while t.parent().await.is_some() {
-        let r = t.record().await;
+    let (mut phase, mut flux_says) = (String::new(), String::new());
+    loop {
+        let seen = t
+            .history
+            .next_matching(
+                "the next version of the parent",
+                Duration::from_secs(300),
+                |s| Some(s.clone()),
+            )
+            .await;
+        let Seen::Parent(p) = &seen else { break };
+        let r = seen.record().unwrap_or_default();
         let now = format!(
             "{} {}",
             r.phase.map_or("NotStarted", Phase::as_str),
             r.message.unwrap_or_default()
         );
-        if now != last {
-            println!("    record: phase {now}");
-            last = now;
+        if now != phase {
+            println!("    record:     phase {now}");
+            phase = now;
         }
-        assert!(
-            Instant::now() < deadline,
-            "teardown did not finish in 5 minutes; see {}",
-            cp.state.join("logs").display()
-        );
-        tokio::time::sleep(Duration::from_millis(250)).await;
+        if let Some((status, reason, message)) = ready_condition(p) {
+            let now = format!("Ready={status} {reason}: {message}");
+            if now != flux_says {
+                println!(
+                    "    helm-controller: {}",
+                    now.chars().take(220).collect::<String>()
+                );
+                flux_says = now;
+            }
+        }
     }
     println!("    parent release gone: the teardown finished");
 
     step(
         5,
-        "What the gate held back while the volumes were released (from the simulated Flux hook)",
+        "The pre-delete hook (a real Job, run by Flux's Helm): refused while the volumes were held, then to the end",
     );
+    let job = format!(" {}/{}-pre-cleanup ", t.namespace, t.name);
     for line in env
         .sim
         .log()
         .lines()
-        .filter(|l| l.contains(&t.name) && (l.contains("hook") || l.contains("flux")))
-        .take(12)
+        .filter(|l| l.contains(" job ") && l.contains(&job))
     {
-        let short: String = line.chars().take(200).collect();
-        println!("    {short}");
+        if [
+            " running ",
+            " exited ",
+            "denied the request",
+            "Step 3",
+            "Cleanup completed",
+        ]
+        .iter()
+        .any(|k| line.contains(k))
+        {
+            // `TIME job N/JOB ACTION pod P: TEXT` -> `ACTION: TEXT`
+            let action = line.split_whitespace().nth(3).unwrap_or("");
+            let text = line.split_once(": ").map_or(line, |(_, t)| t);
+            let short: String = format!("{action}: {text}").chars().take(300).collect();
+            println!("    {short}");
+        }
     }
 
     step(6, "The storage ledger afterwards");

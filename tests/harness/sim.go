@@ -58,6 +58,10 @@ const (
 	annHarnessCluster = "harness.volume-gate.test/cluster"
 	// annDriverStopped on R-csi ("stopped") stops that tenant's driver.
 	annDriverStopped = "harness.volume-gate.test/driver"
+	// annFreeAfter on R-csi (a duration, "2m") makes that tenant's driver
+	// slow: it frees a released volume no sooner than that after it saw it
+	// released, as a slow storage backend does.
+	annFreeAfter = "harness.volume-gate.test/free-after"
 )
 
 var (

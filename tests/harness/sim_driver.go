@@ -56,12 +56,15 @@ type driver struct {
 	// identityProblem is the last reason the controller's identity could
 	// not free a volume, logged once. Owned by the worker goroutine.
 	identityProblem string
+	// releasedAt is when this driver first saw each PV ready to be freed,
+	// for a slow driver (annFreeAfter). Owned by the worker goroutine.
+	releasedAt map[types.UID]time.Time
 }
 
 func (d *driver) setSnapshotter(sn *snapshotter) { d.snap.Store(sn) }
 
 func newDriver(t *tenant, cs kubernetes.Interface, dyn dynamic.Interface) *driver {
-	return &driver{t: t, name: t.s.cfg.driver, cs: cs, dyn: dyn, store: t.s.store, deleted: map[types.UID]bool{}}
+	return &driver{t: t, name: t.s.cfg.driver, cs: cs, dyn: dyn, store: t.s.store, deleted: map[types.UID]bool{}, releasedAt: map[types.UID]time.Time{}}
 }
 
 func newItemQueue(name string) workqueue.TypedRateLimitingInterface[string] {
@@ -274,6 +277,10 @@ func (d *driver) syncVolume(ctx context.Context, name string) error {
 		if !released {
 			return nil
 		}
+		if wait := d.slowness(pv); wait > 0 {
+			d.q.AddAfter("pv/"+pv.Name, wait)
+			return nil
+		}
 		if ok, why := d.t.kcsiAllowed(ctx); !ok {
 			if why != d.identityProblem {
 				d.identityProblem = why
@@ -316,6 +323,22 @@ func (d *driver) syncVolume(ctx context.Context, name string) error {
 		}
 	}
 	return nil
+}
+
+// slowness is how much longer a slow driver (annFreeAfter on R-csi) takes
+// before it frees pv: the delay counts from when it first saw pv released.
+func (d *driver) slowness(pv *corev1.PersistentVolume) time.Duration {
+	delay := d.t.freeAfter()
+	if delay <= 0 {
+		return 0
+	}
+	first, ok := d.releasedAt[pv.UID]
+	if !ok {
+		first = time.Now()
+		d.releasedAt[pv.UID] = first
+		d.t.logf("driver", "slow", "pv=%s handle=%s freed no sooner than %s from now (%s)", pv.Name, pv.Spec.CSI.VolumeHandle, delay, annFreeAfter)
+	}
+	return time.Until(first.Add(delay))
 }
 
 // dropFinalizer removes the provisioner's finalizer from pv (as cached; a

@@ -41,6 +41,8 @@ type tenant struct {
 
 	// kcsi is the CSI controller's identity in the management cluster.
 	kcsi kcsiIdentity
+	// freeAfterSeen is the driver's slowness last logged.
+	freeAfterSeen time.Duration
 }
 
 func newTenant(s *sim, ns, name string) *tenant {
@@ -101,6 +103,10 @@ func (t *tenant) reconcile(ctx context.Context) {
 	}
 	t.apiUp = up
 
+	if d := t.freeAfter(); d != t.freeAfterSeen {
+		t.freeAfterSeen = d
+		t.logf("driver", "free-after", "%s: the driver frees a released volume %s after it sees it released", annFreeAfter, d)
+	}
 	csiOK, csiWhy := t.csiRelease()
 	driverWhy := csiWhy
 	if !up {
@@ -153,6 +159,24 @@ func (t *tenant) csiRelease() (bool, string) {
 		return false, fmt.Sprintf("driver stopped (annotation %s on HelmRelease %s)", annDriverStopped, name)
 	}
 	return true, ""
+}
+
+// freeAfter is how long this tenant's driver takes to free a released
+// volume: annFreeAfter on R-csi, 0 when absent or not a duration.
+func (t *tenant) freeAfter() time.Duration {
+	hr, ok, _ := t.s.hrs.get(t.ns, t.name+prof.csiSuffix)
+	if !ok {
+		return 0
+	}
+	v := hr.GetAnnotations()[annFreeAfter]
+	if v == "" {
+		return 0
+	}
+	d, err := time.ParseDuration(v)
+	if err != nil || d < 0 {
+		return 0
+	}
+	return d
 }
 
 // probe connects to the tenant API (once per outage, from the admin
