@@ -15,7 +15,7 @@ use tokio::sync::Semaphore;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::{Settings, TenantRef, custody, identity, tenant};
+use super::{Settings, TenantRef, custody, identity, next, tenant};
 use crate::metrics::{Metrics, OutcomeLabels, PhaseLabels};
 use crate::profile::Profile;
 use crate::record::{Keys, Phase, Record, Update, now_rfc3339, one_line, shorten};
@@ -46,6 +46,8 @@ pub struct Context {
     pub(crate) retries: Mutex<HashMap<TenantRef, Retry>>,
     /// Attempts to bind a tenant's cluster (see `bind_cluster`).
     binds: Mutex<HashMap<TenantRef, u32>>,
+    /// Retry requests made after each tenant's outcome (`request_retry`).
+    requests_made: Mutex<HashMap<TenantRef, u32>>,
     /// When each tenant's phase started, for its duration.
     pub(crate) phase_started: Mutex<HashMap<TenantRef, Instant>>,
     /// Reconciles a tenant when its phase task ends.
@@ -86,6 +88,7 @@ impl Context {
             running: Mutex::new(HashMap::new()),
             retries: Mutex::new(HashMap::new()),
             binds: Mutex::new(HashMap::new()),
+            requests_made: Mutex::new(HashMap::new()),
             phase_started: Mutex::new(HashMap::new()),
             trigger: p.trigger,
         }
@@ -163,6 +166,61 @@ impl Context {
                 Err(e) => return Err(e),
             }
         }
+    }
+
+    /// What the retry requests on a parent look like, for `next`: `None`
+    /// when the profile makes none.
+    pub(crate) fn requests(
+        &self,
+        t: &TenantRef,
+        annotations: &std::collections::BTreeMap<String, String>,
+    ) -> Option<next::Requests> {
+        let key = &self.profile.parent.reconcile_request_annotation;
+        if key.is_empty() {
+            return None;
+        }
+        let since_last = annotations
+            .get(key)
+            .and_then(|v| v.parse::<jiff::Timestamp>().ok())
+            .map(|at| {
+                let secs = (jiff::Timestamp::now().as_millisecond() - at.as_millisecond()).max(0);
+                std::time::Duration::from_millis(secs as u64)
+            });
+        let made = self
+            .requests_made
+            .lock()
+            .expect("lock")
+            .get(t)
+            .copied()
+            .unwrap_or(0);
+        Some(next::Requests {
+            since_last,
+            made,
+            wait: self.settings.backoff(made + 1),
+        })
+    }
+
+    /// Asks the parent's controller to retry its uninstall once more
+    /// (`reconcile.fluxcd.io/requestedAt`, as `flux reconcile` writes it) and
+    /// returns how many such requests this worker has made for it.
+    pub(crate) async fn request_retry(&self, t: &TenantRef) -> Result<u32, kube::Error> {
+        let key = &self.profile.parent.reconcile_request_annotation;
+        let patch = serde_json::json!({"metadata": {"annotations": {key.as_str(): now_rfc3339()}}});
+        self.parent_api(&t.namespace)
+            .patch_metadata(&t.name, &PatchParams::default(), &Patch::Merge(&patch))
+            .await?;
+        let made = {
+            let mut all = self.requests_made.lock().expect("lock");
+            // Forget tenants whose parent is gone.
+            all.retain(|other, _| {
+                other == t || self.parents.get(&self.object_ref(other)).is_some()
+            });
+            let n = all.entry(t.clone()).or_insert(0);
+            *n += 1;
+            *n
+        };
+        info!(tenant = %t, request = made, "the parent is still there after its outcome: asked its controller to retry the uninstall");
+        Ok(made)
     }
 
     /// The parent's record, read now, if a release pass should run on it:

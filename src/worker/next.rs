@@ -31,6 +31,22 @@ pub struct Seen<'a> {
     /// Its namespace has a deletionTimestamp.
     pub namespace_deleting: bool,
     pub task: Task,
+    /// Flux retry requests after the outcome: `None` when the profile asks
+    /// for none (a platform without Flux).
+    pub request: Option<Requests>,
+}
+
+/// The retry requests (`reconcile.fluxcd.io/requestedAt`) made for a parent
+/// whose outcome is recorded.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Requests {
+    /// Time since the last request on the parent; `None` when it carries
+    /// none (or one that does not parse).
+    pub since_last: Option<Duration>,
+    /// Requests this worker has made since the outcome (0 after a restart).
+    pub made: u32,
+    /// The delay before request `made + 1`: the worker's retry backoff.
+    pub wait: Duration,
 }
 
 /// The worker's next step for a tenant.
@@ -57,6 +73,11 @@ pub enum Next {
     RetryIn(Duration),
     /// Start a release pass.
     StartPass,
+    /// Done and out of custody, the parent still going: ask its controller
+    /// to retry the uninstall again (the request the outcome made found it
+    /// failing, e.g. a hook that cannot start in a terminating namespace,
+    /// and Flux's own backoff may be 15 minutes by now).
+    RequestRetry,
 }
 
 /// The next step for a tenant.
@@ -71,6 +92,15 @@ pub fn next(seen: Seen<'_>) -> Next {
             (false, bound) => Next::TakeCustody { bind: !bound },
             (true, false) => Next::BindCluster,
             (true, true) => Next::Wait,
+        };
+    }
+    if !seen.in_custody && record.is_done() && seen.deleting {
+        return match seen.request {
+            None => Next::Wait,
+            Some(r) => match r.since_last {
+                Some(since) if since < r.wait => Next::RetryIn(r.wait - since),
+                _ => Next::RequestRetry,
+            },
         };
     }
     if !seen.in_custody {
@@ -161,7 +191,71 @@ mod tests {
             deleting: false,
             namespace_deleting: false,
             task: Task::Idle,
+            request: None,
         }
+    }
+
+    #[test]
+    fn a_parent_still_going_after_its_outcome_gets_a_new_retry_request_after_a_backoff() {
+        let released = record(&[("phase", "Released")]);
+        let going = |request| Seen {
+            in_custody: false,
+            deleting: true,
+            request,
+            ..seen(&released)
+        };
+        let wait = Duration::from_secs(20);
+        let asked = |secs, made| {
+            Some(Requests {
+                since_last: Some(Duration::from_secs(secs)),
+                made,
+                wait,
+            })
+        };
+        assert_eq!(
+            next(going(asked(5, 1))),
+            Next::RetryIn(Duration::from_secs(15))
+        );
+        assert_eq!(next(going(asked(20, 1))), Next::RequestRetry);
+        assert_eq!(
+            next(going(Some(Requests {
+                since_last: None,
+                made: 0,
+                wait
+            }))),
+            Next::RequestRetry,
+            "no request on the parent (or a worker that restarted): ask now"
+        );
+        assert_eq!(
+            next(going(None)),
+            Next::Wait,
+            "a platform without Flux is asked nothing"
+        );
+        // Overridden and out of custody: the same.
+        let overridden = record(&[
+            ("phase", "Overridden"),
+            ("override", "abandoned"),
+            ("override-by", "alice"),
+            ("override-at", "2026-01-01T00:00:00Z"),
+        ]);
+        assert_eq!(
+            next(Seen {
+                in_custody: false,
+                deleting: true,
+                request: asked(30, 2),
+                ..seen(&overridden)
+            }),
+            Next::RequestRetry
+        );
+        // Not deleting (custody handed back on uninstall): nothing.
+        assert_eq!(
+            next(Seen {
+                in_custody: false,
+                request: asked(30, 2),
+                ..seen(&released)
+            }),
+            Next::TakeCustody { bind: true }
+        );
     }
 
     const OVERRIDE: [(&str, &str); 3] = [

@@ -68,6 +68,7 @@ pub async fn reconcile(
         deleting: parent.meta().deletion_timestamp.is_some(),
         namespace_deleting: ctx.namespace_deleting(&t.namespace),
         task: task_state(&ctx, &t),
+        request: ctx.requests(&t, parent.annotations()),
     };
     match next::next(seen) {
         Next::Ignore | Next::Wait | Next::AwaitPass => Ok(Action::await_change()),
@@ -123,6 +124,10 @@ pub async fn reconcile(
             Ok(Action::await_change())
         }
         Next::RetryIn(delay) => Ok(Action::requeue(delay)),
+        Next::RequestRetry => {
+            let made = ctx.request_retry(&t).await?;
+            Ok(Action::requeue(ctx.settings.backoff(made + 1)))
+        }
         Next::StartPass => {
             ctx.phase_started
                 .lock()
@@ -521,6 +526,52 @@ mod tests {
             event_reasons(&w.api),
             [("Warning".to_string(), "Overridden".to_string())]
         );
+    }
+
+    #[tokio::test]
+    async fn a_parent_still_going_after_its_outcome_is_asked_again_with_a_backoff() {
+        let w = world();
+        let p = parent(
+            true,
+            true,
+            &["finalizers.fluxcd.io"],
+            json!({
+                "volumes.cozystack.io/phase": "Released",
+                "reconcile.fluxcd.io/requestedAt": "2026-01-01T00:00:00Z",
+            }),
+        );
+        w.api.on("PATCH", PARENT, 200, p.clone());
+        let action = reconcile(meta(&p), w.ctx.clone()).await.unwrap();
+        let sent = patches(&w.api);
+        assert_eq!(sent.len(), 1, "{sent:?}");
+        assert_eq!(sent[0].0, "application/merge-patch+json");
+        let asked = sent[0].1["metadata"]["annotations"]["reconcile.fluxcd.io/requestedAt"]
+            .as_str()
+            .expect("a request");
+        assert!(asked > "2026-01-01T00:00:00Z", "a new request: {asked}");
+        assert_eq!(
+            sent[0].1["metadata"]["annotations"]
+                .as_object()
+                .unwrap()
+                .len(),
+            1,
+            "nothing else written"
+        );
+        // The next one waits the worker's backoff (retry-base 30s, doubled).
+        assert_eq!(action, Action::requeue(Duration::from_secs(60)));
+        // A request just made: nothing sent, a look again when it is due.
+        let fresh = parent(
+            true,
+            true,
+            &["finalizers.fluxcd.io"],
+            json!({
+                "volumes.cozystack.io/phase": "Released",
+                "reconcile.fluxcd.io/requestedAt": crate::record::now_rfc3339(),
+            }),
+        );
+        let action = reconcile(meta(&fresh), w.ctx.clone()).await.unwrap();
+        assert_eq!(patches(&w.api).len(), 1);
+        assert!(action != Action::await_change(), "{action:?}");
     }
 
     #[test]

@@ -62,6 +62,16 @@ impl Flux {
     /// Installs Flux's real CRDs (replacing the fixture's HelmRelease CRD)
     /// and starts helm-controller with the ExternalArtifact feature gate.
     pub async fn start(cp: &ControlPlane) -> Flux {
+        Self::start_with(cp, MIN_RETRY_DELAY, MAX_RETRY_DELAY).await
+    }
+
+    /// As [`Flux::start`], with these retry delays (helm-controller's own
+    /// defaults are 750ms and 15m).
+    pub async fn start_with(
+        cp: &ControlPlane,
+        min_retry_delay: &str,
+        max_retry_delay: &str,
+    ) -> Flux {
         let dir = flux_dir();
         let client = cp.management_client().await;
         let mut files: Vec<PathBuf> = std::fs::read_dir(dir.join("crds"))
@@ -89,8 +99,8 @@ impl Flux {
             "--events-addr=",
             "--log-encoding=json",
             "--log-level=debug",
-            &format!("--min-retry-delay={MIN_RETRY_DELAY}"),
-            &format!("--max-retry-delay={MAX_RETRY_DELAY}"),
+            &format!("--min-retry-delay={min_retry_delay}"),
+            &format!("--max-retry-delay={max_retry_delay}"),
             &format!("--metrics-addr=127.0.0.1:{}", free_port()),
             &format!("--health-addr=127.0.0.1:{health}"),
         ]);

@@ -143,7 +143,18 @@ impl Tenant {
     /// child releases, and those install into the tenant cluster. Returns
     /// once the parent and R-csi are Ready.
     pub async fn create_on_flux(cp: &ControlPlane, flux: &Flux, app: &str) -> Tenant {
-        let cluster = cp.cluster_up(&cp.unique("t"));
+        Self::create_on_flux_with(cp, flux, app, false).await
+    }
+
+    /// As [`Tenant::create_on_flux`]; `light`: on a light tenant cluster
+    /// (no scheduler: Pods are placed on the simulated node by name).
+    pub async fn create_on_flux_with(
+        cp: &ControlPlane,
+        flux: &Flux,
+        app: &str,
+        light: bool,
+    ) -> Tenant {
+        let cluster = cp.cluster_up_with(&cp.unique(if light { "l" } else { "t" }), light);
         let management = cp.management_client().await;
         let api = client_from(&cluster.kubeconfig).await;
         let namespace = format!("tenant-{app}");

@@ -1,0 +1,179 @@
+//! Benchmark 6: how soon real Flux finishes a teardown once the volumes are
+//! free, with and without the worker's retry request.
+//!
+//!     cargo run --release --example bench-flux-resume -- --phases 10s,2m,8m --reps 3
+//!
+//! The gate is installed as the fixture installs it, the simulator runs the
+//! tenant chart's real pre-delete hook (`--flux=false --run-jobs`), and
+//! Flux's real helm-controller runs with its own default retry delays (750 ms
+//! growing to 15 min). Each tenant is a light tenant cluster installed through
+//! Flux from the tenant chart, with two claims held by a running Pod, and a
+//! driver made slow (`harness.volume-gate.test/free-after` on R-csi) so the
+//! phase lasts about as long as the `--phases` value: the hook is refused and
+//! fails while it runs, and Flux backs off.
+//!
+//! Two rounds, one after the other, with every tenant of a round (each phase
+//! length, `--reps` times) deleted at once:
+//! - **with the request**: the worker as shipped, which writes
+//!   `reconcile.fluxcd.io/requestedAt` with `Released`;
+//! - **without**: the same worker restarted with a profile whose
+//!   `parent.reconcileRequestAnnotation` is empty, so only Flux's backoff
+//!   retries the uninstall.
+//!
+//! Per tenant, from a watch on its parent opened before it was created: the
+//! phase (the parent's DELETE to the first version recording `Released`)
+//! and the figure that matters, the delay after `Released` (that version to
+//! the parent gone). No assertion is made on any figure.
+
+#[path = "../common/mod.rs"]
+mod common;
+#[path = "scale_common.rs"]
+mod scale;
+
+use std::time::{Duration, Instant};
+
+use clap::Parser;
+use common::flux::Flux;
+use common::history::Seen;
+use common::tenant::Tenant;
+use scale::{BenchGate, loadavg, stats};
+use volume_gate::record::Phase;
+
+#[derive(Parser, Debug)]
+#[command(
+    about = "Benchmark 6: delay from Released to the parent gone, on real Flux, with and without the retry request"
+)]
+struct Args {
+    /// How long the slow driver takes to free a volume (Go durations), one
+    /// phase length per value.
+    #[arg(long, value_delimiter = ',', default_value = "10s,2m,8m")]
+    phases: Vec<String>,
+    /// Tenants per phase length and round.
+    #[arg(long, default_value_t = 3)]
+    reps: usize,
+    /// Bound on one round (DELETE to the last parent gone).
+    #[arg(long, default_value = "40m")]
+    round_timeout: String,
+}
+
+struct Sample {
+    phase: String,
+    /// DELETE to `Released` seen.
+    released: Duration,
+    /// `Released` seen to the parent gone.
+    after: Duration,
+}
+
+fn duration(s: &str) -> Duration {
+    volume_gate::args::parse_duration(s).unwrap_or_else(|e| panic!("{s}: {e}"))
+}
+
+async fn round(
+    cp: &'static common::cluster::ControlPlane,
+    flux: &'static Flux,
+    sim: &'static common::sim::Simulator,
+    args: &Args,
+    label: &str,
+) -> Vec<Sample> {
+    let mut tenants = Vec::new();
+    for phase in &args.phases {
+        for _ in 0..args.reps {
+            let t = Tenant::create_on_flux_with(cp, flux, &cp.unique("b"), true).await;
+            t.wait_custody().await;
+            t.with_held_claims(&["a", "b"]).await;
+            t.set_free_after(sim, phase).await;
+            tenants.push((phase.clone(), t));
+        }
+    }
+    println!(
+        "[{label}] {} tenants ready (load {}); deleting all at once",
+        tenants.len(),
+        loadavg()
+    );
+    let timeout = duration(&args.round_timeout);
+    let mut tasks = Vec::new();
+    for (phase, t) in tenants {
+        tasks.push(tokio::spawn(async move {
+            let start = Instant::now();
+            t.delete_parent().await;
+            t.history
+                .next_matching("Released", timeout, |s| {
+                    (s.record().and_then(|r| r.phase) == Some(Phase::Released)).then_some(())
+                })
+                .await;
+            let released = start.elapsed();
+            t.history
+                .next_matching("parent gone", timeout, |s| {
+                    matches!(s, Seen::Gone).then_some(())
+                })
+                .await;
+            let gone = start.elapsed();
+            let left = sim.volumes_of(&t.namespace, &t.name);
+            assert!(left.is_empty(), "{}: volumes left {left:?}", t.name);
+            println!(
+                "[{label}] {} (free-after {phase}): Released at {:.1}s, gone {:.1}s after",
+                t.name,
+                released.as_secs_f64(),
+                (gone - released).as_secs_f64()
+            );
+            Sample {
+                phase,
+                released,
+                after: gone - released,
+            }
+        }));
+    }
+    let mut samples = Vec::new();
+    for task in tasks {
+        samples.push(task.await.expect("a tenant's teardown"));
+    }
+    samples
+}
+
+#[tokio::main(flavor = "multi_thread", worker_threads = 2)]
+async fn main() {
+    let args = Args::parse();
+    let cp = common::cluster::control_plane();
+    let mut gate = BenchGate::install(cp, "flux", &common::gate::test_worker_args(), "info").await;
+    let sim: &'static common::sim::Simulator =
+        Box::leak(Box::new(common::sim::Simulator::start_with(cp, true)));
+    let flux: &'static Flux = Box::leak(Box::new(Flux::start_with(cp, "750ms", "15m").await));
+    let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
+    println!(
+        "machine: {cores} cores; helm-controller retry delays 750ms..15m (its defaults); phases {:?}, {} per phase",
+        args.phases, args.reps
+    );
+
+    let with = round(cp, flux, sim, &args, "with request").await;
+
+    // The same worker, with a profile that asks Flux for nothing.
+    let mut profile = volume_gate::profile::Profile::cozystack();
+    profile.parent.reconcile_request_annotation = String::new();
+    let file = cp.state.join("profile-no-request.json");
+    std::fs::write(&file, serde_json::to_string(&profile).expect("profile"))
+        .expect("write profile");
+    let mut worker_args = common::gate::test_worker_args();
+    worker_args.extend(["--profile".to_string(), file.display().to_string()]);
+    gate.start_worker(&worker_args, "info").await;
+    let without = round(cp, flux, sim, &args, "without request").await;
+
+    println!(
+        "\n| phase (free-after) | n | phase median (s) | delay after Released, with request: median / min / max (s) | without: median / min / max (s) |"
+    );
+    println!("|---|---|---|---|---|");
+    for phase in &args.phases {
+        let pick = |v: &[Sample], f: fn(&Sample) -> Duration| -> Vec<f64> {
+            v.iter()
+                .filter(|s| &s.phase == phase)
+                .map(|s| f(s).as_secs_f64())
+                .collect()
+        };
+        let p = stats(&pick(&with, |s| s.released));
+        let w = stats(&pick(&with, |s| s.after));
+        let wo = stats(&pick(&without, |s| s.after));
+        println!(
+            "| {phase} | {} | {:.1} | {:.1} / {:.1} / {:.1} | {:.1} / {:.1} / {:.1} |",
+            w.n, p.median, w.median, w.min, w.max, wo.median, wo.min, wo.max
+        );
+    }
+}
