@@ -13,7 +13,6 @@ use std::time::Duration;
 use common::flux::ready_condition;
 use common::history::Seen;
 use common::tenant::Tenant;
-use kube::api::DynamicObject;
 use volume_gate::record::Phase;
 
 /// The hook's lines in the simulator's log for tenant `t` (the Job is
@@ -112,43 +111,10 @@ async fn on_real_flux_the_gate_fails_the_hook_until_the_volumes_are_freed_and_th
 
     // What resumed it: the write that recorded Released asked for a retry,
     // and nothing before it did.
-    let versions: Vec<_> = t
-        .history
-        .all()
-        .into_iter()
-        .filter_map(|s| match s {
-            Seen::Parent(p) => Some(p),
-            Seen::Gone => None,
-        })
-        .collect();
-    let request = |p: &DynamicObject| {
-        p.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get("reconcile.fluxcd.io/requestedAt").cloned())
-    };
-    let released = versions
-        .iter()
-        .position(|p| {
-            Seen::Parent(p.clone()).record().and_then(|r| r.phase) == Some(Phase::Released)
-        })
-        .expect("a Released version");
-    assert!(
-        request(&versions[released]).is_some(),
-        "the Released write carries reconcile.fluxcd.io/requestedAt"
-    );
-    assert!(
-        versions[..released].iter().all(|p| request(p).is_none()),
-        "no retry request before Released"
-    );
+    let finalizers = t.assert_released_write_requests_a_retry();
     // And ends custody: helm-controller patches finalizers from the version
     // it read, so a custody finalizer still on the version it acts on would
     // be put back, refused on an object being deleted, and cost a backoff.
-    let finalizers = versions[released]
-        .metadata
-        .finalizers
-        .clone()
-        .unwrap_or_default();
     assert_eq!(
         finalizers,
         [common::flux::FLUX_FINALIZER],

@@ -5,10 +5,9 @@ mod common;
 
 use std::time::Duration;
 
-use common::history::Seen;
 use common::tenant::{STORAGE_CLASS, Tenant};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
-use kube::api::{Api, DeleteParams, DynamicObject};
+use kube::api::{Api, DeleteParams};
 use serde_json::json;
 use volume_gate::record::Phase;
 
@@ -36,35 +35,7 @@ async fn deleting_a_tenant_frees_every_volume_with_the_gate_installed() {
     );
     // The write that records Released also asks Flux to retry the uninstall
     // now (what `flux reconcile` writes), and nothing before it did.
-    let versions: Vec<_> = t
-        .history
-        .all()
-        .into_iter()
-        .filter_map(|s| match s {
-            Seen::Parent(p) => Some(p),
-            Seen::Gone => None,
-        })
-        .collect();
-    let request = |p: &DynamicObject| {
-        p.metadata
-            .annotations
-            .as_ref()
-            .and_then(|a| a.get("reconcile.fluxcd.io/requestedAt").cloned())
-    };
-    let released = versions
-        .iter()
-        .position(|p| {
-            Seen::Parent(p.clone()).record().and_then(|r| r.phase) == Some(Phase::Released)
-        })
-        .expect("a Released version");
-    assert!(
-        request(&versions[released]).is_some(),
-        "the Released write carries reconcile.fluxcd.io/requestedAt"
-    );
-    assert!(
-        versions[..released].iter().all(|p| request(p).is_none()),
-        "no retry request before Released"
-    );
+    t.assert_released_write_requests_a_retry();
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

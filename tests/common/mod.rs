@@ -31,41 +31,13 @@ pub fn gated() -> &'static Env {
 /// As [`gated`], with these worker flags (the first caller's win).
 pub fn gated_with(worker_args: Vec<String>) -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| {
-        let cp = cluster::control_plane();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Runtime::new().unwrap();
-            let gate = rt.block_on(gate::Gate::install_with(cp, worker_args));
-            let sim = sim::Simulator::start(cp);
-            Env {
-                cp,
-                gate: Some(std::sync::Mutex::new(gate)),
-                sim,
-            }
-        })
-        .join()
-        .expect("gate install")
-    })
+    ENV.get_or_init(|| start_env(Some(worker_args), false))
 }
 
 /// Control plane and simulator without the gate: the world as it was.
 pub fn ungated() -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| {
-        let cp = cluster::control_plane();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Runtime::new().unwrap();
-            rt.block_on(gate::apply_crds(cp));
-        })
-        .join()
-        .expect("CRDs");
-        let sim = sim::Simulator::start(cp);
-        Env {
-            cp,
-            gate: None,
-            sim,
-        }
-    })
+    ENV.get_or_init(|| start_env(None, false))
 }
 
 /// Control plane, simulator and gate as [`gated`], with the real Flux
@@ -74,40 +46,37 @@ pub fn ungated() -> &'static Env {
 /// by its real pre-delete hook.
 pub fn gated_on_flux() -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| {
-        let cp = cluster::control_plane();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Runtime::new().unwrap();
-            let gate = rt.block_on(gate::Gate::install_with(cp, gate::test_worker_args()));
-            let sim = sim::Simulator::start_with(cp, true);
-            Env {
-                cp,
-                gate: Some(std::sync::Mutex::new(gate)),
-                sim,
-            }
-        })
-        .join()
-        .expect("gate install")
-    })
+    ENV.get_or_init(|| start_env(Some(gate::test_worker_args()), true))
 }
 
 /// As [`gated_on_flux`], without the gate: the world as it was, on real Flux.
 pub fn ungated_on_flux() -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| {
-        let cp = cluster::control_plane();
-        std::thread::spawn(move || {
-            let rt = tokio::runtime::Runtime::new().unwrap();
-            rt.block_on(gate::apply_crds(cp));
-        })
-        .join()
-        .expect("CRDs");
-        Env {
-            cp,
-            gate: None,
-            sim: sim::Simulator::start_with(cp, true),
+    ENV.get_or_init(|| start_env(None, true))
+}
+
+/// The control plane, the gate with `worker_args` (none: only the CRDs),
+/// and the simulator (`real_flux`: see `sim::Simulator::start_with`).
+fn start_env(worker_args: Option<Vec<String>>, real_flux: bool) -> Env {
+    let cp = cluster::control_plane();
+    let gate = std::thread::spawn(move || {
+        let rt = tokio::runtime::Runtime::new().unwrap();
+        match worker_args {
+            Some(args) => Some(rt.block_on(gate::Gate::install_with(cp, args))),
+            None => {
+                rt.block_on(gate::apply_crds(cp));
+                None
+            }
         }
     })
+    .join()
+    .expect("gate install");
+    let sim = sim::Simulator::start_with(cp, real_flux);
+    Env {
+        cp,
+        gate: gate.map(std::sync::Mutex::new),
+        sim,
+    }
 }
 
 /// Serializes tests that disturb shared processes (killing the worker).

@@ -889,3 +889,47 @@ pub async fn wait_ready(hrs: &Api<DynamicObject>, name: &str, flux: &Flux) {
     )
     .await
 }
+
+impl Tenant {
+    /// Asserts what resumed the teardown: the write that recorded
+    /// `Released` asked the parent's controller to retry
+    /// (`reconcile.fluxcd.io/requestedAt`, what `flux reconcile` writes) and
+    /// nothing before it did. Returns that version's finalizers.
+    pub fn assert_released_write_requests_a_retry(&self) -> Vec<String> {
+        let versions: Vec<_> = self
+            .history
+            .all()
+            .into_iter()
+            .filter_map(|s| match s {
+                Seen::Parent(p) => Some(p),
+                Seen::Gone => None,
+            })
+            .collect();
+        let request = |p: &DynamicObject| {
+            p.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get("reconcile.fluxcd.io/requestedAt").cloned())
+        };
+        let released = versions
+            .iter()
+            .position(|p| {
+                Seen::Parent(p.clone()).record().and_then(|r| r.phase)
+                    == Some(volume_gate::record::Phase::Released)
+            })
+            .expect("a Released version");
+        assert!(
+            request(&versions[released]).is_some(),
+            "the Released write carries reconcile.fluxcd.io/requestedAt"
+        );
+        assert!(
+            versions[..released].iter().all(|p| request(p).is_none()),
+            "no retry request before Released"
+        );
+        versions[released]
+            .metadata
+            .finalizers
+            .clone()
+            .unwrap_or_default()
+    }
+}

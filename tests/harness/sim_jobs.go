@@ -338,23 +338,11 @@ func (j *jobs) kill(uid types.UID) {
 }
 
 func (j *jobs) setRunning(ctx context.Context, pod *corev1.Pod) error {
-	now := metav1.Now()
 	pod = pod.DeepCopy()
 	st := &pod.Status
-	st.Phase = corev1.PodRunning
 	st.HostIP, st.HostIPs = simNodeIP, []corev1.HostIP{{IP: simNodeIP}}
 	st.PodIP, st.PodIPs = simNodeIP, []corev1.PodIP{{IP: simNodeIP}}
-	st.StartTime = &now
-	for _, t := range []corev1.PodConditionType{corev1.PodReadyToStartContainers, corev1.PodInitialized, corev1.ContainersReady, corev1.PodReady, corev1.PodScheduled} {
-		setPodCondition(st, t, now)
-	}
-	st.ContainerStatuses = nil
-	for _, c := range pod.Spec.Containers {
-		st.ContainerStatuses = append(st.ContainerStatuses, corev1.ContainerStatus{
-			Name: c.Name, Image: c.Image, ImageID: "sim://" + c.Image, ContainerID: "sim://" + string(pod.UID) + "/" + c.Name,
-			Ready: true, Started: ptr.To(true), State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: now}},
-		})
-	}
+	markRunning(pod, metav1.Now())
 	_, err := j.s.mgmt.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, pod, metav1.UpdateOptions{})
 	return err
 }

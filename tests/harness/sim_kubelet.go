@@ -253,7 +253,6 @@ func (k *kubelet) start(ctx context.Context, pod *corev1.Pod) error {
 	now := metav1.Now()
 	pod = pod.DeepCopy()
 	st := &pod.Status
-	st.Phase = corev1.PodRunning
 	st.HostIP, st.HostIPs = simNodeIP, []corev1.HostIP{{IP: simNodeIP}}
 	if st.PodIP == "" {
 		ip := simNodeIP
@@ -263,26 +262,13 @@ func (k *kubelet) start(ctx context.Context, pod *corev1.Pod) error {
 		}
 		st.PodIP, st.PodIPs = ip, []corev1.PodIP{{IP: ip}}
 	}
-	if st.StartTime == nil {
-		st.StartTime = &now
-	}
-	for _, t := range []corev1.PodConditionType{corev1.PodReadyToStartContainers, corev1.PodInitialized, corev1.ContainersReady, corev1.PodReady, corev1.PodScheduled} {
-		setPodCondition(st, t, now)
-	}
+	markRunning(pod, now)
 	st.InitContainerStatuses = nil
 	for _, c := range pod.Spec.InitContainers {
 		st.InitContainerStatuses = append(st.InitContainerStatuses, corev1.ContainerStatus{
 			Name: c.Name, Image: c.Image, ImageID: "sim://" + c.Image, ContainerID: "sim://" + string(pod.UID) + "/" + c.Name,
 			Ready: true, Started: ptr.To(false),
 			State: corev1.ContainerState{Terminated: &corev1.ContainerStateTerminated{ExitCode: 0, Reason: "Completed", StartedAt: now, FinishedAt: now}},
-		})
-	}
-	st.ContainerStatuses = nil
-	for _, c := range pod.Spec.Containers {
-		st.ContainerStatuses = append(st.ContainerStatuses, corev1.ContainerStatus{
-			Name: c.Name, Image: c.Image, ImageID: "sim://" + c.Image, ContainerID: "sim://" + string(pod.UID) + "/" + c.Name,
-			Ready: true, Started: ptr.To(true),
-			State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: now}},
 		})
 	}
 	if _, err := k.cs.CoreV1().Pods(pod.Namespace).UpdateStatus(ctx, pod, metav1.UpdateOptions{}); err != nil {
@@ -293,6 +279,27 @@ func (k *kubelet) start(ctx context.Context, pod *corev1.Pod) error {
 	}
 	k.t.logf("kubelet", "running", "pod %s/%s ip=%s claims=%v", pod.Namespace, pod.Name, st.PodIP, podClaims(pod))
 	return nil
+}
+
+// markRunning sets pod's status to Running and Ready, every container
+// running since now.
+func markRunning(pod *corev1.Pod, now metav1.Time) {
+	st := &pod.Status
+	st.Phase = corev1.PodRunning
+	if st.StartTime == nil {
+		st.StartTime = &now
+	}
+	for _, t := range []corev1.PodConditionType{corev1.PodReadyToStartContainers, corev1.PodInitialized, corev1.ContainersReady, corev1.PodReady, corev1.PodScheduled} {
+		setPodCondition(st, t, now)
+	}
+	st.ContainerStatuses = nil
+	for _, c := range pod.Spec.Containers {
+		st.ContainerStatuses = append(st.ContainerStatuses, corev1.ContainerStatus{
+			Name: c.Name, Image: c.Image, ImageID: "sim://" + c.Image, ContainerID: "sim://" + string(pod.UID) + "/" + c.Name,
+			Ready: true, Started: ptr.To(true),
+			State: corev1.ContainerState{Running: &corev1.ContainerStateRunning{StartedAt: now}},
+		})
+	}
 }
 
 func setPodCondition(st *corev1.PodStatus, t corev1.PodConditionType, now metav1.Time) {
