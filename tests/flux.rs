@@ -378,3 +378,30 @@ async fn without_the_gate_the_real_teardown_leaks_every_volume() {
         "the tenant API went with its control plane"
     );
 }
+
+/// The incident on real Flux by the other road, with no gate: deleting the
+/// tenant's namespace deletes the CSI driver's release and the control plane
+/// with everything else, and no one deleted a claim: once the tenant API is
+/// stopped nothing can free a volume, and every one is left.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_gate_deleting_the_tenant_namespace_leaks_every_volume() {
+    let env = common::ungated_on_flux();
+    let flux = common::flux::flux(env.cp).await;
+    let t = common::tenant::Tenant::create_on_flux(env.cp, flux, &env.cp.unique("leakns")).await;
+    t.incident_workload().await;
+    let before = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(
+        before.len(),
+        4,
+        "the driver provisioned one disk per claim: {before:?}"
+    );
+
+    t.delete_namespace().await;
+    t.wait_api_stopped(&env.sim, Duration::from_secs(180)).await;
+
+    let after = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(
+        after, before,
+        "THE INCIDENT, on real Flux, by namespace deletion: every volume stayed"
+    );
+}

@@ -135,33 +135,10 @@ async fn on_real_flux_deleting_the_tenant_namespace_frees_every_volume() {
         "one disk per claim"
     );
 
-    let namespaces: kube::Api<k8s_openapi::api::core::v1::Namespace> =
-        kube::Api::all(t.management.clone());
-    namespaces
-        .delete(&t.namespace, &Default::default())
-        .await
-        .expect("delete the tenant namespace");
+    t.delete_namespace().await;
     t.wait_phase(Phase::Released, Duration::from_secs(180))
         .await;
-    common::wait::eventually("tenant namespace gone", Duration::from_secs(240), || {
-        let namespaces = namespaces.clone();
-        let ns = t.namespace.clone();
-        async move {
-            match namespaces.get_opt(&ns).await.map_err(|e| e.to_string())? {
-                None => Ok(()),
-                Some(n) => Err(format!(
-                    "terminating: {:?}",
-                    n.status
-                        .and_then(|s| s.conditions)
-                        .unwrap_or_default()
-                        .iter()
-                        .map(|c| c.message.clone().unwrap_or_default())
-                        .collect::<Vec<_>>()
-                )),
-            }
-        }
-    })
-    .await;
+    t.wait_namespace_gone(Duration::from_secs(240)).await;
     let left = env.sim.volumes_of(&t.namespace, &t.name);
     assert!(
         left.is_empty(),

@@ -151,31 +151,8 @@ async fn deleting_the_tenant_namespace_leaves_zero_volumes() {
     let t = Tenant::create(env.cp, &env.cp.unique("nsdel")).await;
     t.wait_custody().await;
     t.incident_workload().await;
-    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(t.management.clone());
-    namespaces
-        .delete(&t.namespace, &DeleteParams::default())
-        .await
-        .unwrap();
-    common::wait::eventually("tenant namespace gone", Duration::from_secs(240), || {
-        let namespaces = namespaces.clone();
-        let ns = t.namespace.clone();
-        async move {
-            match namespaces.get_opt(&ns).await.map_err(|e| e.to_string())? {
-                None => Ok(()),
-                // What the namespace controller says is left, for the failure message.
-                Some(n) => Err(format!(
-                    "terminating: {:?}",
-                    n.status
-                        .and_then(|s| s.conditions)
-                        .unwrap_or_default()
-                        .iter()
-                        .map(|c| c.message.clone().unwrap_or_default())
-                        .collect::<Vec<_>>()
-                )),
-            }
-        }
-    })
-    .await;
+    t.delete_namespace().await;
+    t.wait_namespace_gone(Duration::from_secs(240)).await;
     let left = env.sim.volumes_of(&t.namespace, &t.name);
     assert!(
         left.is_empty(),

@@ -933,3 +933,58 @@ impl Tenant {
             .unwrap_or_default()
     }
 }
+
+impl Tenant {
+    /// Deletes the tenant's namespace in the management cluster.
+    pub async fn delete_namespace(&self) {
+        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> =
+            Api::all(self.management.clone());
+        namespaces
+            .delete(&self.namespace, &DeleteParams::default())
+            .await
+            .expect("delete the tenant namespace");
+    }
+
+    /// Waits until the tenant's namespace is gone, saying what the
+    /// namespace controller reports left if it does not go.
+    pub async fn wait_namespace_gone(&self, timeout: Duration) {
+        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> =
+            Api::all(self.management.clone());
+        eventually("tenant namespace gone", timeout, || {
+            let namespaces = namespaces.clone();
+            let ns = self.namespace.clone();
+            async move {
+                match namespaces.get_opt(&ns).await.map_err(|e| e.to_string())? {
+                    None => Ok(()),
+                    Some(n) => Err(format!(
+                        "terminating: {:?}",
+                        n.status
+                            .and_then(|s| s.conditions)
+                            .unwrap_or_default()
+                            .iter()
+                            .map(|c| c.message.clone().unwrap_or_default())
+                            .collect::<Vec<_>>()
+                    )),
+                }
+            }
+        })
+        .await
+    }
+
+    /// Waits until the simulator has stopped this tenant's API server (its
+    /// TenantControlPlane deleted): from then on nothing can free a volume.
+    pub async fn wait_api_stopped(&self, sim: &super::sim::Simulator, timeout: Duration) {
+        let needle = format!("{}/{} stopped tenant API server", self.namespace, self.name);
+        eventually(&format!("simulator: {needle}"), timeout, || {
+            let seen = sim.log().contains(&needle);
+            async move {
+                if seen {
+                    Ok(())
+                } else {
+                    Err("not yet".to_string())
+                }
+            }
+        })
+        .await
+    }
+}
