@@ -333,16 +333,7 @@ async fn a_refused_delete_fails_the_uninstall_and_a_reconcile_request_retries_it
 /// every volume stays on storage.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_gate_the_real_teardown_leaks_every_volume() {
-    let env = common::ungated_on_flux();
-    let flux = common::flux::flux(env.cp).await;
-    let t = common::tenant::Tenant::create_on_flux(env.cp, flux, &env.cp.unique("leak")).await;
-    t.incident_workload().await;
-    let before = env.sim.volumes_of(&t.namespace, &t.name);
-    assert_eq!(
-        before.len(),
-        4,
-        "the driver provisioned one disk per claim: {before:?}"
-    );
+    let (env, t, before) = ungated_tenant_with_volumes("leak").await;
 
     t.delete_parent().await;
     t.wait_parent_gone(Duration::from_secs(180)).await;
@@ -385,16 +376,7 @@ async fn without_the_gate_the_real_teardown_leaks_every_volume() {
 /// stopped nothing can free a volume, and every one is left.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_gate_deleting_the_tenant_namespace_leaks_every_volume() {
-    let env = common::ungated_on_flux();
-    let flux = common::flux::flux(env.cp).await;
-    let t = common::tenant::Tenant::create_on_flux(env.cp, flux, &env.cp.unique("leakns")).await;
-    t.incident_workload().await;
-    let before = env.sim.volumes_of(&t.namespace, &t.name);
-    assert_eq!(
-        before.len(),
-        4,
-        "the driver provisioned one disk per claim: {before:?}"
-    );
+    let (env, t, before) = ungated_tenant_with_volumes("leakns").await;
 
     t.delete_namespace().await;
     t.wait_api_stopped(&env.sim, Duration::from_secs(180)).await;
@@ -404,4 +386,22 @@ async fn without_the_gate_deleting_the_tenant_namespace_leaks_every_volume() {
         after, before,
         "THE INCIDENT, on real Flux, by namespace deletion: every volume stayed"
     );
+}
+
+/// With no gate, on real Flux: a tenant (namespace prefix `prefix`) with the
+/// seed's workload, and the 4 volumes on storage.
+async fn ungated_tenant_with_volumes(
+    prefix: &str,
+) -> (&'static common::Env, common::tenant::Tenant, Vec<String>) {
+    let env = common::ungated_on_flux();
+    let flux = common::flux::flux(env.cp).await;
+    let t = common::tenant::Tenant::create_on_flux(env.cp, flux, &env.cp.unique(prefix)).await;
+    t.incident_workload().await;
+    let before = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(
+        before.len(),
+        4,
+        "the driver provisioned one disk per claim: {before:?}"
+    );
+    (env, t, before)
 }

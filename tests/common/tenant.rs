@@ -740,53 +740,41 @@ impl Tenant {
     /// release stays installed: a stuck or crashed driver. Returns once the
     /// simulator has acted on it.
     pub async fn set_driver(&self, sim: &super::sim::Simulator, running: bool) {
-        let needle = format!(
-            "{}/{} {}",
-            self.namespace,
-            self.name,
-            if running { "activated" } else { "deactivated" }
-        );
-        let before = sim.log().matches(&needle).count();
+        let action = if running { "activated" } else { "deactivated" };
         let value = if running {
             serde_json::Value::Null
         } else {
             json!("stopped")
         };
-        let patch =
-            json!({"metadata": {"annotations": {"harness.volume-gate.test/driver": value}}});
-        self.hr_api()
-            .patch(
-                &format!("{}-csi", self.name),
-                &kube::api::PatchParams::default(),
-                &kube::api::Patch::Merge(&patch),
-            )
+        self.annotate_csi_release(sim, "harness.volume-gate.test/driver", value, action)
             .await
-            .expect("annotate the CSI release");
-        eventually(
-            &format!("simulator saw: {needle}"),
-            Duration::from_secs(20),
-            || {
-                let n = sim.log().matches(&needle).count();
-                async move {
-                    if n > before {
-                        Ok(())
-                    } else {
-                        Err(format!("{n} times"))
-                    }
-                }
-            },
-        )
-        .await;
     }
 
     /// Makes this tenant's simulated driver slow: it frees a released
     /// volume `delay` (a Go duration, "20s") after it sees it released.
     /// Returns once the simulator has seen it.
     pub async fn set_free_after(&self, sim: &super::sim::Simulator, delay: &str) {
-        let needle = format!("{}/{} free-after ", self.namespace, self.name);
+        self.annotate_csi_release(
+            sim,
+            "harness.volume-gate.test/free-after",
+            json!(delay),
+            "free-after",
+        )
+        .await
+    }
+
+    /// Sets annotation `key` on R-csi to `value` (null removes it) and waits
+    /// for the simulator's next log line `N/R <action>` about this tenant.
+    async fn annotate_csi_release(
+        &self,
+        sim: &super::sim::Simulator,
+        key: &str,
+        value: Value,
+        action: &str,
+    ) {
+        let needle = format!("{}/{} {action}", self.namespace, self.name);
         let before = sim.log().matches(&needle).count();
-        let patch =
-            json!({"metadata": {"annotations": {"harness.volume-gate.test/free-after": delay}}});
+        let patch = json!({"metadata": {"annotations": {key: value}}});
         self.hr_api()
             .patch(
                 &format!("{}-csi", self.name),
