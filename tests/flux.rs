@@ -337,6 +337,11 @@ async fn without_the_gate_the_real_teardown_leaks_every_volume() {
 
     t.delete_parent().await;
     t.wait_parent_gone(Duration::from_secs(180)).await;
+    // The TenantControlPlane object goes at once and the simulator stops the
+    // tenant API when its watch delivers that, so the parent can be gone a
+    // moment before (seen in CI at 14bd4b8): wait for the tenant API's end in
+    // the simulator's log (append-only), after which nothing can free a volume.
+    t.wait_api_stopped(&env.sim, Duration::from_secs(120)).await;
 
     let after = env.sim.volumes_of(&t.namespace, &t.name);
     assert_eq!(
@@ -360,13 +365,6 @@ async fn without_the_gate_the_real_teardown_leaks_every_volume() {
             .any(|l| l.contains("Cleanup completed successfully")),
         "{}",
         hook.join("\n")
-    );
-    assert!(
-        log.contains(&format!(
-            "{}/{} stopped tenant API server",
-            t.namespace, t.name
-        )),
-        "the tenant API went with its control plane"
     );
 }
 
