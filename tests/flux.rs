@@ -391,9 +391,8 @@ async fn without_the_gate_deleting_the_tenant_namespace_leaks_every_volume() {
 async fn ungated_tenant_with_volumes(
     prefix: &str,
 ) -> (&'static common::Env, common::tenant::Tenant, Vec<String>) {
-    let env = common::ungated_on_flux();
-    let flux = common::flux::flux(env.cp).await;
-    let t = common::tenant::Tenant::create_on_flux(env.cp, flux, &env.cp.unique(prefix)).await;
+    let env = common::ungated();
+    let t = common::tenant::Tenant::create(env.cp, &env.cp.unique(prefix)).await;
     t.incident_workload().await;
     let before = env.sim.volumes_of(&t.namespace, &t.name);
     assert_eq!(

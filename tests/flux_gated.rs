@@ -29,9 +29,8 @@ fn hook_lines(sim: &common::sim::Simulator, t: &Tenant) -> Vec<String> {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_real_flux_the_gate_fails_the_hook_until_the_volumes_are_freed_and_the_retry_request_finishes_the_teardown()
  {
-    let env = common::gated_on_flux();
-    let flux = common::flux::flux(env.cp).await;
-    let t = Tenant::create_on_flux(env.cp, flux, &env.cp.unique("real")).await;
+    let env = common::gated();
+    let t = Tenant::create(env.cp, &env.cp.unique("real")).await;
     t.wait_custody().await;
     t.incident_workload().await;
     assert_eq!(
@@ -124,9 +123,8 @@ async fn on_real_flux_the_gate_fails_the_hook_until_the_volumes_are_freed_and_th
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_real_flux_deleting_the_tenant_namespace_frees_every_volume() {
-    let env = common::gated_on_flux();
-    let flux = common::flux::flux(env.cp).await;
-    let t = Tenant::create_on_flux(env.cp, flux, &env.cp.unique("realns")).await;
+    let env = common::gated();
+    let t = Tenant::create(env.cp, &env.cp.unique("realns")).await;
     t.wait_custody().await;
     t.incident_workload().await;
     assert_eq!(

@@ -5,6 +5,8 @@ mod common;
 
 use std::time::Duration;
 
+use common::flux::ready_condition;
+use common::history::Seen;
 use common::tenant::{STORAGE_CLASS, Tenant};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams};
@@ -468,29 +470,36 @@ async fn a_hook_that_passes_early_cannot_uninstall_the_csi_controllers_identity_
     // Hold the phase open (a driver that frees nothing yet) until the uninstall has been tried.
     t.set_driver(&env.sim, false).await;
     t.delete_parent().await;
-    let key = format!("{}/{}", t.namespace, t.name);
-    let uninstall_refused = common::wait::eventually(
-        "the uninstall tried mid-phase",
-        Duration::from_secs(120),
-        || {
-            let log = env.sim.log();
-            let key = key.clone();
-            async move {
-                log.lines()
-                    .find(|l| {
-                        l.contains(&key)
-                            && l.contains(" uninstall-failed ")
-                            && l.contains("uninstallation completed with")
-                    })
-                    .map(str::to_string)
-                    .ok_or_else(|| "no uninstall attempt yet".to_string())
-            }
-        },
-    )
-    .await;
+    // helm-controller records Helm's uninstall, which deleted what it could
+    // and failed on what the gate refused (Helm v4: "failed to delete
+    // release"; the refusals are in its log).
+    t.history
+        .next_matching(
+            "the uninstall tried mid-phase",
+            Duration::from_secs(120),
+            |s| match s {
+                Seen::Parent(p) => ready_condition(p).filter(|(status, reason, message)| {
+                    status == "False"
+                        && reason == "UninstallFailed"
+                        && message.contains("failed to delete release")
+                }),
+                Seen::Gone => None,
+            },
+        )
+        .await;
+    let flux_log = common::flux::flux(env.cp).await.log();
+    let refused = flux_log
+        .lines()
+        .filter(|l| {
+            l.contains("Failed to delete release")
+                && l.contains(&format!("\"name\":\"{}\"", t.name))
+        })
+        .collect::<Vec<_>>();
     assert!(
-        uninstall_refused.contains("volume-gate"),
-        "the gate refused the uninstall's deletes: {uninstall_refused}"
+        refused
+            .iter()
+            .any(|l| l.contains("volume-gate: refusing to delete")),
+        "the gate refused the uninstall's deletes: {refused:?}"
     );
     assert_ne!(t.record().await.phase, Some(Phase::Released), "mid-phase");
     let sa = Api::<k8s_openapi::api::core::v1::ServiceAccount>::namespaced(
@@ -517,6 +526,7 @@ async fn a_hook_that_passes_early_cannot_uninstall_the_csi_controllers_identity_
     t.wait_parent_gone(Duration::from_secs(180)).await;
     let left = env.sim.volumes_of(&t.namespace, &t.name);
     assert!(left.is_empty(), "volumes left: {left:?}");
+    let key = format!("{}/{}", t.namespace, t.name);
     let log = env.sim.log();
     assert!(
         !log.lines()

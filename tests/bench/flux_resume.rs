@@ -36,7 +36,6 @@ mod scale;
 use std::time::{Duration, Instant};
 
 use clap::Parser;
-use common::flux::Flux;
 use common::history::Seen;
 use common::tenant::Tenant;
 use scale::{BenchGate, loadavg, stats};
@@ -90,7 +89,6 @@ fn duration(s: &str) -> Duration {
 
 async fn round(
     cp: &'static common::cluster::ControlPlane,
-    flux: &'static Flux,
     sim: &'static common::sim::Simulator,
     args: &Args,
     label: &str,
@@ -98,7 +96,8 @@ async fn round(
     let mut tenants = Vec::new();
     for phase in &args.phases {
         for _ in 0..args.reps {
-            let t = Tenant::create_on_flux_with(cp, flux, &cp.unique("b"), true).await;
+            let app = cp.unique("b");
+            let t = Tenant::create_light(cp, &format!("tenant-{app}"), &app).await;
             t.wait_custody().await;
             t.with_held_claims(&["a", "b"]).await;
             t.set_free_after(sim, phase).await;
@@ -158,15 +157,15 @@ async fn main() {
     let cp = common::cluster::control_plane();
     let mut gate = BenchGate::install(cp, "flux", &common::gate::test_worker_args(), "info").await;
     let sim: &'static common::sim::Simulator =
-        Box::leak(Box::new(common::sim::Simulator::start_with(cp, true)));
-    let flux: &'static Flux = Box::leak(Box::new(Flux::start_with(cp, "750ms", "15m").await));
+        Box::leak(Box::new(common::sim::Simulator::start(cp)));
+    common::flux::flux_with(cp, "750ms", "15m").await;
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
         "machine: {cores} cores; helm-controller retry delays 750ms..15m (its defaults); phases {:?}, {} per phase",
         args.phases, args.reps
     );
 
-    let with = round(cp, flux, sim, &args, "with request").await;
+    let with = round(cp, sim, &args, "with request").await;
 
     // The same worker, with a profile that asks Flux for nothing.
     let mut profile = volume_gate::profile::Profile::cozystack();
@@ -177,7 +176,7 @@ async fn main() {
     let mut worker_args = common::gate::test_worker_args();
     worker_args.extend(["--profile".to_string(), file.display().to_string()]);
     gate.start_worker(&worker_args, "info").await;
-    let without = round(cp, flux, sim, &args, "without request").await;
+    let without = round(cp, sim, &args, "without request").await;
 
     println!(
         "\nSeconds after Released, median / min / max: until the hook runs again (Flux's retry), and until the parent is gone."

@@ -42,8 +42,19 @@ pub struct Flux {
 
 /// This test binary's helm-controller, started on first use.
 pub async fn flux(cp: &ControlPlane) -> &'static Flux {
+    flux_with(cp, MIN_RETRY_DELAY, MAX_RETRY_DELAY).await
+}
+
+/// As [`flux`], started with these retry delays if this is the first use
+/// (a benchmark measuring Flux's own retries starts it with Flux's defaults).
+pub async fn flux_with(
+    cp: &ControlPlane,
+    min_retry_delay: &str,
+    max_retry_delay: &str,
+) -> &'static Flux {
     static FLUX: tokio::sync::OnceCell<Flux> = tokio::sync::OnceCell::const_new();
-    FLUX.get_or_init(|| Flux::start(cp)).await
+    FLUX.get_or_init(|| Flux::start_with(cp, min_retry_delay, max_retry_delay))
+        .await
 }
 
 /// helm-controller's first retry of a failed reconcile (an uninstall refused
@@ -148,9 +159,12 @@ impl Flux {
             Api::namespaced_with(client.clone(), namespace, &external_artifact_resource());
         let mut obj = DynamicObject::new(name, &external_artifact_resource()).within(namespace);
         obj.data = json!({"spec": {"sourceRef": {"apiVersion": "volume-gate.test/v1", "kind": "ChartServer", "name": "charts"}}});
-        api.create(&PostParams::default(), &obj)
-            .await
-            .expect("create ExternalArtifact");
+        // Tenants sharing a namespace share its artifacts.
+        match api.create(&PostParams::default(), &obj).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(e)) if e.code == 409 => {}
+            Err(e) => panic!("create ExternalArtifact {namespace}/{name}: {e}"),
+        }
         let now = jiff::Timestamp::now()
             .strftime("%Y-%m-%dT%H:%M:%SZ")
             .to_string();

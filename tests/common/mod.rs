@@ -31,33 +31,19 @@ pub fn gated() -> &'static Env {
 /// As [`gated`], with these worker flags (the first caller's win).
 pub fn gated_with(worker_args: Vec<String>) -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| start_env(Some(worker_args), false))
+    ENV.get_or_init(|| start_env(Some(worker_args)))
 }
 
 /// Control plane and simulator without the gate: the world as it was.
 pub fn ungated() -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| start_env(None, false))
-}
-
-/// Control plane, simulator and gate as [`gated`], with the real Flux
-/// helm-controller in place of the simulator's emulation: tenants are
-/// installed from the tenant chart (`Tenant::create_on_flux`) and torn down
-/// by its real pre-delete hook.
-pub fn gated_on_flux() -> &'static Env {
-    static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| start_env(Some(gate::test_worker_args()), true))
-}
-
-/// As [`gated_on_flux`], without the gate: the world as it was, on real Flux.
-pub fn ungated_on_flux() -> &'static Env {
-    static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| start_env(None, true))
+    ENV.get_or_init(|| start_env(None))
 }
 
 /// The control plane, the gate with `worker_args` (none: only the CRDs),
-/// and the simulator (`real_flux`: see `sim::Simulator::start_with`).
-fn start_env(worker_args: Option<Vec<String>>, real_flux: bool) -> Env {
+/// and the simulator; tenants are installed by the real helm-controller
+/// (`flux::flux`, started by the first `Tenant::create`).
+fn start_env(worker_args: Option<Vec<String>>) -> Env {
     let cp = cluster::control_plane();
     let gate = std::thread::spawn(move || {
         let rt = tokio::runtime::Runtime::new().unwrap();
@@ -71,7 +57,7 @@ fn start_env(worker_args: Option<Vec<String>>, real_flux: bool) -> Env {
     })
     .join()
     .expect("gate install");
-    let sim = sim::Simulator::start_with(cp, real_flux);
+    let sim = sim::Simulator::start(cp);
     Env {
         cp,
         gate: gate.map(std::sync::Mutex::new),

@@ -14,16 +14,11 @@ pub struct Simulator {
 }
 
 impl Simulator {
-    /// Starts a simulator for every tenant of the control plane, with its
-    /// emulation of Flux and the tenant chart's hook.
+    /// Starts a simulator for every tenant of the control plane: storage,
+    /// CSI driver, kubelets, Kamaji's control planes, and the management
+    /// node that runs the Pods of Jobs (the tenant chart's real pre-delete
+    /// hook, run by the real helm-controller).
     pub fn start(cp: &ControlPlane) -> Simulator {
-        Self::start_with(cp, false)
-    }
-
-    /// As [`Simulator::start`]; with `real_flux` it leaves HelmReleases to
-    /// the real helm-controller and runs the Pods of Jobs (the real hook)
-    /// instead.
-    pub fn start_with(cp: &ControlPlane, real_flux: bool) -> Simulator {
         let storage = cp.state.join(cp.unique("storage"));
         std::fs::create_dir_all(&storage).expect("storage dir");
         let control = std::fs::read_to_string(cp.state.join("control.addr"))
@@ -60,9 +55,7 @@ impl Simulator {
                 "--probe-interval",
                 "1s",
             ]);
-        if real_flux {
-            cmd.args(["--flux=false", "--run-jobs"]);
-        }
+        cmd.args(["--flux=false", "--run-jobs"]);
         let log = cp
             .state
             .join("logs")

@@ -105,59 +105,24 @@ impl Tenant {
         .await
     }
 
+    /// The tenant `app` (parent `kubernetes-<app>`) in `namespace` on
+    /// `cluster`, installed the way Cozystack installs it, by this test
+    /// binary's real helm-controller: Kamaji's part (the TenantControlPlane
+    /// and its admin kubeconfig) first, then the parent HelmRelease of the
+    /// tenant chart (`tests/fixtures/charts/kubernetes`), which installs the
+    /// CSI controller and its identity, the KamajiControlPlane, the child
+    /// releases and the pre-delete hook; the children install into the
+    /// tenant cluster. Returns once the parent and R-csi are Ready.
     async fn create_on(
         cp: &ControlPlane,
         cluster: ClusterInfo,
         namespace: &str,
         app: &str,
     ) -> Tenant {
+        let flux = super::flux::flux(cp).await;
         let management = cp.management_client().await;
         let api = client_from(&cluster.kubeconfig).await;
         let namespace = namespace.to_string();
-        let name = format!("kubernetes-{app}");
-        cp.namespace(&namespace).await;
-        let hrs = Api::namespaced_with(management.clone(), &namespace, &helmrelease_resource());
-        let history = ParentHistory::open(hrs, &name).await;
-        let t = Tenant {
-            namespace,
-            name,
-            cluster,
-            management,
-            api,
-            history,
-        };
-        t.create_management_objects().await;
-        manifests::apply_file(
-            &t.api,
-            &repo_root().join("tests/fixtures/tenant-storageclass.yaml"),
-        )
-        .await;
-        t
-    }
-
-    /// Creates a tenant `app` (parent `kubernetes-<app>` in `tenant-<app>`)
-    /// the way Cozystack does, on the real helm-controller: Kamaji's part
-    /// (the TenantControlPlane and its admin kubeconfig) first, then the
-    /// parent HelmRelease of the tenant chart (`tests/fixtures/charts/kubernetes`),
-    /// which installs the CSI controller, the KamajiControlPlane and the
-    /// child releases, and those install into the tenant cluster. Returns
-    /// once the parent and R-csi are Ready.
-    pub async fn create_on_flux(cp: &ControlPlane, flux: &Flux, app: &str) -> Tenant {
-        Self::create_on_flux_with(cp, flux, app, false).await
-    }
-
-    /// As [`Tenant::create_on_flux`]; `light`: on a light tenant cluster
-    /// (no scheduler: Pods are placed on the simulated node by name).
-    pub async fn create_on_flux_with(
-        cp: &ControlPlane,
-        flux: &Flux,
-        app: &str,
-        light: bool,
-    ) -> Tenant {
-        let cluster = cp.cluster_up_with(&cp.unique(if light { "l" } else { "t" }), light);
-        let management = cp.management_client().await;
-        let api = client_from(&cluster.kubeconfig).await;
-        let namespace = format!("tenant-{app}");
         let name = format!("kubernetes-{app}");
         cp.namespace(&namespace).await;
         for (artifact, chart) in [
@@ -192,86 +157,6 @@ impl Tenant {
             wait_ready(&hrs, &release, flux).await;
         }
         t
-    }
-
-    /// The KubeVirt CSI controller of the parent release, and its identity
-    /// (ServiceAccount, Role, RoleBinding, ClusterRole, ClusterRoleBinding),
-    /// owned by the release as Helm and Flux mark it. The simulated driver
-    /// frees a volume only while this identity may delete DataVolumes.
-    async fn create_csi_controller(&self) {
-        let (ns, r) = (self.namespace.as_str(), self.name.as_str());
-        let kcsi = format!("{r}-kcsi");
-        let rbac = "rbac.authorization.k8s.io/v1";
-        let docs = [
-            json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": kcsi, "namespace": ns}}),
-            json!({"apiVersion": rbac, "kind": "Role", "metadata": {"name": kcsi, "namespace": ns},
-            "rules": [
-                {"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "verbs": ["get", "create", "delete"]},
-                {"apiGroups": ["kubevirt.io"], "resources": ["virtualmachineinstances"], "verbs": ["get", "list"]},
-                {"apiGroups": ["subresources.kubevirt.io"], "resources": ["virtualmachineinstances/addvolume", "virtualmachineinstances/removevolume"], "verbs": ["update"]},
-                {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["patch"]},
-            ]}),
-            json!({"apiVersion": rbac, "kind": "RoleBinding", "metadata": {"name": kcsi, "namespace": ns},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": kcsi},
-                "subjects": [{"kind": "ServiceAccount", "name": kcsi, "namespace": ns}]}),
-            json!({"apiVersion": rbac, "kind": "ClusterRole", "metadata": {"name": kcsi},
-                "rules": [{"apiGroups": [""], "resources": ["persistentvolumes"], "verbs": ["get"]}]}),
-            json!({"apiVersion": rbac, "kind": "ClusterRoleBinding", "metadata": {"name": format!("{kcsi}-binding")},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": kcsi},
-                "subjects": [{"kind": "ServiceAccount", "name": kcsi, "namespace": ns}]}),
-            json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": {"name": format!("{r}-kcsi-controller"), "namespace": ns},
-                "spec": {"replicas": 0, "selector": {"matchLabels": {"app": "kcsi"}},
-                         "template": {"metadata": {"labels": {"app": "kcsi"}}, "spec": {
-                             "serviceAccountName": kcsi, "containers": [{"name": "csi-driver", "image": "kubevirt-csi-driver"}]}}}}),
-        ];
-        for mut d in docs {
-            d["metadata"]["labels"] =
-                json!({"helm.toolkit.fluxcd.io/name": r, "helm.toolkit.fluxcd.io/namespace": ns});
-            d["metadata"]["annotations"] =
-                json!({"meta.helm.sh/release-name": r, "meta.helm.sh/release-namespace": ns});
-            manifests::apply(&self.management, &d).await;
-        }
-    }
-
-    async fn create_management_objects(&self) {
-        self.create_csi_controller().await;
-        let (ns, r) = (self.namespace.as_str(), self.name.as_str());
-        let hr = helmrelease_resource();
-        let hrs: Api<DynamicObject> = Api::namespaced_with(self.management.clone(), ns, &hr);
-        let pp = PostParams::default();
-        let mut parent = self.parent_object(
-            json!({"spec": {"chart": {"spec": {"chart": "kubernetes"}}, "interval": "5m"}}),
-        );
-        parent.metadata.finalizers = Some(vec!["finalizers.fluxcd.io".into()]);
-        hrs.create(&pp, &parent)
-            .await
-            .expect("create parent HelmRelease");
-        for child in ["csi", "cilium", "coredns"] {
-            let mut c = obj(
-                &hr,
-                ns,
-                &format!("{r}-{child}"),
-                json!({"cozystack.io/target-cluster-name": r}),
-                json!({"spec": {"chart": {"spec": {"chart": child}}, "kubeConfig": {"secretRef": {"name": format!("{r}-admin-kubeconfig")}}}}),
-            );
-            c.metadata.finalizers = Some(vec!["finalizers.fluxcd.io".into()]);
-            hrs.create(&pp, &c).await.expect("create child HelmRelease");
-        }
-        let kcps: Api<DynamicObject> =
-            Api::namespaced_with(self.management.clone(), ns, &kcp_resource());
-        kcps.create(
-            &pp,
-            &obj(
-                &kcp_resource(),
-                ns,
-                r,
-                json!({}),
-                json!({"spec": {"version": "v1.33.0"}}),
-            ),
-        )
-        .await
-        .expect("create KamajiControlPlane");
-        self.create_control_plane().await;
     }
 
     /// The parent release with Cozystack's labels (what its API writes for

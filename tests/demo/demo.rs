@@ -57,7 +57,7 @@ async fn main() {
         2,
         "Installing volume-gate from manifests/, the simulator, and Flux's real helm-controller",
     );
-    let env = tokio::task::spawn_blocking(common::gated_on_flux)
+    let env = tokio::task::spawn_blocking(common::gated)
         .await
         .expect("install");
     let flux = common::flux::flux(cp).await;
@@ -76,7 +76,7 @@ async fn main() {
         3,
         "Installing tenant kubernetes-demo from the tenant chart (through Flux), then a Pod with two claims, a Pod with one, a StatefulSet",
     );
-    let t = Tenant::create_on_flux(cp, flux, "demo").await;
+    let t = Tenant::create(cp, "demo").await;
     t.wait_custody().await;
     println!(
         "    custody taken: finalizer volumes.cozystack.io/release on {}/{}",
