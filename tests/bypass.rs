@@ -177,7 +177,7 @@ async fn a_parents_kind_label_added_to_the_csi_release_is_refused_and_its_delete
         &ns,
         &format!("{r}-csi"),
         &labels,
-        json!({"spec": {"chart": {"spec": {"chart": "csi"}}}}),
+        json!({"spec": common::flux::inert_spec("csi")}),
     );
     api.create(
         &PostParams::default(),
@@ -197,7 +197,7 @@ async fn a_parents_kind_label_added_to_the_csi_release_is_refused_and_its_delete
 async fn paper_parent(hrs: &Api<DynamicObject>, r: &str) {
     let parent = json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
         "metadata": {"name": r, "labels": {PARENT_KIND: "Kubernetes", PARENT_GROUP: "apps.cozystack.io"}},
-        "spec": {"chart": {"spec": {"chart": "kubernetes"}}, "interval": "5m"}});
+        "spec": common::flux::inert_spec("kubernetes")});
     let created = hrs
         .create(
             &PostParams::default(),
@@ -530,7 +530,7 @@ async fn every_guarded_object_under_any_pair_of_identity_labels_is_reviewed_in_t
         with_child.insert(CHILD.into(), r.clone());
         let mut with_capi = l.clone();
         with_capi.insert(CAPI.into(), r.clone());
-        let hr_body = json!({"spec": {"chart": {"spec": {"chart": "x"}}, "interval": "5m"}});
+        let hr_body = json!({"spec": common::flux::inert_spec("x")});
         let objects = [
             (
                 hr.clone(),

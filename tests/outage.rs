@@ -60,7 +60,7 @@ fn flux_deployment(name: &str, release: &str) -> Value {
 fn system_release(name: &str) -> Value {
     json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
         "metadata": {"name": name, "labels": {"cozystack.io/system-app": "true"}, "finalizers": ["finalizers.fluxcd.io"]},
-        "spec": {"chart": {"spec": {"chart": name}}, "interval": "5m"}})
+        "spec": common::flux::inert_spec(name)})
 }
 
 fn parent_release(name: &str) -> Value {
@@ -69,7 +69,7 @@ fn parent_release(name: &str) -> Value {
             "apps.cozystack.io/application.kind": "Kubernetes",
             "apps.cozystack.io/application.group": "apps.cozystack.io",
             "apps.cozystack.io/application.name": name.trim_start_matches("kubernetes-")}},
-        "spec": {"chart": {"spec": {"chart": "kubernetes"}}, "interval": "5m"}})
+        "spec": common::flux::inert_spec("kubernetes")})
 }
 
 /// Requests the gate has answered so far (every endpoint, every verdict).
@@ -98,7 +98,7 @@ async fn tenant_in_teardown(client: &kube::Client, ns: &str, r: &str) {
     create(client, ns, &hr(), parent_release(r)).await;
     let hr_body = |name: String, labels: Value| {
         json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
-            "metadata": {"name": name, "labels": labels}, "spec": {"chart": {"spec": {"chart": "x"}}, "interval": "5m"}})
+            "metadata": {"name": name, "labels": labels}, "spec": common::flux::inert_spec("x")})
     };
     create(
         client,

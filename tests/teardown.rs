@@ -1,14 +1,20 @@
-//! The simulated Cozystack teardown itself, WITHOUT the gate: the pre-delete
-//! hook's step order and failure rules (`docs/design.md` §1), Flux's retries, and
-//! what deleting a TenantControlPlane does. The gated tests rely on this
-//! world behaving as Cozystack does, so it is pinned down here, from the
-//! simulator's log (one line per action) and from the API state.
+//! Cozystack's teardown itself, WITHOUT the gate, as every test runs it: the
+//! tenant chart's pre-delete hook (`tests/fixtures/charts/kubernetes`), run
+//! by the real helm-controller as a Job that the simulator's management node
+//! executes; its step order and failure rules (`docs/design.md` §1); Flux's
+//! own retries of a failed uninstall; and what deleting a TenantControlPlane
+//! does. The gated tests rely on this world behaving as Cozystack's, so it is
+//! pinned down here, from the hook's output (the simulator's log, one line
+//! per output line) and from the API state.
 
 mod common;
 
 use std::time::Duration;
 
 use common::cluster::repo_root;
+use common::flux::ready_condition;
+use common::history::Seen;
+use common::sim::JobRun;
 use common::tenant::{Tenant, kcp_resource, tcp_resource};
 use common::wait::eventually;
 use k8s_openapi::api::core::v1::Secret;
@@ -16,147 +22,57 @@ use kube::api::{Api, ApiResource, DeleteParams, DynamicObject};
 use kube::core::GroupVersionKind;
 use serde_json::json;
 
+/// This binary's world: no gate, and helm-controller retrying a failed
+/// uninstall after 1 s growing to 8 s, so that Flux's own retries (not a
+/// request) happen within a test's bounds.
 fn env() -> &'static common::Env {
-    common::ungated()
+    common::ungated_with_flux_retry("1s", "8s")
 }
 
-// ---------------------------------------------------------------------------
-// The simulator's log: `time component tenant action details`.
-
-#[derive(Debug, Clone)]
-struct LogLine {
-    at: jiff::Timestamp,
-    component: String,
-    tenant: String,
-    action: String,
-    details: String,
+fn runs(env: &common::Env, t: &Tenant) -> Vec<JobRun> {
+    env.sim.hook_runs(&t.namespace, &t.name)
 }
 
-fn token(s: &str) -> Option<(&str, &str)> {
-    let s = s.trim_start();
-    if s.is_empty() {
-        return None;
-    }
-    let end = s.find(' ').unwrap_or(s.len());
-    Some((&s[..end], &s[end..]))
-}
-
-fn parse_line(line: &str) -> Option<LogLine> {
-    let (at, rest) = token(line)?;
-    let (component, rest) = token(rest)?;
-    let (tenant, rest) = token(rest)?;
-    let (action, rest) = token(rest)?;
-    Some(LogLine {
-        at: at.parse().ok()?,
-        component: component.to_string(),
-        tenant: tenant.to_string(),
-        action: action.to_string(),
-        details: rest.trim().to_string(),
-    })
-}
-
-/// The simulator's lines about tenant `N/R`, in log order.
-fn lines_of(env: &common::Env, t: &Tenant) -> Vec<LogLine> {
-    let key = format!("{}/{}", t.namespace, t.name);
-    env.sim
-        .log()
-        .lines()
-        .filter_map(parse_line)
-        .filter(|l| l.tenant == key)
-        .collect()
-}
-
-/// The hook's attempt number of a line (`attempt=N ...`).
-fn attempt_of(l: &LogLine) -> Option<u32> {
-    l.details
-        .strip_prefix("attempt=")?
-        .split(' ')
-        .next()?
-        .parse()
-        .ok()
-}
-
-/// The hook's lines of attempt `n`.
-fn hook_lines(lines: &[LogLine], n: u32) -> Vec<LogLine> {
-    lines
-        .iter()
-        .filter(|l| l.component == "hook" && attempt_of(l) == Some(n))
-        .cloned()
-        .collect()
-}
-
-/// The step numbers of hook lines in order, consecutive repeats collapsed
-/// (`step4b`, the datastore Secret, is part of step 4); `done` is not a step.
-fn step_sequence(hook: &[LogLine]) -> Vec<u32> {
-    let mut seq: Vec<u32> = Vec::new();
-    for n in hook.iter().filter_map(step_of) {
-        if seq.last() != Some(&n) {
-            seq.push(n);
-        }
-    }
-    seq
-}
-
-/// The step number of a hook line (`step4b` is step 4), if it is a step.
-fn step_of(l: &LogLine) -> Option<u32> {
-    let rest = l.action.strip_prefix("step")?;
-    let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
-    Some(
-        digits
-            .parse()
-            .unwrap_or_else(|_| panic!("unparseable step in {l:?}")),
-    )
-}
-
-/// Flux's failed uninstalls of the parent release R (not of a child).
-fn parent_failures<'a>(lines: &'a [LogLine], t: &Tenant) -> Vec<&'a LogLine> {
-    let prefix = format!("HelmRelease {}: ", t.name);
-    lines
-        .iter()
-        .filter(|l| {
-            l.component == "flux"
-                && l.action == "uninstall-failed"
-                && l.details.starts_with(&prefix)
-        })
-        .collect()
-}
-
-fn render(lines: &[LogLine]) -> String {
-    lines
-        .iter()
-        .map(|l| format!("{} {} {} {}", l.at, l.component, l.action, l.details))
+fn render(runs: &[JobRun]) -> String {
+    runs.iter()
+        .map(JobRun::render)
         .collect::<Vec<_>>()
         .join("\n")
 }
 
-/// A Go duration as the simulator prints it (`1s`, `500ms`, `1m30s`).
-fn go_duration(s: &str) -> Duration {
-    let mut total = Duration::ZERO;
-    let mut rest = s;
-    while !rest.is_empty() {
-        let num_len = rest
-            .find(|c: char| !(c.is_ascii_digit() || c == '.'))
-            .expect("unit after number");
-        let value: f64 = rest[..num_len]
-            .parse()
-            .unwrap_or_else(|_| panic!("duration {s}"));
-        let unit_len = rest[num_len..]
-            .find(|c: char| c.is_ascii_digit())
-            .unwrap_or(rest.len() - num_len);
-        let unit = &rest[num_len..num_len + unit_len];
-        let scale = match unit {
-            "h" => 3600.0,
-            "m" => 60.0,
-            "s" => 1.0,
-            "ms" => 1e-3,
-            "us" | "µs" => 1e-6,
-            "ns" => 1e-9,
-            other => panic!("unit {other} in duration {s}"),
-        };
-        total += Duration::from_secs_f64(value * scale);
-        rest = &rest[num_len + unit_len..];
-    }
-    total
+/// Waits until the runs of `t`'s hook satisfy `check` (the simulator's log
+/// is append-only: a run once logged stays logged).
+async fn wait_runs<T>(
+    env: &common::Env,
+    t: &Tenant,
+    what: &str,
+    timeout: Duration,
+    check: impl Fn(&[JobRun]) -> Option<T>,
+) -> T {
+    eventually(what, timeout, || {
+        let runs = runs(env, t);
+        let got = check(&runs);
+        async move { got.ok_or_else(|| format!("hook runs so far:\n{}", render(&runs))) }
+    })
+    .await
+}
+
+/// The position of the first output line of `run` containing `needle`.
+fn line_of(run: &JobRun, needle: &str) -> usize {
+    run.output
+        .iter()
+        .position(|l| l.contains(needle))
+        .unwrap_or_else(|| panic!("no line containing {needle:?} in\n{}", run.render()))
+}
+
+/// Whether helm-controller ever recorded a failed uninstall of the parent.
+fn uninstall_ever_failed(t: &Tenant) -> bool {
+    t.history.all().iter().any(|s| match s {
+        Seen::Parent(p) => {
+            ready_condition(p).is_some_and(|(_, reason, _)| reason == "UninstallFailed")
+        }
+        Seen::Gone => false,
+    })
 }
 
 // ---------------------------------------------------------------------------
@@ -273,120 +189,60 @@ fn tcps(t: &Tenant) -> Api<DynamicObject> {
     Api::namespaced_with(t.management.clone(), &t.namespace, &tcp_resource())
 }
 
-/// Waits until the simulator's log about `t` satisfies `check`.
-async fn wait_log<T>(
-    env: &common::Env,
-    t: &Tenant,
-    what: &str,
-    timeout: Duration,
-    check: impl Fn(&[LogLine]) -> Option<T>,
-) -> T {
-    eventually(what, timeout, || {
-        let lines = lines_of(env, t);
-        let got = check(&lines);
-        async move { got.ok_or_else(|| format!("log so far:\n{}", render(&lines))) }
-    })
-    .await
-}
-
-/// Waits until the parent is gone and Flux has logged removing its
-/// finalizer (the simulator logs an action after the API call that does
-/// it, so the parent can be seen gone before the line is written), and
-/// returns the log about `t`.
-async fn wait_teardown_logged(env: &common::Env, t: &Tenant, timeout: Duration) -> Vec<LogLine> {
-    t.wait_parent_gone(timeout).await;
-    let removed = format!("HelmRelease {}: finalizers.fluxcd.io removed", t.name);
-    wait_log(
-        env,
-        t,
-        "Flux's line about removing the parent's finalizer",
-        Duration::from_secs(30),
-        |lines| {
-            lines
-                .iter()
-                .any(|l| {
-                    l.component == "flux" && l.action == "finalizer-removed" && l.details == removed
-                })
-                .then(|| lines.to_vec())
-        },
-    )
-    .await
-}
-
 // ---------------------------------------------------------------------------
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_hook_runs_steps_one_to_six_in_order_and_then_flux_removes_its_finalizer() {
+async fn the_hook_runs_steps_one_to_six_in_order_and_then_flux_finishes_the_uninstall() {
     // Serialized with the test that deletes the DataVolume CRD: a CRD going
-    // away under step 5 would fail this attempt for a reason not its own.
+    // away under step 5 would fail this run for a reason not its own.
     let _serial = common::serial();
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("order")).await;
 
     t.delete_parent().await;
-    let lines = wait_teardown_logged(env, &t, Duration::from_secs(120)).await;
-    let attempt1 = hook_lines(&lines, 1);
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+    let runs = wait_runs(
+        env,
+        &t,
+        "the hook's run ended",
+        Duration::from_secs(30),
+        |r| r.iter().all(|r| r.exit.is_some()).then(|| r.to_vec()),
+    )
+    .await;
+    assert_eq!(runs.len(), 1, "one run was enough:\n{}", render(&runs));
+    let run = &runs[0];
     assert_eq!(
-        step_sequence(&attempt1),
+        run.steps(),
         vec![1, 2, 3, 4, 5, 6],
-        "the hook's steps, in order, in attempt 1:\n{}",
-        render(&lines)
+        "the hook's steps, in order:\n{}",
+        run.render()
     );
-    assert!(
-        hook_lines(&lines, 2).is_empty(),
-        "one attempt was enough:\n{}",
-        render(&lines)
-    );
-    let last = attempt1.last().expect("hook lines");
+    assert!(run.succeeded(), "{}", run.render());
     assert_eq!(
-        last.action,
-        "done",
+        run.output.last().map(String::as_str),
+        Some("Cleanup completed successfully"),
         "the hook ended after step 6:\n{}",
-        render(&lines)
+        run.render()
     );
     assert!(
-        attempt1.iter().all(|l| !l.details.contains("FAILED")),
-        "no step failed:\n{}",
-        render(&attempt1)
-    );
-    assert!(
-        attempt1
+        !run.output
             .iter()
-            .any(|l| l.action == "step1" && l.details.contains("suspended 3 child HelmReleases")),
+            .any(|l| l.contains("WARNING") || l.contains("Error from server")),
+        "no step failed or warned:\n{}",
+        run.render()
+    );
+    assert_eq!(
+        run.output
+            .iter()
+            .filter(|l| l.starts_with("  suspend "))
+            .count(),
+        3,
         "step 1 suspended the three children:\n{}",
-        render(&attempt1)
+        run.render()
     );
+    assert!(!uninstall_ever_failed(&t), "the uninstall did not fail");
 
-    // Then, and only then, Flux finishes the uninstall and removes its finalizer.
-    let parent_finalizer = format!("HelmRelease {}: finalizers.fluxcd.io removed", t.name);
-    let done_at = lines
-        .iter()
-        .position(|l| l.component == "hook" && l.action == "done")
-        .unwrap();
-    let removed_at = lines
-        .iter()
-        .position(|l| {
-            l.component == "flux"
-                && l.action == "finalizer-removed"
-                && l.details == parent_finalizer
-        })
-        .unwrap_or_else(|| panic!("no line `{parent_finalizer}`:\n{}", render(&lines)));
-    let uninstalled_at = lines
-        .iter()
-        .position(|l| {
-            l.component == "flux"
-                && l.action == "uninstalled"
-                && l.details.starts_with(&format!("HelmRelease {}:", t.name))
-        })
-        .unwrap_or_else(|| panic!("no uninstalled line:\n{}", render(&lines)));
-    assert!(
-        done_at < uninstalled_at && uninstalled_at < removed_at,
-        "hook done, then chart objects, then the finalizer:\n{}",
-        render(&lines)
-    );
-    assert!(lines[removed_at].at >= last.at);
-
-    // API state: the whole tenant went.
+    // API state: the whole tenant went, the hook's part and Helm's.
     for child in ["csi", "cilium", "coredns"] {
         assert!(
             t.hr_api()
@@ -405,11 +261,20 @@ async fn the_hook_runs_steps_one_to_six_in_order_and_then_flux_removes_its_final
         tcps(&t).get_opt(&t.name).await.unwrap().is_none(),
         "TenantControlPlane gone"
     );
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
+        Api::namespaced(t.management.clone(), &t.namespace);
+    assert!(
+        deployments
+            .get_opt(&format!("{}-kcsi-controller", t.name))
+            .await
+            .unwrap()
+            .is_none(),
+        "Helm's uninstall took the chart's objects"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_refused_kcp_delete_aborts_the_hook_and_flux_retries_it_from_step_one_with_growing_backoff()
- {
+async fn a_refused_kcp_delete_aborts_the_hook_and_flux_retries_it_from_step_one() {
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("kcpref")).await;
     let policy = format!("refuse-kcp-delete-{}", t.namespace);
@@ -426,71 +291,55 @@ async fn a_refused_kcp_delete_aborts_the_hook_and_flux_retries_it_from_step_one_
     wait_refused(&kcps(&t), &t.name, &message).await;
 
     t.delete_parent().await;
-    // Three failed attempts: 1s, 2s and 4s of backoff (--retry-base 1s, --retry-max 4s).
-    let failed = |lines: &[LogLine]| {
-        let n = lines
-            .iter()
-            .filter(|l| {
-                l.component == "hook"
-                    && l.action == "step3"
-                    && l.details.contains("FAILED, hook aborted")
-            })
-            .count();
-        let retries = parent_failures(lines, &t).len();
-        (n >= 3 && retries >= 3).then_some(())
-    };
-    wait_log(
-        env,
-        &t,
-        "three attempts failing at step 3",
-        Duration::from_secs(60),
-        failed,
-    )
+    // helm-controller records the failed uninstall...
+    let (_, _, failed) = t
+        .history
+        .next_matching(
+            "the parent UninstallFailed",
+            Duration::from_secs(120),
+            |s| match s {
+                Seen::Parent(p) => ready_condition(p)
+                    .filter(|(status, reason, _)| status == "False" && reason == "UninstallFailed"),
+                Seen::Gone => None,
+            },
+        )
+        .await;
+    assert!(
+        failed.contains(&format!("{}-pre-cleanup", t.name)),
+        "Flux names the failed hook: {failed}"
+    );
+    // ...and retries it on its own: a new Job, from step 1 again.
+    let runs = wait_runs(env, &t, "two runs ended", Duration::from_secs(90), |r| {
+        (r.iter().filter(|r| r.exit.is_some()).count() >= 2).then(|| r.to_vec())
+    })
     .await;
-    let lines = lines_of(env, &t);
-
-    for n in 1..=3 {
-        let hook = hook_lines(&lines, n);
+    for run in runs.iter().filter(|r| r.exit.is_some()) {
         assert_eq!(
-            step_sequence(&hook),
+            run.steps(),
             vec![1, 2, 3],
-            "attempt {n} ran from step 1 and stopped at step 3:\n{}",
-            render(&lines)
+            "ran from step 1 and stopped at step 3:\n{}",
+            run.render()
         );
-        let last = hook.last().unwrap();
+        assert_eq!(
+            run.exit.as_deref(),
+            Some("exit 1 (Failed)"),
+            "{}",
+            run.render()
+        );
         assert!(
-            last.action == "step3"
-                && last.details.contains("FAILED, hook aborted")
-                && last.details.contains(&message),
-            "attempt {n} ended with the refused KamajiControlPlane DELETE:\n{}",
-            render(&hook)
+            run.output.last().is_some_and(|l| l.contains(&message)),
+            "ended with the refused KamajiControlPlane DELETE (set -e):\n{}",
+            run.render()
         );
     }
-    // Step 4 was never reached: no hook line past step 3, and the control plane is untouched.
-    let beyond: Vec<_> = lines
-        .iter()
-        .filter(|l| l.component == "hook" && step_of(l).is_some_and(|n| n >= 4))
-        .cloned()
-        .collect();
-    assert!(
-        beyond.is_empty(),
-        "no step past 3 while the KCP DELETE is refused:\n{}",
-        render(&beyond)
-    );
-    assert!(
-        !lines
-            .iter()
-            .any(|l| l.component == "hook" && l.action == "done"),
-        "{}",
-        render(&lines)
-    );
+    assert_ne!(runs[0].pod, runs[1].pod, "each retry is a new Job");
     let tcp = tcps(&t)
         .get(&t.name)
         .await
         .expect("TenantControlPlane still there");
     assert!(
         tcp.metadata.deletion_timestamp.is_none(),
-        "the TenantControlPlane was not deleted"
+        "step 4 never ran"
     );
     let kcp = kcps(&t)
         .get(&t.name)
@@ -501,58 +350,21 @@ async fn a_refused_kcp_delete_aborts_the_hook_and_flux_retries_it_from_step_one_
         "the KamajiControlPlane DELETE was refused"
     );
 
-    // Flux's backoff grows between attempts, and is honoured.
-    let failures = parent_failures(&lines, &t);
-    let delays: Vec<Duration> = failures
-        .iter()
-        .map(|l| {
-            go_duration(
-                l.details
-                    .rsplit_once("retrying in ")
-                    .unwrap_or_else(|| panic!("no delay in {l:?}"))
-                    .1
-                    .trim(),
-            )
-        })
-        .collect();
-    assert!(
-        delays[0] < delays[1] && delays[1] < delays[2],
-        "backoff grows: {delays:?}"
-    );
-    for n in 1..=2usize {
-        let retried = lines
-            .iter()
-            .find(|l| {
-                l.component == "flux"
-                    && l.action == "uninstall"
-                    && l.details.contains(&format!("attempt {}:", n + 1))
-            })
-            .unwrap_or_else(|| panic!("no attempt {}:\n{}", n + 1, render(&lines)));
-        let waited = Duration::try_from(retried.at.duration_since(failures[n - 1].at))
-            .unwrap_or(Duration::ZERO);
-        assert!(
-            waited + Duration::from_millis(20) >= delays[n - 1],
-            "attempt {} came {waited:?} after failure {n}, before its backoff of {:?}",
-            n + 1,
-            delays[n - 1]
-        );
-    }
-
-    // The refusal ends: the next retry goes all the way and the teardown completes.
+    // The refusal ends: Flux's next retry goes all the way.
     delete_binding(&t, &policy).await;
-    let lines = wait_teardown_logged(env, &t, Duration::from_secs(90)).await;
-    let done = lines
-        .iter()
-        .find(|l| l.component == "hook" && l.action == "done")
-        .unwrap_or_else(|| panic!("{}", render(&lines)));
-    let n = attempt_of(done).unwrap();
-    assert!(n > 3, "the completing run is a later attempt: {n}");
-    assert_eq!(
-        step_sequence(&hook_lines(&lines, n)),
-        vec![1, 2, 3, 4, 5, 6],
-        "the completing attempt ran every step:\n{}",
-        render(&lines)
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+    let runs = wait_runs(env, &t, "every run ended", Duration::from_secs(30), |r| {
+        r.iter().all(|r| r.exit.is_some()).then(|| r.to_vec())
+    })
+    .await;
+    let last = runs.last().unwrap();
+    assert!(
+        runs.len() > 2,
+        "the completing run is a later one:\n{}",
+        render(&runs)
     );
+    assert_eq!(last.steps(), vec![1, 2, 3, 4, 5, 6], "{}", last.render());
+    assert!(last.succeeded(), "{}", last.render());
     assert!(
         kcps(&t).get_opt(&t.name).await.unwrap().is_none(),
         "KamajiControlPlane gone"
@@ -584,61 +396,40 @@ async fn a_refused_child_delete_makes_step_two_strip_the_children_finalizers_and
     wait_refused(&t.hr_api(), &cilium, &message).await;
 
     t.delete_parent().await;
-    let lines = wait_teardown_logged(env, &t, Duration::from_secs(120)).await;
-    let hook = hook_lines(&lines, 1);
-    let warned = hook
-        .iter()
-        .position(|l| {
-            l.action == "step2"
-                && l.details.contains("WARNING")
-                && l.details.contains(&cilium)
-                && l.details.contains(&message)
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "step 2 warned about the refused DELETE of {cilium}:\n{}",
-                render(&lines)
-            )
-        });
-    let cleared = hook
-        .iter()
-        .position(|l| {
-            l.action == "step2"
-                && l.details
-                    .ends_with(&format!("force-cleared finalizers on HelmRelease {cilium}"))
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "step 2 force-cleared the finalizers of {cilium}:\n{}",
-                render(&lines)
-            )
-        });
-    let step3 = hook
-        .iter()
-        .position(|l| {
-            l.action == "step3"
-                && l.details
-                    .contains(&format!("deleted KamajiControlPlane {}", t.name))
-        })
-        .unwrap_or_else(|| panic!("attempt 1 carried on to step 3:\n{}", render(&lines)));
+    let run = wait_runs(
+        env,
+        &t,
+        "the first run ended",
+        Duration::from_secs(120),
+        |r| r.first().filter(|r| r.exit.is_some()).cloned(),
+    )
+    .await;
+    let refused = line_of(&run, &message);
+    let warned = line_of(
+        &run,
+        &format!("WARNING: the child HelmReleases of {} did not go", t.name),
+    );
+    let cleared = line_of(
+        &run,
+        &format!("clear the finalizers of helmrelease.helm.toolkit.fluxcd.io/{cilium}"),
+    );
+    let step3 = line_of(&run, "Step 3:");
     assert!(
-        warned < cleared && cleared < step3,
-        "warn, strip, then step 3:\n{}",
-        render(&hook)
+        line_of(&run, "Step 2:") < refused
+            && refused < step3
+            && warned < cleared
+            && cleared < step3,
+        "refused, warned, stripped, then step 3:\n{}",
+        run.render()
     );
     assert!(
-        !hook.iter().any(|l| l.details.contains("FAILED")),
+        run.succeeded(),
         "nothing aborted the hook:\n{}",
-        render(&hook)
+        run.render()
     );
-    assert_eq!(
-        hook.last().map(|l| l.action.as_str()),
-        Some("done"),
-        "attempt 1 completed:\n{}",
-        render(&hook)
-    );
+    assert_eq!(run.steps(), vec![1, 2, 3, 4, 5, 6], "{}", run.render());
 
-    // The refused child is still there, never deleted, and its finalizers are gone.
+    // The refused child is still there, never deleted, its finalizers gone.
     let c = t
         .hr_api()
         .get(&cilium)
@@ -653,22 +444,36 @@ async fn a_refused_child_delete_makes_step_two_strip_the_children_finalizers_and
         "its finalizers were stripped"
     );
     for child in ["csi", "coredns"] {
-        assert!(
-            t.hr_api()
-                .get_opt(&format!("{}-{child}", t.name))
-                .await
-                .unwrap()
-                .is_none(),
-            "child {child} deleted"
-        );
+        let name = format!("{}-{child}", t.name);
+        eventually(
+            &format!("child {name} gone"),
+            Duration::from_secs(60),
+            || {
+                let api = t.hr_api();
+                let name = name.clone();
+                async move {
+                    match api.get_opt(&name).await.map_err(|e| e.to_string())? {
+                        None => Ok(()),
+                        Some(o) => Err(format!("finalizers {:?}", o.metadata.finalizers)),
+                    }
+                }
+            },
+        )
+        .await;
     }
     assert!(
         kcps(&t).get_opt(&t.name).await.unwrap().is_none(),
         "step 3 deleted the KamajiControlPlane"
     );
 
+    // Helm's own delete of the child is refused too, and fails the
+    // uninstall; once the policy goes, Flux's retry finishes it.
     delete_policy(&t, &policy).await;
-    let _ = t.hr_api().delete(&cilium, &DeleteParams::default()).await;
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+    assert!(
+        t.hr_api().get_opt(&cilium).await.unwrap().is_none(),
+        "{cilium} went with the release"
+    );
 }
 
 const DATAVOLUME_CRD: &str = "datavolumes.cdi.kubevirt.io";
@@ -722,37 +527,32 @@ async fn step_five_without_the_datavolume_crd_is_skipped_not_a_failure() {
     .await;
 
     t.delete_parent().await;
-    let lines = wait_teardown_logged(env, &t, Duration::from_secs(120)).await;
-    let hook = hook_lines(&lines, 1);
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+    let runs = wait_runs(
+        env,
+        &t,
+        "the hook's run ended",
+        Duration::from_secs(30),
+        |r| r.iter().all(|r| r.exit.is_some()).then(|| r.to_vec()),
+    )
+    .await;
+    assert_eq!(runs.len(), 1, "the first run completed:\n{}", render(&runs));
+    let run = &runs[0];
     assert!(
-        hook.iter().any(|l| l.action == "step5"
-            && l.details
-                .contains("DataVolumes not served (CDI not installed): skipped")),
+        run.output
+            .iter()
+            .any(|l| l == "  CDI is not installed: no DataVolumes"),
         "step 5 was skipped:\n{}",
-        render(&lines)
-    );
-    assert!(
-        !lines.iter().any(|l| l.details.contains("FAILED")),
-        "no step failed:\n{}",
-        render(&lines)
-    );
-    assert!(
-        parent_failures(&lines, &t).is_empty(),
-        "the uninstall did not fail:\n{}",
-        render(&lines)
+        run.render()
     );
     assert_eq!(
-        step_sequence(&hook),
+        run.steps(),
         vec![1, 2, 3, 4, 5, 6],
         "step 6 ran after the skipped step 5:\n{}",
-        render(&hook)
+        run.render()
     );
-    assert_eq!(
-        hook.last().map(|l| l.action.as_str()),
-        Some("done"),
-        "the first attempt completed:\n{}",
-        render(&hook)
-    );
+    assert!(run.succeeded(), "{}", run.render());
+    assert!(!uninstall_ever_failed(&t), "the uninstall did not fail");
 
     // Leave the cluster as the other tests of this binary found it.
     common::manifests::apply_file(
@@ -827,19 +627,25 @@ async fn deleting_the_tenant_control_plane_stops_the_tenant_api_server_and_gc_re
     eprintln!("tenant /readyz after the TCP went: {why}");
     // It was stopped (not a blip): the simulator's Kamaji stopped that very cluster.
     let stopped = format!(
-        "tenant API server (harness cluster {}) stopped",
-        t.cluster.name
+        "{}/{} stopped tenant API server (harness cluster {}) stopped",
+        t.namespace, t.name, t.cluster.name
     );
-    wait_log(
-        env,
-        &t,
+    eventually(
         "kamaji stopped the tenant API server",
         Duration::from_secs(30),
-        |lines| {
-            lines
-                .iter()
-                .any(|l| l.component == "kamaji" && l.action == "stopped" && l.details == stopped)
-                .then_some(())
+        || {
+            let seen = env
+                .sim
+                .log()
+                .lines()
+                .any(|l| l.contains(" kamaji ") && l.contains(&stopped));
+            async move {
+                if seen {
+                    Ok(())
+                } else {
+                    Err("not yet".to_string())
+                }
+            }
         },
     )
     .await;

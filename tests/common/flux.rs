@@ -57,6 +57,17 @@ pub async fn flux_with(
         .await
 }
 
+/// The spec of a HelmRelease that Flux leaves alone (suspended; its chart
+/// named as Cozystack's are): for objects a test needs only as API objects.
+/// Deleting one, helm-controller only removes its finalizer.
+pub fn inert_spec(chart: &str) -> serde_json::Value {
+    json!({
+        "chart": {"spec": {"chart": chart, "sourceRef": {"kind": "HelmRepository", "name": "cozystack-apps", "namespace": "cozy-public"}}},
+        "interval": "5m",
+        "suspend": true,
+    })
+}
+
 /// helm-controller's first retry of a failed reconcile (an uninstall refused
 /// by the gate) comes this long after the failure, growing to
 /// `MAX_RETRY_DELAY`: a retry within a test's bounds can only be one that

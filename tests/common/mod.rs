@@ -40,20 +40,42 @@ pub fn ungated() -> &'static Env {
     ENV.get_or_init(|| start_env(None))
 }
 
+/// As [`ungated`], with helm-controller retrying a failed reconcile after
+/// `min_retry_delay` growing to `max_retry_delay` (the first caller's win):
+/// for tests of Flux's own retries.
+pub fn ungated_with_flux_retry(
+    min_retry_delay: &'static str,
+    max_retry_delay: &'static str,
+) -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| start_env_with(None, (min_retry_delay, max_retry_delay)))
+}
+
 /// The control plane, the gate with `worker_args` (none: only the CRDs),
-/// and the simulator; tenants are installed by the real helm-controller
-/// (`flux::flux`, started by the first `Tenant::create`).
+/// Flux's real helm-controller (`flux::flux`), and the simulator; tenants
+/// are installed by helm-controller (`Tenant::create`).
 fn start_env(worker_args: Option<Vec<String>>) -> Env {
+    start_env_with(worker_args, (flux::MIN_RETRY_DELAY, flux::MAX_RETRY_DELAY))
+}
+
+/// As [`start_env`], with helm-controller's retry delays; Flux's real CRDs
+/// (HelmRelease among them) are installed before any test runs.
+fn start_env_with(
+    worker_args: Option<Vec<String>>,
+    flux_retry: (&'static str, &'static str),
+) -> Env {
     let cp = cluster::control_plane();
     let gate = std::thread::spawn(move || {
         let rt = tokio::runtime::Runtime::new().unwrap();
-        match worker_args {
+        let gate = match worker_args {
             Some(args) => Some(rt.block_on(gate::Gate::install_with(cp, args))),
             None => {
                 rt.block_on(gate::apply_crds(cp));
                 None
             }
-        }
+        };
+        rt.block_on(flux::flux_with(cp, flux_retry.0, flux_retry.1));
+        gate
     })
     .join()
     .expect("gate install");

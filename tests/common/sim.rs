@@ -84,3 +84,123 @@ impl Simulator {
         self.process.log_text()
     }
 }
+
+/// One run of a Job's Pod on the simulator's management node, from its log
+/// (`TIME job N/JOB running|output|exited pod P: ...`).
+#[derive(Debug, Clone)]
+pub struct JobRun {
+    pub pod: String,
+    /// When the simulator started the Pod's script.
+    pub started: jiff::Timestamp,
+    /// The script's output lines (stdout and stderr), in order.
+    pub output: Vec<String>,
+    /// `exit N (Phase)`, once it ended.
+    pub exit: Option<String>,
+}
+
+impl JobRun {
+    /// The numbers of the `Step N` lines the run printed, in order, repeats
+    /// collapsed (`Step 4b` is part of step 4).
+    pub fn steps(&self) -> Vec<u32> {
+        let mut seq: Vec<u32> = Vec::new();
+        for l in &self.output {
+            let Some(rest) = l.strip_prefix("Step ") else {
+                continue;
+            };
+            let digits: String = rest.chars().take_while(|c| c.is_ascii_digit()).collect();
+            let n: u32 = digits
+                .parse()
+                .unwrap_or_else(|_| panic!("unparseable step in {l:?}"));
+            if seq.last() != Some(&n) {
+                seq.push(n);
+            }
+        }
+        seq
+    }
+
+    pub fn succeeded(&self) -> bool {
+        self.exit.as_deref() == Some("exit 0 (Succeeded)")
+    }
+
+    pub fn render(&self) -> String {
+        format!(
+            "pod {} started {}:\n  {}\n  => {}",
+            self.pod,
+            self.started,
+            self.output.join("\n  "),
+            self.exit.as_deref().unwrap_or("(running)")
+        )
+    }
+}
+
+impl Simulator {
+    /// The simulator's lines about Job `namespace/job`, in log order.
+    pub fn job_lines(&self, namespace: &str, job: &str) -> Vec<String> {
+        let key = format!(" job {namespace}/{job} ");
+        self.log()
+            .lines()
+            .filter(|l| l.contains(&key))
+            .map(str::to_string)
+            .collect()
+    }
+
+    /// The lines about tenant release `release`'s pre-delete hook
+    /// (Job `<release>-pre-cleanup` of the tenant chart).
+    pub fn hook_lines(&self, namespace: &str, release: &str) -> Vec<String> {
+        self.job_lines(namespace, &format!("{release}-pre-cleanup"))
+    }
+
+    /// The runs of Job `namespace/job` (one per Pod: Helm creates a new Job
+    /// for each attempt of a hook), in the order they started.
+    pub fn job_runs(&self, namespace: &str, job: &str) -> Vec<JobRun> {
+        let mut runs: Vec<JobRun> = Vec::new();
+        for line in self.job_lines(namespace, job) {
+            // `TIME job<padding> KEY ACTION pod P: DETAIL`
+            let mut rest = line.as_str();
+            let mut fields = [""; 4];
+            for f in &mut fields {
+                rest = rest.trim_start();
+                let end = rest.find(' ').unwrap_or(rest.len());
+                *f = &rest[..end];
+                rest = &rest[end..];
+            }
+            let [at, _, _, action] = fields;
+            let rest = rest.strip_prefix(' ').unwrap_or(rest);
+            let Some((pod, detail)) = rest
+                .strip_prefix("pod ")
+                .and_then(|r| r.split_once(": "))
+                .or_else(|| {
+                    rest.strip_prefix("pod ")
+                        .map(|r| (r.trim_end_matches(':'), ""))
+                })
+            else {
+                continue;
+            };
+            match action {
+                "running" => runs.push(JobRun {
+                    pod: pod.to_string(),
+                    started: at.parse().expect("simulator log timestamp"),
+                    output: Vec::new(),
+                    exit: None,
+                }),
+                "output" | "exited" => {
+                    let Some(run) = runs.iter_mut().rev().find(|r| r.pod == pod) else {
+                        continue;
+                    };
+                    if action == "output" {
+                        run.output.push(detail.to_string());
+                    } else {
+                        run.exit = Some(detail.to_string());
+                    }
+                }
+                _ => {}
+            }
+        }
+        runs
+    }
+
+    /// The runs of release `release`'s pre-delete hook (see [`Simulator::job_runs`]).
+    pub fn hook_runs(&self, namespace: &str, release: &str) -> Vec<JobRun> {
+        self.job_runs(namespace, &format!("{release}-pre-cleanup"))
+    }
+}
