@@ -17,15 +17,6 @@ use volume_gate::record::Phase;
 
 /// The hook's lines in the simulator's log for tenant `t` (the Job is
 /// `R-pre-cleanup`).
-fn hook_lines(sim: &common::sim::Simulator, t: &Tenant) -> Vec<String> {
-    let job = format!(" {}/{}-pre-cleanup ", t.namespace, t.name);
-    sim.log()
-        .lines()
-        .filter(|l| l.contains(" job ") && l.contains(&job))
-        .map(str::to_string)
-        .collect()
-}
-
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_real_flux_the_gate_fails_the_hook_until_the_volumes_are_freed_and_the_retry_request_finishes_the_teardown()
  {
@@ -64,7 +55,7 @@ async fn on_real_flux_the_gate_fails_the_hook_until_the_volumes_are_freed_and_th
             && message.contains("Failed"),
         "Flux names the failed hook: {message}"
     );
-    let hook = hook_lines(&env.sim, &t);
+    let hook = env.sim.hook_lines(&t.namespace, &t.name);
     assert!(
         hook.iter()
             .any(|l| l.contains("denied the request") && l.contains("volume-gate")),
@@ -88,7 +79,7 @@ async fn on_real_flux_the_gate_fails_the_hook_until_the_volumes_are_freed_and_th
 
     // The hook ran twice: refused at step 3 with the gate's message, then,
     // after Released, to the end.
-    let hook = hook_lines(&env.sim, &t);
+    let hook = env.sim.hook_lines(&t.namespace, &t.name);
     let runs = hook.iter().filter(|l| l.contains(" running ")).count();
     assert!(
         runs >= 2,

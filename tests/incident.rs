@@ -29,23 +29,21 @@ async fn without_the_gate_the_real_teardown_leaks_every_volume() {
         after, before,
         "THE INCIDENT, on real Flux: the hook took the CSI driver away before the claims, so every volume stayed"
     );
-    let log = env.sim.log();
-    let job = format!(" {}/{}-pre-cleanup ", t.namespace, t.name);
-    let hook: Vec<&str> = log
-        .lines()
-        .filter(|l| l.contains(" job ") && l.contains(&job))
-        .collect();
-    assert_eq!(
-        hook.iter().filter(|l| l.contains(" running ")).count(),
-        1,
-        "one run of the hook did it:\n{}",
-        hook.join("\n")
-    );
+    let runs = env.sim.hook_runs(&t.namespace, &t.name);
+    let render = || {
+        runs.iter()
+            .map(|r| r.render())
+            .collect::<Vec<_>>()
+            .join("\n")
+    };
+    assert_eq!(runs.len(), 1, "one run of the hook did it:\n{}", render());
     assert!(
-        hook.iter()
-            .any(|l| l.contains("Cleanup completed successfully")),
+        runs[0]
+            .output
+            .iter()
+            .any(|l| l == "Cleanup completed successfully"),
         "{}",
-        hook.join("\n")
+        render()
     );
 }
 

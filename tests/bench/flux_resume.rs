@@ -75,11 +75,9 @@ fn next_hook_start(
     t: &Tenant,
     since: jiff::Timestamp,
 ) -> Option<jiff::Timestamp> {
-    let job = format!(" {}/{}-pre-cleanup running ", t.namespace, t.name);
-    sim.log()
-        .lines()
-        .filter(|l| l.contains(" job ") && l.contains(&job))
-        .filter_map(|l| l.split_whitespace().next()?.parse::<jiff::Timestamp>().ok())
+    sim.hook_runs(&t.namespace, &t.name)
+        .into_iter()
+        .map(|r| r.started)
         .find(|at| *at > since)
 }
 

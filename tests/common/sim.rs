@@ -136,10 +136,11 @@ impl JobRun {
 impl Simulator {
     /// The simulator's lines about Job `namespace/job`, in log order.
     pub fn job_lines(&self, namespace: &str, job: &str) -> Vec<String> {
-        let key = format!(" job {namespace}/{job} ");
+        // `TIME job<padding> N/JOB ...`
+        let key = format!(" {namespace}/{job} ");
         self.log()
             .lines()
-            .filter(|l| l.contains(&key))
+            .filter(|l| l.contains(" job ") && l.contains(&key))
             .map(str::to_string)
             .collect()
     }

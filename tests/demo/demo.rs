@@ -133,13 +133,7 @@ async fn main() {
         5,
         "The pre-delete hook (a real Job, run by Flux's Helm): refused while the volumes were held, then to the end",
     );
-    let job = format!(" {}/{}-pre-cleanup ", t.namespace, t.name);
-    for line in env
-        .sim
-        .log()
-        .lines()
-        .filter(|l| l.contains(" job ") && l.contains(&job))
-    {
+    for line in env.sim.hook_lines(&t.namespace, &t.name) {
         if [
             " running ",
             " exited ",
@@ -152,7 +146,7 @@ async fn main() {
         {
             // `TIME job N/JOB ACTION pod P: TEXT` -> `ACTION: TEXT`
             let action = line.split_whitespace().nth(3).unwrap_or("");
-            let text = line.split_once(": ").map_or(line, |(_, t)| t);
+            let text = line.split_once(": ").map_or(line.as_str(), |(_, t)| t);
             let short: String = format!("{action}: {text}").chars().take(300).collect();
             println!("    {short}");
         }
