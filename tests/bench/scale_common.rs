@@ -410,7 +410,7 @@ async fn wait_admin_ready(admin_port: u16, process: &Process) {
 }
 
 fn json_spec_small() -> serde_json::Value {
-    serde_json::json!({"spec": {"chart": {"spec": {"chart": "kubernetes"}}, "interval": "5m"}})
+    serde_json::json!({"spec": crate::common::flux::inert_spec("kubernetes")})
 }
 
 /// A parent HelmRelease with Cozystack's labels and `body` (`{"spec": ...}`).

@@ -1,6 +1,8 @@
-//! The simulator (`harness sim`): storage ledger, CSI driver, kubelet, and
-//! Flux with the tenant chart's pre-delete hook. The storage directory is
-//! the ground truth: one file per volume, named by its volumeHandle.
+//! The simulator (`harness sim`): storage ledger, CSI driver, kubelets,
+//! Kamaji's control-plane stop, and the management node that runs the Pods
+//! of Jobs (the tenant chart's pre-delete hook, created by the real
+//! helm-controller). The storage directory is the ground truth: one file per
+//! volume, named by its volumeHandle.
 
 use std::path::PathBuf;
 use std::process::Command;
@@ -46,16 +48,10 @@ impl Simulator {
             .args([
                 "--control",
                 &control,
-                "--retry-base",
-                "1s",
-                "--retry-max",
-                "4s",
-                "--hook-timeout",
-                "10s",
                 "--probe-interval",
                 "1s",
+                "--run-jobs",
             ]);
-        cmd.args(["--flux=false", "--run-jobs"]);
         let log = cp
             .state
             .join("logs")

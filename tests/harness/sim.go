@@ -1,11 +1,13 @@
 package main
 
-// The simulator stands in for everything a Cozystack installation has and
-// this machine lacks: the hypervisor's storage, the tenant's CSI driver, a
-// kubelet, Flux's helm-controller with the tenant chart's pre-delete hook,
-// and the part of Kamaji that stops a tenant API server. It drives the real
-// API servers that `harness up` runs, so the tests see real finalizers,
-// real garbage collection and real admission.
+// The simulator stands in for what a Cozystack installation has and this
+// machine lacks: the hypervisor's storage, the tenant's CSI driver, a
+// kubelet, the management node that runs the Pods of Jobs (the tenant
+// chart's pre-delete hook, which the real helm-controller creates), and the
+// part of Kamaji that stops a tenant API server. It drives the real API
+// servers that `harness up` runs, so the tests see real finalizers, real
+// garbage collection and real admission. Flux is not simulated: the tests
+// run the real helm-controller (tests/flux/build.sh).
 //
 //	sim.go          flags, log, management informers, tenant registry
 //	sim_storage.go  the storage ledger (one file per volume)
@@ -13,7 +15,6 @@ package main
 //	sim_driver.go   CSI external-provisioner (CreateVolume / DeleteVolume)
 //	sim_snapshot.go VolumeSnapshots, when the tenant serves that API
 //	sim_kubelet.go  the fake Node "sim-node" and its Pods
-//	sim_flux.go     helm-controller uninstall + the pre-delete hook
 //	sim_jobs.go     the management cluster's Job Pods (real hooks) run locally
 //	sim_kamaji.go   TenantControlPlane deleted -> tenant API server stopped
 
@@ -51,7 +52,6 @@ import (
 // Names of the components the simulator plays (Flux, Kamaji) and of the
 // harness; the platform's names come from the profile (sim_profile.go).
 const (
-	fluxFinalizer   = "finalizers.fluxcd.io"
 	kamajiFinalizer = "finalizer.kamaji.clastix.io"
 	// annHarnessCluster on a TenantControlPlane names the harness cluster
 	// that serves as that tenant's API server.
@@ -73,16 +73,12 @@ var (
 
 type simConfig struct {
 	profile       string
-	flux          bool // emulate Flux and the tenant chart's hook (off when the real helm-controller runs)
 	runJobs       bool // run the Pods of Jobs in the management cluster (the real hook, under real Flux)
 	management    string
 	storage       string
 	control       string
 	driver        string
 	graceCap      time.Duration
-	hookTimeout   time.Duration
-	retryBase     time.Duration
-	retryMax      time.Duration
 	probeInterval time.Duration
 	heartbeat     time.Duration
 	namespaces    map[string]bool // empty: every namespace
@@ -115,16 +111,12 @@ func parseSimFlags(args []string) (simConfig, error) {
 	var cfg simConfig
 	var nss names
 	fs.StringVar(&cfg.profile, "profile", "", "volume-gate's profile as JSON (`volume-gate profile` prints it): the platform's names (required)")
-	fs.BoolVar(&cfg.flux, "flux", true, "emulate Flux's helm-controller and the tenant chart's pre-delete hook; false when the real helm-controller runs")
 	fs.BoolVar(&cfg.runJobs, "run-jobs", false, "run the Pods of Jobs in the management cluster (a chart's hooks) as local shell processes on node "+jobsNodeName)
 	fs.StringVar(&cfg.management, "management", "", "kubeconfig of the management cluster (required)")
 	fs.StringVar(&cfg.storage, "storage", "", "directory of the storage ledger: one file per volume (required)")
 	fs.StringVar(&cfg.control, "control", "", "URL of the harness control API, to stop a tenant API server when its TenantControlPlane is deleted (required)")
 	fs.StringVar(&cfg.driver, "driver", "csi.volume-gate.test", "CSI driver name to simulate")
 	fs.DurationVar(&cfg.graceCap, "grace-cap", 5*time.Second, "longest termination grace period the kubelet honours")
-	fs.DurationVar(&cfg.hookTimeout, "hook-timeout", 20*time.Second, "bounded waits of the pre-delete hook (kubectl --timeout)")
-	fs.DurationVar(&cfg.retryBase, "retry-base", 2*time.Second, "first delay before Flux retries a failed uninstall")
-	fs.DurationVar(&cfg.retryMax, "retry-max", 30*time.Second, "longest delay between uninstall retries")
 	fs.DurationVar(&cfg.probeInterval, "probe-interval", 2*time.Second, "how often each tenant API is asked /readyz")
 	fs.DurationVar(&cfg.heartbeat, "heartbeat", 10*time.Second, "how often the kubelet renews its Lease and Ready condition")
 	fs.Var(&nss, "namespace", "tenant namespace to simulate (repeatable; default: every namespace)")
@@ -136,9 +128,8 @@ func parseSimFlags(args []string) (simConfig, error) {
 			return cfg, fmt.Errorf("%s is required", flagName)
 		}
 	}
-	if cfg.graceCap < 0 || cfg.hookTimeout <= 0 || cfg.retryBase <= 0 || cfg.retryMax < cfg.retryBase ||
-		cfg.probeInterval <= 0 || cfg.heartbeat <= 0 {
-		return cfg, errors.New("durations must be positive and --retry-max >= --retry-base")
+	if cfg.graceCap < 0 || cfg.probeInterval <= 0 || cfg.heartbeat <= 0 {
+		return cfg, errors.New("durations must be positive")
 	}
 	cfg.control = strings.TrimRight(cfg.control, "/")
 	cfg.namespaces = map[string]bool{}
@@ -185,7 +176,6 @@ type sim struct {
 	hrs  *lazyInformer // HelmReleases; started once the CRD is served
 	tcps *lazyInformer // TenantControlPlanes; likewise
 
-	flux   *flux
 	jobs   *jobs
 	kamaji *kamaji
 
@@ -225,9 +215,6 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 		cfg: cfg, log: l, store: store, mgmt: mgmt, dyn: dyn, restCfg: restCfg, disc: mgmt.Discovery(),
 		ctx: ctx, tenants: map[string]*tenant{},
 	}
-	if s.cfg.flux {
-		s.flux = newFlux(s)
-	}
 	if s.cfg.runJobs {
 		if s.jobs, err = newJobs(s); err != nil {
 			return err
@@ -238,8 +225,8 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 	if len(cfg.namespaces) > 0 {
 		scope = "namespaces " + strings.Join(slices.Sorted(maps.Keys(cfg.namespaces)), ",")
 	}
-	s.log.printf("sim", "", "start", "management=%s storage=%s driver=%s scope=%q grace-cap=%s hook-timeout=%s retry=%s..%s",
-		restCfg.Host, store.dir, cfg.driver, scope, cfg.graceCap, cfg.hookTimeout, cfg.retryBase, cfg.retryMax)
+	s.log.printf("sim", "", "start", "management=%s storage=%s driver=%s scope=%q grace-cap=%s run-jobs=%t",
+		restCfg.Host, store.dir, cfg.driver, scope, cfg.graceCap, cfg.runJobs)
 
 	factory := dynamicinformer.NewDynamicSharedInformerFactory(dyn, 0)
 	s.hrs = newLazyInformer(s, factory, gvrHelmRelease, cache.ResourceEventHandlerFuncs{
@@ -256,9 +243,6 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 	// both caches on every round, so the order they start in does not matter.
 	s.wg.Go(func() { s.tcps.run(ctx) })
 	s.wg.Go(func() { s.hrs.run(ctx) })
-	if s.flux != nil {
-		s.wg.Go(func() { s.flux.run(ctx) })
-	}
 	if s.jobs != nil {
 		s.wg.Go(func() { s.jobs.run(ctx) })
 	}
@@ -301,9 +285,6 @@ func (s *sim) onHelmRelease(obj any) {
 	}
 	if r, ok := strings.CutSuffix(hr.GetName(), prof.csiSuffix); ok {
 		s.kickTenant(ns, r)
-	}
-	if s.flux != nil {
-		s.flux.onUpdate(hr)
 	}
 }
 
