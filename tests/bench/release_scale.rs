@@ -7,7 +7,9 @@
 //! kube-apiserver / kube-controller-manager / kube-scheduler / etcd), the
 //! gate installed as the fixture installs it (manifests, RBAC, TokenRequest
 //! identities, shipped webhook configurations; worker with its default
-//! flags), and the simulator (CSI driver, kubelet, Flux + pre-delete hook).
+//! flags), the simulator (CSI driver, kubelet, the management node running
+//! Job Pods), and the real helm-controller, which installs each tenant from
+//! the tenant chart and runs its real pre-delete hook.
 //!
 //! For each size and round, two identical tenants are built: N claims of the
 //! simulated driver over a few namespaces (created with bounded concurrency,

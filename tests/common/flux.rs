@@ -118,6 +118,13 @@ impl Flux {
             "--watch-all-namespaces=true",
             "--enable-leader-election=false",
             "--feature-gates=ExternalArtifact=true",
+            // Flux's default is 4 workers; platforms running many releases
+            // raise it (10 in the Flux operator's cluster-size profiles and
+            // its FluxInstance examples). With 4, a parent release whose
+            // install waits for its child releases to be Ready holds a
+            // worker the children need, and tenants built 8 at a time queue
+            // behind each other for minutes.
+            "--concurrent=10",
             "--events-addr=",
             "--log-encoding=json",
             "--log-level=debug",
@@ -256,24 +263,37 @@ impl ChartServer {
     /// `helm package`'s layout with the system `tar`: a gzipped tarball
     /// whose top folder is the chart, one file per artifact (tests publish
     /// at once). Returns its file name and digest.
+    /// Packages `chart` as a tarball named by its digest
+    /// (`<artifact>-<digest>.tgz`, written under a temporary name and
+    /// renamed): a file once served never changes, so an ExternalArtifact's
+    /// status and the bytes it points at always agree, even while tenants
+    /// sharing a namespace publish the same chart at once.
     fn package(&self, chart: &Path, artifact: &str) -> (String, String) {
+        static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let name = chart
             .file_name()
             .expect("chart folder")
             .to_string_lossy()
             .to_string();
-        let file = format!("{artifact}.tgz");
-        let status = Command::new("tar")
-            .arg("-C")
+        let tmp = self.dir.join(format!(
+            ".{artifact}.{}.tmp",
+            SEQ.fetch_add(1, std::sync::atomic::Ordering::SeqCst)
+        ));
+        // Reproducible bytes (sorted entries, fixed owners and times, no gzip
+        // timestamp): the same chart is the same revision, so publishing it
+        // again for another tenant does not make Flux upgrade the first.
+        let status = Command::new("sh")
+            .arg("-c")
+            .arg(r#"tar -C "$1" --sort=name --mtime=@0 --owner=0 --group=0 --numeric-owner -cf - "$2" | gzip -n > "$3""#)
+            .arg("package")
             .arg(chart.parent().expect("charts folder"))
-            .arg("-czf")
-            .arg(self.dir.join(&file))
             .arg(&name)
+            .arg(&tmp)
             .status()
             .expect("run tar");
         assert!(status.success(), "tar of {}", chart.display());
         let out = Command::new("sha256sum")
-            .arg(self.dir.join(&file))
+            .arg(&tmp)
             .output()
             .expect("run sha256sum");
         let hex = String::from_utf8_lossy(&out.stdout)
@@ -281,6 +301,8 @@ impl ChartServer {
             .next()
             .expect("a digest")
             .to_string();
+        let file = format!("{artifact}-{}.tgz", &hex[..16]);
+        std::fs::rename(&tmp, self.dir.join(&file)).expect("rename the chart tarball");
         (file, format!("sha256:{hex}"))
     }
 }
