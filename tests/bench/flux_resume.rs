@@ -56,6 +56,9 @@ struct Args {
     /// Bound on one round (DELETE to the last parent gone).
     #[arg(long, default_value = "40m")]
     round_timeout: String,
+    /// helm-controller's workers (`--concurrent`; Flux's default is 4).
+    #[arg(long, default_value_t = 4)]
+    flux_concurrent: u32,
 }
 
 struct Sample {
@@ -156,11 +159,11 @@ async fn main() {
     let mut gate = BenchGate::install(cp, "flux", &common::gate::test_worker_args(), "info").await;
     let sim: &'static common::sim::Simulator =
         Box::leak(Box::new(common::sim::Simulator::start(cp)));
-    common::flux::flux_with(cp, "750ms", "15m").await;
+    common::flux::flux_with(cp, "750ms", "15m", args.flux_concurrent).await;
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
-        "machine: {cores} cores; helm-controller retry delays 750ms..15m (its defaults); phases {:?}, {} per phase",
-        args.phases, args.reps
+        "machine: {cores} cores; helm-controller retry delays 750ms..15m (its defaults), --concurrent={}; phases {:?}, {} per phase",
+        args.flux_concurrent, args.phases, args.reps
     );
 
     let with = round(cp, sim, &args, "with request").await;

@@ -42,7 +42,7 @@ pub struct Flux {
 
 /// This test binary's helm-controller, started on first use.
 pub async fn flux(cp: &ControlPlane) -> &'static Flux {
-    flux_with(cp, MIN_RETRY_DELAY, MAX_RETRY_DELAY).await
+    flux_with(cp, MIN_RETRY_DELAY, MAX_RETRY_DELAY, CONCURRENT).await
 }
 
 /// As [`flux`], started with these retry delays if this is the first use
@@ -51,9 +51,10 @@ pub async fn flux_with(
     cp: &ControlPlane,
     min_retry_delay: &str,
     max_retry_delay: &str,
+    concurrent: u32,
 ) -> &'static Flux {
     static FLUX: tokio::sync::OnceCell<Flux> = tokio::sync::OnceCell::const_new();
-    FLUX.get_or_init(|| Flux::start_with(cp, min_retry_delay, max_retry_delay))
+    FLUX.get_or_init(|| Flux::start_with(cp, min_retry_delay, max_retry_delay, concurrent))
         .await
 }
 
@@ -79,20 +80,27 @@ pub fn inert_spec(chart: &str) -> serde_json::Value {
 pub const MIN_RETRY_DELAY: &str = "10m";
 pub const FLUX_FINALIZER: &str = "finalizers.fluxcd.io";
 pub const MAX_RETRY_DELAY: &str = "15m";
+/// helm-controller's workers in the tests. Flux's default is 4; platforms
+/// running many releases raise it (10 in the Flux operator's cluster-size
+/// profiles and its FluxInstance examples). With 4, parent releases whose
+/// install waits for their child releases to be Ready hold the workers the
+/// children need, and tenants built a few at a time queue for minutes.
+pub const CONCURRENT: u32 = 10;
 
 impl Flux {
     /// Installs Flux's real CRDs (replacing the fixture's HelmRelease CRD)
     /// and starts helm-controller with the ExternalArtifact feature gate.
     pub async fn start(cp: &ControlPlane) -> Flux {
-        Self::start_with(cp, MIN_RETRY_DELAY, MAX_RETRY_DELAY).await
+        Self::start_with(cp, MIN_RETRY_DELAY, MAX_RETRY_DELAY, CONCURRENT).await
     }
 
     /// As [`Flux::start`], with these retry delays (helm-controller's own
-    /// defaults are 750ms and 15m).
+    /// defaults are 750ms and 15m) and `concurrent` workers (its default: 4).
     pub async fn start_with(
         cp: &ControlPlane,
         min_retry_delay: &str,
         max_retry_delay: &str,
+        concurrent: u32,
     ) -> Flux {
         let dir = flux_dir();
         let client = cp.management_client().await;
@@ -118,13 +126,7 @@ impl Flux {
             "--watch-all-namespaces=true",
             "--enable-leader-election=false",
             "--feature-gates=ExternalArtifact=true",
-            // Flux's default is 4 workers; platforms running many releases
-            // raise it (10 in the Flux operator's cluster-size profiles and
-            // its FluxInstance examples). With 4, a parent release whose
-            // install waits for its child releases to be Ready holds a
-            // worker the children need, and tenants built 8 at a time queue
-            // behind each other for minutes.
-            "--concurrent=10",
+            &format!("--concurrent={concurrent}"),
             "--events-addr=",
             "--log-encoding=json",
             "--log-level=debug",

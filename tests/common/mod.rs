@@ -74,7 +74,12 @@ fn start_env_with(
                 None
             }
         };
-        rt.block_on(flux::flux_with(cp, flux_retry.0, flux_retry.1));
+        rt.block_on(flux::flux_with(
+            cp,
+            flux_retry.0,
+            flux_retry.1,
+            flux::CONCURRENT,
+        ));
         gate
     })
     .join()
