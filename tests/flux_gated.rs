@@ -10,8 +10,6 @@ mod common;
 
 use std::time::Duration;
 
-use common::flux::ready_condition;
-use common::history::Seen;
 use common::tenant::Tenant;
 use volume_gate::record::Phase;
 
@@ -37,17 +35,8 @@ async fn on_real_flux_the_gate_fails_the_hook_until_the_volumes_are_freed_and_th
     // While the phase runs the gate holds: the hook's step 3 is refused,
     // the hook fails, and helm-controller records the failed uninstall
     // (what an operator sees in `kubectl get hr`).
-    let (_, _, message) = t
-        .history
-        .next_matching(
-            "the parent UninstallFailed",
-            Duration::from_secs(120),
-            |s| match s {
-                Seen::Parent(p) => ready_condition(p)
-                    .filter(|(status, reason, _)| status == "False" && reason == "UninstallFailed"),
-                Seen::Gone => None,
-            },
-        )
+    let message = t
+        .next_uninstall_failed(Duration::from_secs(120), |_| true)
         .await;
     // Helm v4: "... failed early due to stalled resources: [Job/N/R-pre-cleanup status: 'Failed']".
     assert!(

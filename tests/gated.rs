@@ -5,8 +5,6 @@ mod common;
 
 use std::time::Duration;
 
-use common::flux::ready_condition;
-use common::history::Seen;
 use common::tenant::{STORAGE_CLASS, Tenant};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams};
@@ -473,20 +471,10 @@ async fn a_hook_that_passes_early_cannot_uninstall_the_csi_controllers_identity_
     // helm-controller records Helm's uninstall, which deleted what it could
     // and failed on what the gate refused (Helm v4: "failed to delete
     // release"; the refusals are in its log).
-    t.history
-        .next_matching(
-            "the uninstall tried mid-phase",
-            Duration::from_secs(120),
-            |s| match s {
-                Seen::Parent(p) => ready_condition(p).filter(|(status, reason, message)| {
-                    status == "False"
-                        && reason == "UninstallFailed"
-                        && message.contains("failed to delete release")
-                }),
-                Seen::Gone => None,
-            },
-        )
-        .await;
+    t.next_uninstall_failed(Duration::from_secs(120), |m| {
+        m.contains("failed to delete release")
+    })
+    .await;
     let flux_log = common::flux::flux(env.cp).await.log();
     let refused = flux_log
         .lines()

@@ -57,6 +57,21 @@ async fn wait_runs<T>(
     .await
 }
 
+/// Waits for the parent to be gone, then for every run of its hook to have
+/// ended in the log (the simulator logs an exit after reporting it), and
+/// returns the runs.
+async fn runs_once_gone(env: &common::Env, t: &Tenant) -> Vec<JobRun> {
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+    wait_runs(
+        env,
+        t,
+        "every run of the hook ended",
+        Duration::from_secs(30),
+        |r| r.iter().all(|r| r.exit.is_some()).then(|| r.to_vec()),
+    )
+    .await
+}
+
 /// The position of the first output line of `run` containing `needle`.
 fn line_of(run: &JobRun, needle: &str) -> usize {
     run.output
@@ -200,15 +215,7 @@ async fn the_hook_runs_steps_one_to_six_in_order_and_then_flux_finishes_the_unin
     let t = Tenant::create(env.cp, &env.cp.unique("order")).await;
 
     t.delete_parent().await;
-    t.wait_parent_gone(Duration::from_secs(120)).await;
-    let runs = wait_runs(
-        env,
-        &t,
-        "the hook's run ended",
-        Duration::from_secs(30),
-        |r| r.iter().all(|r| r.exit.is_some()).then(|| r.to_vec()),
-    )
-    .await;
+    let runs = runs_once_gone(env, &t).await;
     assert_eq!(runs.len(), 1, "one run was enough:\n{}", render(&runs));
     let run = &runs[0];
     assert_eq!(
@@ -292,17 +299,8 @@ async fn a_refused_kcp_delete_aborts_the_hook_and_flux_retries_it_from_step_one(
 
     t.delete_parent().await;
     // helm-controller records the failed uninstall...
-    let (_, _, failed) = t
-        .history
-        .next_matching(
-            "the parent UninstallFailed",
-            Duration::from_secs(120),
-            |s| match s {
-                Seen::Parent(p) => ready_condition(p)
-                    .filter(|(status, reason, _)| status == "False" && reason == "UninstallFailed"),
-                Seen::Gone => None,
-            },
-        )
+    let failed = t
+        .next_uninstall_failed(Duration::from_secs(120), |_| true)
         .await;
     assert!(
         failed.contains(&format!("{}-pre-cleanup", t.name)),
@@ -352,11 +350,7 @@ async fn a_refused_kcp_delete_aborts_the_hook_and_flux_retries_it_from_step_one(
 
     // The refusal ends: Flux's next retry goes all the way.
     delete_binding(&t, &policy).await;
-    t.wait_parent_gone(Duration::from_secs(120)).await;
-    let runs = wait_runs(env, &t, "every run ended", Duration::from_secs(30), |r| {
-        r.iter().all(|r| r.exit.is_some()).then(|| r.to_vec())
-    })
-    .await;
+    let runs = runs_once_gone(env, &t).await;
     let last = runs.last().unwrap();
     assert!(
         runs.len() > 2,
@@ -527,15 +521,7 @@ async fn step_five_without_the_datavolume_crd_is_skipped_not_a_failure() {
     .await;
 
     t.delete_parent().await;
-    t.wait_parent_gone(Duration::from_secs(120)).await;
-    let runs = wait_runs(
-        env,
-        &t,
-        "the hook's run ended",
-        Duration::from_secs(30),
-        |r| r.iter().all(|r| r.exit.is_some()).then(|| r.to_vec()),
-    )
-    .await;
+    let runs = runs_once_gone(env, &t).await;
     assert_eq!(runs.len(), 1, "the first run completed:\n{}", render(&runs));
     let run = &runs[0];
     assert!(

@@ -764,6 +764,29 @@ pub async fn wait_ready(hrs: &Api<DynamicObject>, name: &str, flux: &Flux) {
 }
 
 impl Tenant {
+    /// Waits for the next version of the parent on which helm-controller
+    /// records a failed uninstall (`Ready=False`, `UninstallFailed`, what an
+    /// operator sees in `kubectl get hr`) whose message `accept`s; returns
+    /// the message.
+    pub async fn next_uninstall_failed(
+        &self,
+        timeout: Duration,
+        accept: impl Fn(&str) -> bool,
+    ) -> String {
+        let (_, _, message) = self
+            .history
+            .next_matching("the parent UninstallFailed", timeout, |s| match s {
+                Seen::Parent(p) => ready_condition(p).filter(|(status, reason, message)| {
+                    status == "False" && reason == "UninstallFailed" && accept(message)
+                }),
+                Seen::Gone => None,
+            })
+            .await;
+        message
+    }
+}
+
+impl Tenant {
     /// Asserts what resumed the teardown: the write that recorded
     /// `Released` asked the parent's controller to retry
     /// (`reconcile.fluxcd.io/requestedAt`, what `flux reconcile` writes) and
