@@ -243,32 +243,7 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
         .await
         .expect("delete the namespace of all tenants");
     teardown_begun.store(true, Ordering::SeqCst);
-    common::wait::eventually(
-        &format!("namespace {NAMESPACE} gone"),
-        Duration::from_secs(1200),
-        || {
-            let namespaces = namespaces.clone();
-            async move {
-                match namespaces
-                    .get_opt(NAMESPACE)
-                    .await
-                    .map_err(|e| e.to_string())?
-                {
-                    None => Ok(()),
-                    Some(ns) => Err(format!(
-                        "terminating: {:?}",
-                        ns.status
-                            .and_then(|s| s.conditions)
-                            .unwrap_or_default()
-                            .iter()
-                            .map(|c| c.message.clone())
-                            .collect::<Vec<_>>()
-                    )),
-                }
-            }
-        },
-    )
-    .await;
+    common::tenant::wait_namespace_gone(&client, NAMESPACE, Duration::from_secs(1200)).await;
     let teardown = t0.elapsed();
     stop.store(true, Ordering::SeqCst);
     for t in traffic {

@@ -89,13 +89,9 @@ pub const CONCURRENT: u32 = 10;
 
 impl Flux {
     /// Installs Flux's real CRDs (replacing the fixture's HelmRelease CRD)
-    /// and starts helm-controller with the ExternalArtifact feature gate.
-    pub async fn start(cp: &ControlPlane) -> Flux {
-        Self::start_with(cp, MIN_RETRY_DELAY, MAX_RETRY_DELAY, CONCURRENT).await
-    }
-
-    /// As [`Flux::start`], with these retry delays (helm-controller's own
-    /// defaults are 750ms and 15m) and `concurrent` workers (its default: 4).
+    /// and starts helm-controller with the ExternalArtifact feature gate,
+    /// these retry delays (helm-controller's own defaults are 750ms and
+    /// 15m) and `concurrent` workers (its default: 4). Tests use [`flux`].
     pub async fn start_with(
         cp: &ControlPlane,
         min_retry_delay: &str,
@@ -263,13 +259,12 @@ impl ChartServer {
     }
 
     /// `helm package`'s layout with the system `tar`: a gzipped tarball
-    /// whose top folder is the chart, one file per artifact (tests publish
-    /// at once). Returns its file name and digest.
-    /// Packages `chart` as a tarball named by its digest
+    /// whose top folder is the chart, named by its digest
     /// (`<artifact>-<digest>.tgz`, written under a temporary name and
     /// renamed): a file once served never changes, so an ExternalArtifact's
     /// status and the bytes it points at always agree, even while tenants
-    /// sharing a namespace publish the same chart at once.
+    /// sharing a namespace publish the same chart at once. Returns its file
+    /// name and digest.
     fn package(&self, chart: &Path, artifact: &str) -> (String, String) {
         static SEQ: std::sync::atomic::AtomicU64 = std::sync::atomic::AtomicU64::new(0);
         let name = chart

@@ -739,6 +739,34 @@ impl Tenant {
     }
 }
 
+/// Waits until namespace `namespace` is gone, saying what the namespace
+/// controller reports left if it does not go.
+pub async fn wait_namespace_gone(management: &kube::Client, namespace: &str, timeout: Duration) {
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(management.clone());
+    eventually(&format!("namespace {namespace} gone"), timeout, || {
+        let namespaces = namespaces.clone();
+        async move {
+            match namespaces
+                .get_opt(namespace)
+                .await
+                .map_err(|e| e.to_string())?
+            {
+                None => Ok(()),
+                Some(n) => Err(format!(
+                    "terminating: {:?}",
+                    n.status
+                        .and_then(|s| s.conditions)
+                        .unwrap_or_default()
+                        .iter()
+                        .map(|c| c.message.clone().unwrap_or_default())
+                        .collect::<Vec<_>>()
+                )),
+            }
+        }
+    })
+    .await
+}
+
 /// Waits until helm-controller reports HelmRelease `name` Ready=True.
 pub async fn wait_ready(hrs: &Api<DynamicObject>, name: &str, flux: &Flux) {
     eventually(
@@ -841,30 +869,9 @@ impl Tenant {
             .expect("delete the tenant namespace");
     }
 
-    /// Waits until the tenant's namespace is gone, saying what the
-    /// namespace controller reports left if it does not go.
+    /// Waits until the tenant's namespace is gone (see [`wait_namespace_gone`]).
     pub async fn wait_namespace_gone(&self, timeout: Duration) {
-        let namespaces: Api<k8s_openapi::api::core::v1::Namespace> =
-            Api::all(self.management.clone());
-        eventually("tenant namespace gone", timeout, || {
-            let namespaces = namespaces.clone();
-            let ns = self.namespace.clone();
-            async move {
-                match namespaces.get_opt(&ns).await.map_err(|e| e.to_string())? {
-                    None => Ok(()),
-                    Some(n) => Err(format!(
-                        "terminating: {:?}",
-                        n.status
-                            .and_then(|s| s.conditions)
-                            .unwrap_or_default()
-                            .iter()
-                            .map(|c| c.message.clone().unwrap_or_default())
-                            .collect::<Vec<_>>()
-                    )),
-                }
-            }
-        })
-        .await
+        wait_namespace_gone(&self.management, &self.namespace, timeout).await
     }
 
     /// Waits until the simulator has stopped this tenant's API server (its
