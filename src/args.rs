@@ -57,6 +57,11 @@ pub struct WorkerArgs {
     /// How long one pass waits for the PVs to be gone before Blocked.
     #[arg(long, default_value = "10m", value_parser = parse_duration)]
     pub wait_bound: Duration,
+    /// How long a tenant being deleted must stay unreachable (no kubeconfig,
+    /// no answer) before the phase frees its inventoried volumes with reclaim
+    /// policy Delete from the management side (profile `infra`).
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    pub infra_after: Duration,
     /// First retry delay after Blocked; doubles up to --retry-max.
     #[arg(long, default_value = "30s", value_parser = parse_duration)]
     pub retry_base: Duration,

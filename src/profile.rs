@@ -124,6 +124,113 @@ pub struct OverridePermission {
     pub verb: String,
 }
 
+/// The infra layer: where the disk behind a tenant volume lives in the
+/// management cluster. In Cozystack the tenant's KubeVirt CSI controller
+/// makes one CDI DataVolume per tenant volume in the tenant's namespace,
+/// named by the volumeHandle and labelled from `--infra-cluster-labels`;
+/// CDI makes a PVC of the same name, and the disk is that PVC's PV. The
+/// phase counts a tenant `Released` only when both layers are gone, and
+/// reads this layer alone when the tenant API cannot be reached.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct InfraSpec {
+    pub group: String,
+    pub version: String,
+    pub kind: String,
+    /// Plural resource name, for API paths and RBAC.
+    pub plural: String,
+    /// Labels every infra object of a tenant carries, `{tenant}` standing
+    /// for the parent's name (Cozystack:
+    /// `cluster.x-k8s.io/cluster-name: "{tenant}"`).
+    pub labels: BTreeMap<String, String>,
+    /// How a tenant PV's volumeHandle names its infra object in the
+    /// tenant's namespace: a pattern with `{name}` once (Cozystack:
+    /// `"{name}"`, the handle is the DataVolume's name). The object's PVC
+    /// has the same name.
+    #[serde(default = "handle_is_name")]
+    pub handle: String,
+}
+
+pub const NAME_PLACEHOLDER: &str = "{name}";
+
+fn handle_is_name() -> String {
+    NAME_PLACEHOLDER.into()
+}
+
+impl InfraSpec {
+    /// Cozystack's: CDI DataVolumes made by kubevirt-csi-driver.
+    pub fn cozystack() -> Self {
+        Self {
+            group: "cdi.kubevirt.io".into(),
+            version: "v1beta1".into(),
+            kind: "DataVolume".into(),
+            plural: "datavolumes".into(),
+            labels: BTreeMap::from([(
+                "cluster.x-k8s.io/cluster-name".into(),
+                TENANT_PLACEHOLDER.into(),
+            )]),
+            handle: handle_is_name(),
+        }
+    }
+
+    pub fn resource(&self) -> kube::api::ApiResource {
+        kube::api::ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk(&self.group, &self.version, &self.kind),
+            &self.plural,
+        )
+    }
+
+    /// The labels of `tenant`'s infra objects.
+    pub fn labels_of(&self, tenant: &str) -> BTreeMap<String, String> {
+        self.labels
+            .iter()
+            .map(|(k, v)| (k.clone(), v.replace(TENANT_PLACEHOLDER, tenant)))
+            .collect()
+    }
+
+    /// Whether `labels` carry every one of `tenant`'s infra labels.
+    pub fn is_tenants(&self, labels: &BTreeMap<String, String>, tenant: &str) -> bool {
+        self.labels
+            .iter()
+            .all(|(k, v)| labels.get(k) == Some(&v.replace(TENANT_PLACEHOLDER, tenant)))
+    }
+
+    /// The infra object a volumeHandle names, if the pattern fits it and
+    /// the rest is a valid object name.
+    pub fn object_of(&self, handle: &str) -> Option<String> {
+        let (prefix, suffix) = self.handle.split_once(NAME_PLACEHOLDER)?;
+        let name = handle.strip_prefix(prefix)?.strip_suffix(suffix)?;
+        let valid = !name.is_empty()
+            && name.len() <= 253
+            && name
+                .bytes()
+                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
+            && name.as_bytes()[0].is_ascii_alphanumeric()
+            && name.as_bytes()[name.len() - 1].is_ascii_alphanumeric();
+        valid.then(|| name.to_string())
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.kind.is_empty() || self.plural.is_empty() || self.version.is_empty() {
+            return Err("infra needs group, version, kind and plural".into());
+        }
+        if self.labels.is_empty() || !self.labels.values().any(|v| v.contains(TENANT_PLACEHOLDER)) {
+            return Err(format!(
+                "infra.labels must name the tenant: at least one value containing {TENANT_PLACEHOLDER} \
+                 (Cozystack: cluster.x-k8s.io/cluster-name: \"{TENANT_PLACEHOLDER}\"); leave infra out \
+                 (infra: null) on a platform without an infra layer"
+            ));
+        }
+        if self.handle.matches(NAME_PLACEHOLDER).count() != 1 {
+            return Err(format!(
+                "infra.handle {:?} must contain {NAME_PLACEHOLDER} exactly once",
+                self.handle
+            ));
+        }
+        Ok(())
+    }
+}
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Profile {
@@ -144,6 +251,9 @@ pub struct Profile {
     /// controller's identity (its ServiceAccount and RBAC) goes with it.
     pub release: ReleaseSpec,
     pub override_permission: OverridePermission,
+    /// The infra layer behind tenant volumes; `null` on a platform whose
+    /// tenant volumes have none (the phase then reads the tenant API only).
+    pub infra: Option<InfraSpec>,
 }
 
 pub const TENANT_PLACEHOLDER: &str = "{tenant}";
@@ -282,6 +392,7 @@ impl Profile {
                 resource: "tenants".into(),
                 verb: "override".into(),
             },
+            infra: Some(InfraSpec::cozystack()),
         }
     }
 
@@ -385,6 +496,9 @@ impl Profile {
                     ));
                 }
             }
+        }
+        if let Some(infra) = &self.infra {
+            infra.validate()?;
         }
         for (i, h) in self.release.hooks.iter().enumerate() {
             if h.matches(TENANT_PLACEHOLDER).count() != 1 {

@@ -149,7 +149,7 @@ impl FromStr for Phase {
 }
 
 mod inventory;
-pub use inventory::{Inventory, Volume};
+pub use inventory::{InfraRef, Inventory, Volume};
 
 /// Who the tenant cluster is: bound by the worker when custody began (or,
 /// for a tenant never reachable before, at the first release pass), and
@@ -356,6 +356,7 @@ mod tests {
             reclaim: "Delete".into(),
             claim: Some(format!("default/data-{i}")),
             gone,
+            infra: None,
         }
     }
 

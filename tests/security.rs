@@ -212,6 +212,17 @@ fn justified() -> BTreeMap<String, BTreeSet<Grant>> {
         g("", "namespaces", "watch", None),
         // R-admin-kubeconfig, by name only.
         g("", "secrets", "get", None),
+        // The infra layer: what is left of the disks behind the tenant's
+        // volumes; deleted only when the tenant API is unreachable, only
+        // inventoried Delete volumes labelled for the tenant.
+        g("cdi.kubevirt.io", "datavolumes", "list", None),
+        g("cdi.kubevirt.io", "datavolumes", "delete", None),
+        g("", "persistentvolumeclaims", "list", None),
+        g("", "persistentvolumes", "list", None),
+        g("", "persistentvolumes", "watch", None),
+        // The VM attachment Pods that hold those disks' PVCs.
+        g("", "pods", "list", None),
+        g("", "pods", "delete", None),
         // Events for every transition.
         g("events.k8s.io", "events", "create", None),
         g("events.k8s.io", "events", "patch", None),
@@ -287,12 +298,17 @@ fn denied_worker() -> Vec<Denied> {
         (hr, "helmreleases", "", "update", t, "kubernetes-x"),
         (hr, "helmreleases", "", "create", t, ""),
         (hr, "helmreleases", "status", "patch", t, "kubernetes-x"),
-        // Nothing destructive in the management cluster.
+        // Nothing destructive in the management cluster but the infra
+        // layer's unreachable case (justified above).
         ("", "pods", "", "create", t, ""),
-        ("", "pods", "", "delete", t, ""),
+        ("", "pods", "", "update", t, "hp-volume-x"),
+        ("", "pods", "", "deletecollection", t, ""),
+        ("", "pods", "exec", "create", t, "hp-volume-x"),
         ("", "persistentvolumeclaims", "", "delete", t, "data"),
-        ("", "persistentvolumeclaims", "", "list", None, ""),
+        ("", "persistentvolumeclaims", "", "get", t, "data"),
+        ("", "persistentvolumeclaims", "", "watch", t, ""),
         ("", "persistentvolumes", "", "delete", None, "pv-1"),
+        ("", "persistentvolumes", "", "patch", None, "pv-1"),
         ("", "namespaces", "", "patch", None, "tenant-x"),
         ("", "namespaces", "", "update", None, "tenant-x"),
         ("", "namespaces", "", "delete", None, "tenant-x"),
@@ -312,7 +328,16 @@ fn denied_worker() -> Vec<Denied> {
             t,
             "kubernetes-x",
         ),
-        ("cdi.kubevirt.io", "datavolumes", "", "delete", t, "pv-1"),
+        ("cdi.kubevirt.io", "datavolumes", "", "create", t, ""),
+        ("cdi.kubevirt.io", "datavolumes", "", "patch", t, "pv-1"),
+        (
+            "cdi.kubevirt.io",
+            "datavolumes",
+            "",
+            "deletecollection",
+            t,
+            "",
+        ),
         // Leases outside its own namespace.
         (
             "coordination.k8s.io",

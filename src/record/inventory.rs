@@ -23,6 +23,25 @@ pub struct Volume {
     /// Set once the PV is gone.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub gone: bool,
+    /// The disk behind it in the management cluster, when the profile has
+    /// an infra layer and the volumeHandle names an object there.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub infra: Option<InfraRef>,
+}
+
+/// The management objects behind one tenant volume (profile `infra`).
+#[derive(Clone, Debug, Default, PartialEq, Eq, Serialize, Deserialize)]
+pub struct InfraRef {
+    /// The infra object (DataVolume) in the tenant's namespace; its PVC
+    /// has the same name.
+    pub name: String,
+    /// The management PV of that PVC, once seen bound.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub pv: Option<String>,
+    /// Set when the phase freed it from the management side because the
+    /// tenant API could not be reached.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub freed_here: bool,
 }
 
 impl Volume {

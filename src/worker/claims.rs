@@ -35,6 +35,7 @@ pub fn volume_of(pv: &PersistentVolume) -> Volume {
             ))
         }),
         gone: false,
+        infra: None,
     }
 }
 

@@ -50,6 +50,10 @@ pub struct Context {
     requests_made: Mutex<HashMap<TenantRef, u32>>,
     /// When each tenant's phase started, for its duration.
     pub(crate) phase_started: Mutex<HashMap<TenantRef, Instant>>,
+    /// Since when each tenant's API has been unreachable, as this worker saw
+    /// it (lost on restart: the wait before freeing from the management
+    /// side starts again, never shorter).
+    unreachable: Mutex<HashMap<TenantRef, Instant>>,
     /// Reconciles a tenant when its phase task ends.
     trigger: tokio::sync::mpsc::UnboundedSender<ObjectRef<ParentMeta>>,
 }
@@ -90,8 +94,21 @@ impl Context {
             binds: Mutex::new(HashMap::new()),
             requests_made: Mutex::new(HashMap::new()),
             phase_started: Mutex::new(HashMap::new()),
+            unreachable: Mutex::new(HashMap::new()),
             trigger: p.trigger,
         }
+    }
+
+    /// How long `t`'s API has been unreachable, counting from now if it was
+    /// reachable until now.
+    pub(crate) fn unreachable_for(&self, t: &TenantRef) -> std::time::Duration {
+        let mut m = self.unreachable.lock().expect("lock");
+        m.entry(t.clone()).or_insert_with(Instant::now).elapsed()
+    }
+
+    /// `t`'s API answered (or its phase is over).
+    pub(crate) fn reachable(&self, t: &TenantRef) {
+        self.unreachable.lock().expect("lock").remove(t);
     }
 
     /// The reference of tenant `t`'s parent in the controller's queue.

@@ -8,7 +8,7 @@
 //! a slow driver. [`run()`](run::run) is leader election and the controller's wiring.
 //!
 //! - [`context`]: the shared state and the worker's writes to the management API
-//! - [`release`], [`claims`]: the phase's steps
+//! - [`release`], [`claims`], [`infra`]: the phase's steps, on both layers
 //! - [`custody`], [`identity`], [`tenant`]: the finalizer, the cluster binding,
 //!   the tenant API
 //! - [`status`]: the `status` command
@@ -17,6 +17,7 @@ pub mod claims;
 pub mod context;
 pub mod custody;
 pub mod identity;
+pub mod infra;
 pub mod next;
 pub mod reconcile;
 pub mod release;
@@ -72,6 +73,9 @@ pub struct Settings {
     pub request_timeout: Duration,
     pub retry_base: Duration,
     pub retry_max: Duration,
+    /// How long the tenant API must stay unreachable before the phase frees
+    /// its inventoried Delete volumes from the management side.
+    pub infra_after: Duration,
 }
 
 impl Settings {

@@ -199,11 +199,16 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
     };
     let outcome = release::run(&ctx, &t, &record).await;
     let result = match outcome {
-        Ok(release::Outcome::Released { inventory }) => {
-            let message = format!(
+        Ok(release::Outcome::Released { inventory, note }) => {
+            let mut message = format!(
                 "{} freed, none left on storage",
                 count(inventory.total, "volume")
             );
+            if let Some(note) = note {
+                message.push_str(": ");
+                message.push_str(&note);
+            }
+            ctx.reachable(&t);
             let update = Update {
                 phase: Some(Phase::Released),
                 message: Some(message.clone()),
@@ -326,6 +331,7 @@ mod tests {
             request_timeout: Duration::from_secs(1),
             retry_base: Duration::from_secs(30),
             retry_max: Duration::from_secs(600),
+            infra_after: Duration::from_secs(120),
         };
         let ctx = Arc::new(Context::new(Parts {
             client: api.client(),

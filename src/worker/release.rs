@@ -22,6 +22,7 @@ use tracing::{info, warn};
 
 use super::claims::{self, ClaimKey};
 use super::identity;
+use super::infra;
 use super::tenant;
 use super::{Context, TenantRef};
 use crate::metrics::ErrorKind;
@@ -30,8 +31,12 @@ use crate::record::{ClusterIdentity, Inventory, Phase, Record, Update, count, no
 /// Where the phase ended up on this pass.
 #[derive(Debug)]
 pub enum Outcome {
-    /// Every inventoried PV is gone.
-    Released { inventory: Inventory },
+    /// Every inventoried PV is gone, and with the profile's infra layer
+    /// every disk behind them; `note` says how, when it is not the usual way.
+    Released {
+        inventory: Inventory,
+        note: Option<String>,
+    },
     /// Something stands in the way; retried with backoff.
     Blocked {
         reason: ErrorKind,
@@ -67,12 +72,13 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
     .await
     {
         Ok(api) => api,
-        Err(e) => return Ok(blocked(e.kind(), e.to_string(), previous)),
+        Err(e) => return unreachable(ctx, t, record, e.kind(), e.to_string()).await,
     };
     // Step 2: a kubeconfig that exists is not an API server that answers.
     if let Err(e) = tenant::probe_ready(&api, settings.probe_timeout).await {
-        return Ok(blocked(e.kind(), e.to_string(), previous));
+        return unreachable(ctx, t, record, e.kind(), e.to_string()).await;
     }
+    ctx.reachable(t);
     // And it must be this tenant's cluster: the Secret is writable by
     // whoever may edit the tenant namespace.
     let secret = format!(
@@ -105,7 +111,10 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
             }
         };
         let first_time = inventory.is_none();
-        let inv = claims::reconcile_inventory(inventory.as_ref(), &pvs, &now_rfc3339());
+        let mut inv = claims::reconcile_inventory(inventory.as_ref(), &pvs, &now_rfc3339());
+        if let Some(infra) = &ctx.profile.infra {
+            infra::attach_refs(&mut inv, infra);
+        }
         let grew = inventory.as_ref().is_some_and(|old| old.total != inv.total);
         let message = format!(
             "inventory taken: {} ({} left); deleting claims",
@@ -245,7 +254,10 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
                 ));
             }
         };
-        let inv = claims::reconcile_inventory(Some(&inv), &pvs, &now_rfc3339());
+        let mut inv = claims::reconcile_inventory(Some(&inv), &pvs, &now_rfc3339());
+        if let Some(infra) = &ctx.profile.infra {
+            infra::attach_refs(&mut inv, infra);
+        }
         let newly_freed = inv
             .freed
             .saturating_sub(inventory.as_ref().map_or(0, |i| i.freed));
@@ -259,7 +271,13 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
         let remaining: Vec<_> = inv.remaining().filter(|v| !v.is_retain()).collect();
         let retained: Vec<_> = inv.remaining().filter(|v| v.is_retain()).collect();
         if remaining.is_empty() && retained.is_empty() && contents_left.is_empty() {
-            return Ok(Outcome::Released { inventory: inv });
+            let Some(infra) = &ctx.profile.infra else {
+                return Ok(Outcome::Released {
+                    inventory: inv,
+                    note: None,
+                });
+            };
+            return management_layer(ctx, t, infra, inv, deadline).await;
         }
         let mut parts = Vec::new();
         if !remaining.is_empty() {
@@ -297,6 +315,266 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
         };
         return Ok(blocked(reason, parts.join("; "), inventory));
     }
+}
+
+/// Step 7 on the management side: the tenant's PVs are gone, and the disks
+/// behind them must be too (DataVolume, its PVC, that PVC's PV). The
+/// DataVolume's deletion returns before its disk is freed, so this waits
+/// for the management PVs as step 6 waits for the tenant's.
+async fn management_layer(
+    ctx: &Context,
+    t: &TenantRef,
+    spec: &crate::profile::InfraSpec,
+    mut inv: Inventory,
+    deadline: Instant,
+) -> Result<Outcome, kube::Error> {
+    let observed = infra::observe(ctx, t, spec, Some(&inv)).await?;
+    infra::note_pvs(&mut inv, &observed);
+    if !observed.served {
+        warn!(namespace = %t.namespace, tenant = %t.name, "the management cluster does not serve {}.{}: no infra layer to check", spec.plural, spec.group);
+    }
+    if observed.is_empty() {
+        return Ok(Outcome::Released {
+            inventory: inv,
+            note: None,
+        });
+    }
+    ctx.write_record(
+        t,
+        &Update {
+            phase: Some(Phase::Releasing),
+            message: Some(format!(
+                "the tenant's {} gone; waiting for the management cluster to free the disks behind them: {}",
+                count(inv.total, "PV"),
+                observed.describe(&spec.kind, 5)
+            )),
+            inventory: Some(inv.clone()),
+            ..Default::default()
+        },
+    )
+    .await?;
+    let disks: HashSet<String> = observed.volumes.iter().map(|h| h.name.clone()).collect();
+    wait_gone(
+        Api::<PersistentVolume>::all(ctx.client.clone()),
+        disks,
+        deadline,
+        &NoProgress,
+    )
+    .await?;
+    let observed = infra::observe(ctx, t, spec, Some(&inv)).await?;
+    infra::note_pvs(&mut inv, &observed);
+    if observed.is_empty() {
+        return Ok(Outcome::Released {
+            inventory: inv,
+            note: None,
+        });
+    }
+    Ok(blocked(
+        ErrorKind::VolumesRemain,
+        format!(
+            "the tenant's PVs are gone, but the management cluster still holds the disks behind them after {}s: {} \
+             (a finalizer on a {kind}, or a Pod mounting its PVC, keeps a disk; the disk is freed when the management PV goes)",
+            ctx.settings.wait_bound.as_secs(),
+            observed.describe(&spec.kind, 5),
+            kind = spec.kind,
+        ),
+        Some(inv),
+    ))
+}
+
+/// Steps 1–2 failed: the tenant API cannot be reached. Without an infra
+/// layer this is Blocked, as the override's case. With one, the management
+/// cluster is the truth left (`docs/design.md` §5b): a tenant that holds no
+/// disk there is Released; once the API has been unreachable for
+/// `--infra-after`, the inventoried volumes with reclaim policy Delete are
+/// freed from there; what has no recorded policy, or Retain, is kept.
+async fn unreachable(
+    ctx: &Context,
+    t: &TenantRef,
+    record: &Record,
+    kind: ErrorKind,
+    why: String,
+) -> Result<Outcome, kube::Error> {
+    let previous = record.inventory.clone();
+    let Some(spec) = ctx.profile.infra.as_ref() else {
+        return Ok(blocked(kind, why, previous));
+    };
+    if kind == ErrorKind::KubeconfigForbidden {
+        // The worker's own RBAC is wrong: nothing says the tenant is dead.
+        return Ok(blocked(kind, why, previous));
+    }
+    let unreachable_for = ctx.unreachable_for(t);
+    let mut inv = previous.clone();
+    if let Some(i) = inv.as_mut() {
+        infra::attach_refs(i, spec);
+    }
+    let observed = infra::observe(ctx, t, spec, inv.as_ref()).await?;
+    if !observed.served {
+        return Ok(blocked(
+            kind,
+            format!(
+                "{why}; the management cluster does not serve {}.{}, so the disks cannot be read there either",
+                spec.plural, spec.group
+            ),
+            previous,
+        ));
+    }
+    if let Some(i) = inv.as_mut() {
+        infra::note_pvs(i, &observed);
+    }
+    let labels = spec
+        .labels_of(&t.name)
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    // Volumes whose handle names nothing on the management side cannot be
+    // vouched for from there.
+    let unmapped = |inv: &Option<Inventory>| -> Vec<String> {
+        inv.iter()
+            .flat_map(|i| i.remaining())
+            .filter(|v| v.infra.is_none())
+            .map(|v| v.describe())
+            .collect()
+    };
+    if observed.is_empty() && unmapped(&inv).is_empty() {
+        let mut inventory = inv.unwrap_or_else(|| Inventory::new(now_rfc3339(), Vec::new()));
+        for v in inventory.volumes.iter_mut() {
+            v.gone = true;
+        }
+        inventory.freed = inventory.total;
+        let note = format!(
+            "the tenant API cannot be reached ({why}), and the management cluster holds no disk of it \
+             (no {kind}, PVC or PV labelled {labels} or named by the inventory)",
+            kind = spec.kind
+        );
+        return Ok(Outcome::Released {
+            inventory,
+            note: Some(note),
+        });
+    }
+
+    let mut freed = Vec::new();
+    if let Some(i) = inv.as_mut() {
+        let deletable = infra::deletable(i, &observed).len();
+        if deletable > 0 && unreachable_for < ctx.settings.infra_after {
+            let left = ctx.settings.infra_after.saturating_sub(unreachable_for);
+            return Ok(blocked(
+                kind,
+                format!(
+                    "{why}; the management cluster holds {}; if the tenant API stays unreachable {}s more, \
+                     the phase frees from there the {} inventoried with reclaim policy Delete",
+                    observed.describe(&spec.kind, 5),
+                    left.as_secs().max(1),
+                    count(deletable, "volume"),
+                ),
+                inv,
+            ));
+        }
+        freed = infra::free_deletable(ctx, t, spec, i, &observed).await?;
+    }
+    let mut observed = observed;
+    if !freed.is_empty() {
+        let i = inv.as_mut().expect("freed from an inventory");
+        let message = format!(
+            "the tenant API cannot be reached ({why}): freeing {} from the management side ({} deleted, and the Pods mounting their PVCs)",
+            count(freed.len(), "volume"),
+            spec.kind
+        );
+        ctx.write_record(
+            t,
+            &Update {
+                phase: Some(Phase::Releasing),
+                message: Some(message.clone()),
+                inventory: Some(i.clone()),
+                ..Default::default()
+            },
+        )
+        .await?;
+        ctx.event(t, true, "FreedFromManagement", message).await;
+        let disks: HashSet<String> = observed.volumes.iter().map(|h| h.name.clone()).collect();
+        let deadline = Instant::now() + ctx.settings.wait_bound;
+        wait_gone(
+            Api::<PersistentVolume>::all(ctx.client.clone()),
+            disks,
+            deadline,
+            &NoProgress,
+        )
+        .await?;
+        observed = infra::observe(ctx, t, spec, Some(i)).await?;
+        infra::note_pvs(i, &observed);
+        let marked = infra::mark_gone(i, &observed);
+        ctx.metrics.volumes_freed.inc_by(marked as u64);
+        if observed.is_empty() && unmapped(&inv).is_empty() {
+            let i = inv.expect("freed from an inventory");
+            let note = format!(
+                "the tenant API cannot be reached ({why}); {} freed from the management side",
+                count(freed.len(), "volume")
+            );
+            return Ok(Outcome::Released {
+                inventory: i,
+                note: Some(note),
+            });
+        }
+    }
+
+    // What is kept, and why.
+    let mut parts = vec![
+        why,
+        format!(
+            "the management cluster holds {}",
+            observed.describe(&spec.kind, 5)
+        ),
+    ];
+    match &inv {
+        None => parts.push(
+            "no inventory was taken while the tenant API answered, so these disks' reclaim policy is unknown \
+             and the phase does not delete them: delete them in the management cluster if their data is not wanted, \
+             or record an override to abandon them"
+                .into(),
+        ),
+        Some(i) => {
+            let retained = i
+                .volumes
+                .iter()
+                .filter(|v| v.is_retain() && v.infra.is_some())
+                .count();
+            if retained > 0 {
+                parts.push(format!(
+                    "{} with reclaim policy Retain, kept by design",
+                    count(retained, "volume")
+                ));
+            }
+            let named: HashSet<&str> = i
+                .volumes
+                .iter()
+                .filter_map(|v| v.infra.as_ref().map(|r| r.name.as_str()))
+                .collect();
+            let strangers: Vec<&str> = observed
+                .objects
+                .iter()
+                .filter(|h| !named.contains(h.name.as_str()))
+                .map(|h| h.name.as_str())
+                .collect();
+            if !strangers.is_empty() {
+                parts.push(format!(
+                    "{} {} labelled {labels} but named by no inventoried volume, so kept: {}",
+                    strangers.len(),
+                    spec.kind,
+                    strangers.join(", ")
+                ));
+            }
+            let unmapped = unmapped(&inv);
+            if !unmapped.is_empty() {
+                parts.push(format!(
+                    "{} whose volumeHandle names nothing in the management cluster: {}",
+                    count(unmapped.len(), "volume"),
+                    unmapped.join(", ")
+                ));
+            }
+        }
+    }
+    Ok(blocked(kind, parts.join("; "), inv))
 }
 
 /// Checks that `api` reaches the cluster bound to the tenant, binding it

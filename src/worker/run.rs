@@ -122,6 +122,7 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
         request_timeout: Duration::from_secs(30),
         retry_base: args.retry_base,
         retry_max: args.retry_max,
+        infra_after: args.infra_after,
     };
     let base = Base {
         client,

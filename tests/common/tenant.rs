@@ -82,6 +82,20 @@ impl Tenant {
             cp.cluster_up(&cluster_name),
             &format!("tenant-{app}"),
             app,
+            json!({}),
+        )
+        .await
+    }
+
+    /// [`Tenant::create`] with chart values of its own (`nodes`,
+    /// `deleteDataVolumes`; see the chart's values.yaml).
+    pub async fn create_with(cp: &ControlPlane, app: &str, values: Value) -> Tenant {
+        Self::create_on(
+            cp,
+            cp.cluster_up(&cp.unique("t")),
+            &format!("tenant-{app}"),
+            app,
+            values,
         )
         .await
     }
@@ -89,7 +103,14 @@ impl Tenant {
     /// Creates a tenant `app` (parent `kubernetes-<app>`) in `namespace`,
     /// which may hold other tenants, with a tenant API server of its own.
     pub async fn create_in(cp: &ControlPlane, namespace: &str, app: &str) -> Tenant {
-        Self::create_on(cp, cp.cluster_up(&cp.unique("t")), namespace, app).await
+        Self::create_on(
+            cp,
+            cp.cluster_up(&cp.unique("t")),
+            namespace,
+            app,
+            json!({}),
+        )
+        .await
     }
 
     /// Creates a tenant `app` (parent `kubernetes-<app>`) in `namespace`,
@@ -101,6 +122,7 @@ impl Tenant {
             cp.cluster_up_with(&cp.unique("l"), true),
             namespace,
             app,
+            json!({}),
         )
         .await
     }
@@ -118,6 +140,7 @@ impl Tenant {
         cluster: ClusterInfo,
         namespace: &str,
         app: &str,
+        values: Value,
     ) -> Tenant {
         let flux = super::flux::flux(cp).await;
         let management = cp.management_client().await;
@@ -144,10 +167,14 @@ impl Tenant {
             history,
         };
         t.create_control_plane().await;
+        let mut all_values = json!({"hookTimeout": "10s"});
+        if let (Some(all), Some(extra)) = (all_values.as_object_mut(), values.as_object()) {
+            all.extend(extra.clone());
+        }
         let mut parent = t.parent_object(json!({"spec": {
             "interval": "10m",
             "chartRef": {"kind": "ExternalArtifact", "name": "chart-kubernetes"},
-            "values": {"hookTimeout": "10s"},
+            "values": all_values,
         }}));
         parent.metadata.finalizers = Some(vec![FLUX_FINALIZER.into()]);
         hrs.create(&PostParams::default(), &parent)

@@ -17,6 +17,7 @@ package main
 //	sim_kubelet.go  the fake Node "sim-node" and its Pods
 //	sim_jobs.go     the management cluster's Job Pods (real hooks) run locally
 //	sim_kamaji.go   TenantControlPlane deleted -> tenant API server stopped
+//	sim_infra.go    the infra layer: DataVolumes, CDI, the management storage, VM attachments
 
 import (
 	"context"
@@ -225,8 +226,12 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 	if len(cfg.namespaces) > 0 {
 		scope = "namespaces " + strings.Join(slices.Sorted(maps.Keys(cfg.namespaces)), ",")
 	}
-	s.log.printf("sim", "", "start", "management=%s storage=%s driver=%s scope=%q grace-cap=%s run-jobs=%t",
-		restCfg.Host, store.dir, cfg.driver, scope, cfg.graceCap, cfg.runJobs)
+	layers := "one layer (the tenant driver's disks in the ledger)"
+	if prof.infra != nil {
+		layers = "infra layer (tenant volumes are DataVolumes; the management storage's disks in the ledger)"
+	}
+	s.log.printf("sim", "", "start", "management=%s storage=%s driver=%s scope=%q grace-cap=%s run-jobs=%t storage-model=%q",
+		restCfg.Host, store.dir, cfg.driver, scope, cfg.graceCap, cfg.runJobs, layers)
 
 	factory := dynamicinformer.NewDynamicSharedInformerFactory(dyn, 0)
 	s.hrs = newLazyInformer(s, factory, gvrHelmRelease, cache.ResourceEventHandlerFuncs{
@@ -239,6 +244,9 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 		UpdateFunc: func(_, obj any) { s.onTCP(obj, false) },
 		DeleteFunc: func(obj any) { s.onTCP(tombstone(obj), true) },
 	})
+	if prof.infra != nil {
+		s.startInfra(ctx, factory)
+	}
 	// Each informer starts once its CRD is served; a tenant worker consults
 	// both caches on every round, so the order they start in does not matter.
 	s.wg.Go(func() { s.tcps.run(ctx) })

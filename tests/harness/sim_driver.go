@@ -11,6 +11,7 @@ import (
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/types"
@@ -36,12 +37,19 @@ const (
 // installed; when it is stopped, nothing frees the tenant's volumes, which
 // is exactly the incident this project prevents.
 type driver struct {
-	t     *tenant
-	name  string
-	cs    kubernetes.Interface
-	dyn   dynamic.Interface
+	t    *tenant // nil for the management cluster's own provisioner
+	name string
+	cs   kubernetes.Interface
+	dyn  dynamic.Interface
+	// backend holds the disks: CreateVolume and DeleteVolume.
+	backend volumeBackend
+	// scope, when set, limits it to claims in these namespaces.
+	scope func(ns string) bool
+	// store is the ledger, for snapshots (tenant drivers only).
 	store *storage
-	q     workqueue.TypedRateLimitingInterface[string]
+	// logf logs for this provisioner (the tenant's column, or "-").
+	logf func(component, action, format string, args ...any)
+	q    workqueue.TypedRateLimitingInterface[string]
 
 	pvcs corelisters.PersistentVolumeClaimLister
 	pvs  corelisters.PersistentVolumeLister
@@ -53,9 +61,6 @@ type driver struct {
 	// from a stale cache (which the API server also answers with success)
 	// is not logged twice. Owned by the worker goroutine.
 	deleted map[types.UID]bool
-	// identityProblem is the last reason the controller's identity could
-	// not free a volume, logged once. Owned by the worker goroutine.
-	identityProblem string
 	// releasedAt is when this driver first saw each PV ready to be freed,
 	// for a slow driver (annFreeAfter). Owned by the worker goroutine.
 	releasedAt map[types.UID]time.Time
@@ -63,8 +68,75 @@ type driver struct {
 
 func (d *driver) setSnapshotter(sn *snapshotter) { d.snap.Store(sn) }
 
+// volumeBackend is where a provisioner's disks live.
+type volumeBackend interface {
+	// createVolume is CreateVolume for claim key (PV pvName to be): it
+	// makes the disk, idempotently, and returns its volumeHandle.
+	createVolume(ctx context.Context, key string, pvc *corev1.PersistentVolumeClaim, pvName, class string, size resource.Quantity) (string, error)
+	// deleteVolume is DeleteVolume for pv: nil once the disk is freed or
+	// was never there.
+	deleteVolume(ctx context.Context, pv *corev1.PersistentVolume) error
+}
+
+// newDriver is a tenant's CSI driver: with an infra layer in the profile
+// its disks are DataVolumes in the management cluster (sim_infra.go), else
+// files in the ledger.
 func newDriver(t *tenant, cs kubernetes.Interface, dyn dynamic.Interface) *driver {
-	return &driver{t: t, name: t.s.cfg.driver, cs: cs, dyn: dyn, store: t.s.store, deleted: map[types.UID]bool{}, releasedAt: map[types.UID]time.Time{}}
+	var b volumeBackend = &ledgerBackend{store: t.s.store, log: t.s.log, owner: t.owner, mayFree: t.mayFree}
+	if prof.infra != nil {
+		b = &kcsiBackend{t: t}
+	}
+	return &driver{t: t, name: t.s.cfg.driver, cs: cs, dyn: dyn, backend: b, store: t.s.store, logf: t.logf,
+		deleted: map[types.UID]bool{}, releasedAt: map[types.UID]time.Time{}}
+}
+
+// ledgerBackend keeps each disk as a file in the storage ledger.
+type ledgerBackend struct {
+	store *storage
+	log   *simLog
+	// owner names the tenant a claim's disk belongs to.
+	owner func(pvc *corev1.PersistentVolumeClaim) (ns, tenant string)
+	// mayFree, when set, must allow each DeleteVolume.
+	mayFree func(ctx context.Context, handle, pv string) error
+	// layer is recorded with each disk ("" for the tenant's own).
+	layer string
+}
+
+func (b *ledgerBackend) createVolume(_ context.Context, key string, pvc *corev1.PersistentVolumeClaim, pvName, class string, size resource.Quantity) (string, error) {
+	ns, r := b.owner(pvc)
+	handle := fmt.Sprintf("%s.%s.%s", ns, r, pvc.UID)
+	created, err := b.store.create(volumeRecord{
+		Kind: "volume", Layer: b.layer, Handle: handle, TenantNamespace: ns, Tenant: r,
+		PVC: key, PVCUID: string(pvc.UID), PV: pvName, StorageClass: class, Capacity: size.String(),
+	})
+	if err != nil {
+		return "", fmt.Errorf("CreateVolume %s: %w", handle, err)
+	}
+	if created {
+		b.log.printf("storage", ns+"/"+r, "created", "volume %s (%s) for claim %s", handle, size.String(), key)
+	}
+	return handle, nil
+}
+
+func (b *ledgerBackend) deleteVolume(ctx context.Context, pv *corev1.PersistentVolume) error {
+	handle := pv.Spec.CSI.VolumeHandle
+	if b.mayFree != nil {
+		if err := b.mayFree(ctx, handle, pv.Name); err != nil {
+			return err
+		}
+	}
+	existed, err := b.store.remove(handle)
+	if err != nil {
+		return fmt.Errorf("DeleteVolume %s: %w", handle, err)
+	}
+	if existed {
+		ns, r := "-", "-"
+		if parts := strings.SplitN(handle, ".", 3); len(parts) == 3 {
+			ns, r = parts[0], parts[1]
+		}
+		b.log.printf("storage", ns+"/"+r, "deleted", "volume %s (pv %s, claim %s)", handle, pv.Name, claimOf(pv))
+	}
+	return nil
 }
 
 func newItemQueue(name string) workqueue.TypedRateLimitingInterface[string] {
@@ -116,13 +188,16 @@ func (d *driver) run(ctx context.Context) {
 	if !cache.WaitForCacheSync(ctx.Done(), pvcInf.Informer().HasSynced, pvInf.Informer().HasSynced, scInf.Informer().HasSynced) {
 		return
 	}
-	// The controller gets its ServiceAccount token when it starts, as a Pod
-	// gets its projected token; it is checked again before each DeleteVolume.
-	if ok, why := d.t.kcsiAllowed(ctx); !ok {
-		d.identityProblem = why
-		d.t.logf("driver", "identity-missing", "at start: %s", why)
+	if d.t != nil {
+		// The controller gets its ServiceAccount token when it starts, as a
+		// Pod gets its projected token; it is checked again before each
+		// DeleteVolume.
+		if ok, why := d.t.kcsiAllowed(ctx); !ok {
+			d.t.kcsi.logged = why
+			d.logf("driver", "identity-missing", "at start: %s", why)
+		}
+		go d.runSnapshots(ctx)
 	}
-	go d.runSnapshots(ctx)
 	go func() {
 		<-ctx.Done()
 		d.q.ShutDown()
@@ -158,7 +233,7 @@ func (d *driver) processNext(ctx context.Context) bool {
 		}
 	}
 	if err != nil && ctx.Err() == nil {
-		d.t.logf("driver", "error", "%s: %v (retrying)", key, err)
+		d.logf("driver", "error", "%s: %v (retrying)", key, err)
 		d.q.AddRateLimited(key)
 		return true
 	}
@@ -179,6 +254,9 @@ func (d *driver) syncClaim(ctx context.Context, key string) error {
 		return err
 	}
 	if pvc.Spec.VolumeName != "" || pvc.Status.Phase != corev1.ClaimPending || pvc.DeletionTimestamp != nil {
+		return nil
+	}
+	if d.scope != nil && !d.scope(ns) {
 		return nil
 	}
 	if pvc.Spec.StorageClassName == nil || *pvc.Spec.StorageClassName == "" {
@@ -204,18 +282,10 @@ func (d *driver) syncClaim(ctx context.Context, key string) error {
 	if !ok || size.IsZero() {
 		return fmt.Errorf("claim %s requests no storage", key)
 	}
-	handle := fmt.Sprintf("%s.%s.%s", d.t.ns, d.t.name, pvc.UID)
-
 	// CreateVolume on the storage first, then the PV that names it.
-	created, err := d.store.create(volumeRecord{
-		Kind: "volume", Handle: handle, TenantNamespace: d.t.ns, Tenant: d.t.name,
-		PVC: key, PVCUID: string(pvc.UID), PV: pvName, StorageClass: sc.Name, Capacity: size.String(),
-	})
+	handle, err := d.backend.createVolume(ctx, key, pvc, pvName, sc.Name, size)
 	if err != nil {
-		return fmt.Errorf("CreateVolume %s: %w", handle, err)
-	}
-	if created {
-		d.t.logf("storage", "created", "volume %s (%s) for claim %s", handle, size.String(), key)
+		return err
 	}
 
 	policy := corev1.PersistentVolumeReclaimDelete
@@ -250,7 +320,7 @@ func (d *driver) syncClaim(ctx context.Context, key string) error {
 		}
 		return fmt.Errorf("create PV %s: %w", pvName, err)
 	}
-	d.t.logf("driver", "provisioned", "pv=%s claim=%s handle=%s capacity=%s reclaim=%s", pvName, key, handle, size.String(), policy)
+	d.logf("driver", "provisioned", "pv=%s claim=%s handle=%s capacity=%s reclaim=%s", pvName, key, handle, size.String(), policy)
 	return nil
 }
 
@@ -267,6 +337,9 @@ func (d *driver) syncVolume(ctx context.Context, name string) error {
 	if pv.Spec.CSI == nil || pv.Spec.CSI.Driver != d.name || pv.Annotations[annProvisionedBy] != d.name {
 		return nil
 	}
+	if d.scope != nil && pv.Spec.ClaimRef != nil && !d.scope(pv.Spec.ClaimRef.Namespace) {
+		return nil
+	}
 	handle := pv.Spec.CSI.VolumeHandle
 	switch pv.Spec.PersistentVolumeReclaimPolicy {
 	case corev1.PersistentVolumeReclaimDelete:
@@ -281,20 +354,8 @@ func (d *driver) syncVolume(ctx context.Context, name string) error {
 			d.q.AddAfter("pv/"+pv.Name, wait)
 			return nil
 		}
-		if ok, why := d.t.kcsiAllowed(ctx); !ok {
-			if why != d.identityProblem {
-				d.identityProblem = why
-				d.t.logf("driver", "identity-missing", "cannot free volume %s (pv %s): %s", handle, pv.Name, why)
-			}
-			return fmt.Errorf("DeleteVolume %s: the CSI controller's identity: %s", handle, why)
-		}
-		d.identityProblem = ""
-		existed, err := d.store.remove(handle)
-		if err != nil {
-			return fmt.Errorf("DeleteVolume %s: %w", handle, err)
-		}
-		if existed {
-			d.t.logf("storage", "deleted", "volume %s (pv %s, claim %s)", handle, pv.Name, claimOf(pv))
+		if err := d.backend.deleteVolume(ctx, pv); err != nil {
+			return err
 		}
 		if _, err := d.dropFinalizer(ctx, pv); err != nil {
 			return err
@@ -307,7 +368,7 @@ func (d *driver) syncVolume(ctx context.Context, name string) error {
 			switch {
 			case err == nil && !d.deleted[pv.UID]:
 				d.deleted[pv.UID] = true
-				d.t.logf("driver", "deleted", "pv=%s handle=%s (DeleteVolume done)", pv.Name, handle)
+				d.logf("driver", "deleted", "pv=%s handle=%s (DeleteVolume done)", pv.Name, handle)
 			case err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err):
 				return fmt.Errorf("delete PV %s: %w", pv.Name, err)
 			}
@@ -319,7 +380,7 @@ func (d *driver) syncVolume(ctx context.Context, name string) error {
 			if removed, err := d.dropFinalizer(ctx, pv); err != nil || !removed {
 				return err
 			}
-			d.t.logf("driver", "retained", "pv=%s deleted; volume %s stays on storage (reclaim policy Retain)", pv.Name, handle)
+			d.logf("driver", "retained", "pv=%s deleted; volume %s stays on storage (reclaim policy Retain)", pv.Name, handle)
 		}
 	}
 	return nil
@@ -328,6 +389,9 @@ func (d *driver) syncVolume(ctx context.Context, name string) error {
 // slowness is how much longer a slow driver (annFreeAfter on R-csi) takes
 // before it frees pv: the delay counts from when it first saw pv released.
 func (d *driver) slowness(pv *corev1.PersistentVolume) time.Duration {
+	if d.t == nil {
+		return 0
+	}
 	delay := d.t.freeAfter()
 	if delay <= 0 {
 		return 0
@@ -336,7 +400,7 @@ func (d *driver) slowness(pv *corev1.PersistentVolume) time.Duration {
 	if !ok {
 		first = time.Now()
 		d.releasedAt[pv.UID] = first
-		d.t.logf("driver", "slow", "pv=%s handle=%s freed no sooner than %s from now (%s)", pv.Name, pv.Spec.CSI.VolumeHandle, delay, annFreeAfter)
+		d.logf("driver", "slow", "pv=%s handle=%s freed no sooner than %s from now (%s)", pv.Name, pv.Spec.CSI.VolumeHandle, delay, annFreeAfter)
 	}
 	return time.Until(first.Add(delay))
 }

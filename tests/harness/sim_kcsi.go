@@ -8,6 +8,7 @@ import (
 
 	authnv1 "k8s.io/api/authentication/v1"
 	authzv1 "k8s.io/api/authorization/v1"
+	corev1 "k8s.io/api/core/v1"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
@@ -28,6 +29,9 @@ type kcsiIdentity struct {
 	allowed   bool
 	reason    string
 	checkedAt time.Time
+	// logged is the last reason logged for not being able to free a
+	// volume, so each reason is logged once. Used by the driver goroutine.
+	logged string
 }
 
 // kcsiCheckTTL bounds how stale a verdict on the identity may be.
@@ -100,3 +104,21 @@ func (t *tenant) checkKcsi(ctx context.Context, k *kcsiIdentity) (bool, string) 
 	}
 	return true, ""
 }
+
+// mayFree is the identity check before a DeleteVolume: an error (logged
+// once per reason) while the controller's identity may not free a disk.
+func (t *tenant) mayFree(ctx context.Context, handle, pv string) error {
+	ok, why := t.kcsiAllowed(ctx)
+	if ok {
+		t.kcsi.logged = ""
+		return nil
+	}
+	if why != t.kcsi.logged {
+		t.kcsi.logged = why
+		t.logf("driver", "identity-missing", "cannot free volume %s (pv %s): %s", handle, pv, why)
+	}
+	return fmt.Errorf("DeleteVolume %s: the CSI controller's identity: %s", handle, why)
+}
+
+// owner names the tenant whose driver provisions the claim: this one.
+func (t *tenant) owner(*corev1.PersistentVolumeClaim) (string, string) { return t.ns, t.name }

@@ -33,6 +33,16 @@ type profileFile struct {
 		NameLabel      string `json:"nameLabel"`
 		NamespaceLabel string `json:"namespaceLabel"`
 	} `json:"release"`
+	Infra *struct {
+		Group  string            `json:"group"`
+		Kind   string            `json:"kind"`
+		Labels map[string]string `json:"labels"`
+	} `json:"infra"`
+}
+
+// infraNames is the profile's infra layer, as the simulator plays it.
+type infraNames struct {
+	labels map[string]string // label templates, {tenant} standing for R
 }
 
 // profileNames is what the simulator needs of a profile.
@@ -45,6 +55,7 @@ type profileNames struct {
 	clusterLabel       string // Cluster API objects carry R under this label
 	fluxNameLabel      string
 	fluxNamespaceLabel string
+	infra              *infraNames // nil: one storage layer
 }
 
 // prof is set once, before the simulator starts.
@@ -78,6 +89,15 @@ func parseProfile(data []byte) (profileNames, error) {
 	}
 	if n.kubeconfigSuffix, err = suffixOf(p.Kubeconfig.SecretName, "kubeconfig.secretName"); err != nil {
 		return profileNames{}, err
+	}
+	if p.Infra != nil {
+		if p.Infra.Group != "cdi.kubevirt.io" || p.Infra.Kind != "DataVolume" {
+			return profileNames{}, fmt.Errorf("infra %s.%s: the simulator plays only CDI DataVolumes", p.Infra.Kind, p.Infra.Group)
+		}
+		if len(p.Infra.Labels) == 0 {
+			return profileNames{}, fmt.Errorf("infra has no labels")
+		}
+		n.infra = &infraNames{labels: p.Infra.Labels}
 	}
 	for _, g := range p.Guarded {
 		if g.Group == "cluster.x-k8s.io" && g.Kind == "Cluster" && g.Label != "" {

@@ -25,15 +25,20 @@ type storage struct {
 
 // volumeRecord is the JSON body of one ledger file.
 type volumeRecord struct {
-	Kind            string `json:"kind"` // "volume" or "snapshot"
+	Kind string `json:"kind"` // "volume" or "snapshot"
+	// Layer is "management" for a disk of the management cluster's own
+	// storage behind a tenant volume (the infra layer), "" for a disk the
+	// tenant's driver holds directly.
+	Layer           string `json:"layer,omitempty"`
 	Handle          string `json:"volumeHandle"`
 	TenantNamespace string `json:"tenantNamespace"`
 	Tenant          string `json:"tenant"`
-	PVC             string `json:"pvc"` // namespace/name in the tenant cluster
+	PVC             string `json:"pvc"` // namespace/name of the claim (in the cluster of its layer)
 	PVCUID          string `json:"pvcUID,omitempty"`
 	PV              string `json:"pv,omitempty"`
 	StorageClass    string `json:"storageClass,omitempty"`
 	Capacity        string `json:"capacity"`
+	DataVolume      string `json:"dataVolume,omitempty"`         // management layer: the DataVolume behind the tenant volume
 	Snapshot        string `json:"snapshot,omitempty"`           // namespace/name of the VolumeSnapshot
 	SourceHandle    string `json:"sourceVolumeHandle,omitempty"` // snapshots: the volume it was taken of
 	Created         string `json:"created"`

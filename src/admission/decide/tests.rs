@@ -48,6 +48,7 @@ fn inventory(left: usize, freed: usize) -> String {
             reclaim: "Delete".into(),
             claim: Some(format!("default/c{i}")),
             gone: i >= left,
+            infra: None,
         })
         .collect();
     Inventory::new("2026-12-02T09:00:00Z".into(), vols).encode()

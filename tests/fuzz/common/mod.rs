@@ -152,6 +152,7 @@ impl VolSpec {
             reclaim: self.reclaim.clone(),
             claim: self.claim.clone(),
             gone: self.gone,
+            infra: None,
         }
     }
 }

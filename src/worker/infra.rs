@@ -1,0 +1,613 @@
+//! The infra layer of a tenant's volumes (`docs/design.md` §5b).
+//!
+//! In Cozystack a tenant volume is two layers: the tenant's PV, and behind
+//! it a CDI DataVolume in the tenant's namespace of the management cluster,
+//! its PVC (same name) and that PVC's PV, which is the disk on the
+//! hypervisor. The tenant's word (its PVs are gone) is not the disk's truth:
+//! the DataVolume's deletion returns before the disk is freed, and when the
+//! tenant API is dead the management cluster is the only truth left.
+//!
+//! What belongs to a tenant there is decided in code ([`select`]): objects
+//! named by the inventory (taken from the tenant's own, bound, API) and
+//! objects carrying the tenant's infra labels. Only objects that are both
+//! are ever deleted by the phase ([`free_deletable`]): a label alone, which
+//! whoever edits the namespace can write, never makes the worker delete.
+
+use std::collections::{BTreeMap, BTreeSet, HashSet};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Preconditions};
+use tracing::info;
+
+use super::claims::{self, ClaimKey};
+use super::{Context, TenantRef};
+use crate::profile::InfraSpec;
+use crate::record::{InfraRef, Inventory};
+
+/// One management object of the tenant's disks, as last listed.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Held {
+    pub name: String,
+    pub uid: Option<String>,
+    /// Carries the tenant's infra labels.
+    pub labelled: bool,
+    pub deleting: bool,
+    pub finalizers: Vec<String>,
+    /// A claim's bound PV; a PV's phase.
+    pub detail: Option<String>,
+}
+
+impl Held {
+    fn describe(&self) -> String {
+        let mut s = self.name.clone();
+        if let Some(d) = &self.detail {
+            s.push_str(&format!(" ({d})"));
+        }
+        if self.deleting {
+            s.push_str(", being deleted");
+            if !self.finalizers.is_empty() {
+                s.push_str(&format!(
+                    ", held by finalizers {}",
+                    self.finalizers.join(", ")
+                ));
+            }
+        }
+        s
+    }
+}
+
+/// What the management cluster holds of one tenant's disks.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct Observed {
+    /// Whether the infra API (DataVolumes) is served at all.
+    pub served: bool,
+    /// The infra objects (DataVolumes), their PVCs and those PVCs' PVs.
+    pub objects: Vec<Held>,
+    pub claims: Vec<Held>,
+    pub volumes: Vec<Held>,
+}
+
+impl Observed {
+    pub fn is_empty(&self) -> bool {
+        self.objects.is_empty() && self.claims.is_empty() && self.volumes.is_empty()
+    }
+
+    /// `2 DataVolumes (a, b), 1 PVC (a, being deleted)`, at most `n` names
+    /// of each kind.
+    pub fn describe(&self, kind: &str, n: usize) -> String {
+        let part = |items: &[Held], what: &str| -> Option<String> {
+            if items.is_empty() {
+                return None;
+            }
+            let shown: Vec<String> = items.iter().take(n).map(Held::describe).collect();
+            let more = items.len() - shown.len();
+            let tail = if more > 0 {
+                format!(" and {more} more")
+            } else {
+                String::new()
+            };
+            let plural = if items.len() == 1 { "" } else { "s" };
+            Some(format!(
+                "{} {what}{plural} ({}{tail})",
+                items.len(),
+                shown.join("; ")
+            ))
+        };
+        [
+            part(&self.objects, kind),
+            part(&self.claims, "PVC"),
+            part(&self.volumes, "PV"),
+        ]
+        .into_iter()
+        .flatten()
+        .collect::<Vec<_>>()
+        .join(", ")
+    }
+}
+
+/// Names every inventoried volume's infra object from its volumeHandle,
+/// where the profile's pattern fits; a name once recorded is kept.
+pub fn attach_refs(inv: &mut Inventory, infra: &InfraSpec) {
+    for v in inv.volumes.iter_mut().filter(|v| v.infra.is_none()) {
+        if let Some(name) = v.handle.as_deref().and_then(|h| infra.object_of(h)) {
+            v.infra = Some(InfraRef {
+                name,
+                ..Default::default()
+            });
+        }
+    }
+}
+
+/// Records the management PV behind each inventoried volume, as bound now,
+/// so the disk can still be waited for once its PVC is gone.
+pub fn note_pvs(inv: &mut Inventory, observed: &Observed) {
+    let bound: BTreeMap<&str, &str> = observed
+        .claims
+        .iter()
+        .filter_map(|c| Some((c.name.as_str(), c.detail.as_deref()?)))
+        .collect();
+    for r in inv.volumes.iter_mut().filter_map(|v| v.infra.as_mut()) {
+        if r.pv.is_none()
+            && let Some(pv) = bound.get(r.name.as_str())
+        {
+            r.pv = Some(pv.to_string());
+        }
+    }
+}
+
+/// Marks gone every inventoried volume with nothing left on either layer
+/// that the management cluster shows; returns how many were newly marked.
+pub fn mark_gone(inv: &mut Inventory, observed: &Observed) -> usize {
+    let held: HashSet<&str> = observed
+        .objects
+        .iter()
+        .chain(&observed.claims)
+        .chain(&observed.volumes)
+        .map(|h| h.name.as_str())
+        .collect();
+    let mut marked = 0;
+    for v in inv.volumes.iter_mut().filter(|v| !v.gone) {
+        let Some(r) = &v.infra else { continue };
+        if r.freed_here
+            && !held.contains(r.name.as_str())
+            && !r.pv.as_deref().is_some_and(|pv| held.contains(pv))
+        {
+            v.gone = true;
+            marked += 1;
+        }
+    }
+    inv.freed = (inv.freed + marked).min(inv.total);
+    marked
+}
+
+/// What of the management cluster's objects is the tenant's: infra objects
+/// labelled for it or named by the inventory; the claims of those (by name,
+/// by owner, or by label); the PVs of those claims, or recorded.
+pub fn select(
+    infra: &InfraSpec,
+    tenant: &str,
+    namespace: &str,
+    inventory: Option<&Inventory>,
+    objects: &[ObjectMeta],
+    claims: &[PersistentVolumeClaim],
+    volumes: &[PersistentVolume],
+) -> Observed {
+    let refs: Vec<&InfraRef> = inventory
+        .map(|i| i.volumes.iter().filter_map(|v| v.infra.as_ref()).collect())
+        .unwrap_or_default();
+    let named: HashSet<&str> = refs.iter().map(|r| r.name.as_str()).collect();
+    let recorded_pvs: HashSet<&str> = refs.iter().filter_map(|r| r.pv.as_deref()).collect();
+    let labels =
+        |m: &ObjectMeta| infra.is_tenants(m.labels.as_ref().unwrap_or(&BTreeMap::new()), tenant);
+    let held = |m: &ObjectMeta, detail: Option<String>| Held {
+        name: m.name.clone().unwrap_or_default(),
+        uid: m.uid.clone(),
+        labelled: labels(m),
+        deleting: m.deletion_timestamp.is_some(),
+        finalizers: m.finalizers.clone().unwrap_or_default(),
+        detail,
+    };
+
+    let mut out = Observed {
+        served: true,
+        ..Default::default()
+    };
+    for m in objects {
+        let name = m.name.as_deref().unwrap_or_default();
+        if labels(m) || named.contains(name) {
+            out.objects.push(held(m, None));
+        }
+    }
+    let object_uids: HashSet<&str> = out
+        .objects
+        .iter()
+        .filter_map(|h| h.uid.as_deref())
+        .collect();
+    let object_names: HashSet<&str> = out.objects.iter().map(|h| h.name.as_str()).collect();
+    for c in claims {
+        let m = &c.metadata;
+        let name = m.name.as_deref().unwrap_or_default();
+        let owned = m
+            .owner_references
+            .iter()
+            .flatten()
+            .any(|o| object_uids.contains(o.uid.as_str()));
+        if labels(m) || named.contains(name) || object_names.contains(name) || owned {
+            let bound = c.spec.as_ref().and_then(|s| s.volume_name.clone());
+            out.claims.push(held(m, bound));
+        }
+    }
+    let claim_names: HashSet<&str> = out.claims.iter().map(|h| h.name.as_str()).collect();
+    let claim_pvs: HashSet<&str> = out
+        .claims
+        .iter()
+        .filter_map(|h| h.detail.as_deref())
+        .collect();
+    for pv in volumes {
+        let name = pv.metadata.name.as_deref().unwrap_or_default();
+        let claimed = pv
+            .spec
+            .as_ref()
+            .and_then(|s| s.claim_ref.as_ref())
+            .is_some_and(|r| {
+                r.namespace.as_deref() == Some(namespace)
+                    && r.name
+                        .as_deref()
+                        .is_some_and(|n| claim_names.contains(n) || named.contains(n))
+            });
+        if claimed || claim_pvs.contains(name) || recorded_pvs.contains(name) {
+            let phase = pv.status.as_ref().and_then(|s| s.phase.clone());
+            out.volumes.push(held(&pv.metadata, phase));
+        }
+    }
+    for list in [&mut out.objects, &mut out.claims, &mut out.volumes] {
+        list.sort_by(|a, b| a.name.cmp(&b.name));
+    }
+    out
+}
+
+/// Lists the management cluster and selects what is the tenant's. A cluster
+/// that does not serve the infra API has no infra layer: `served` is false
+/// and nothing else is listed.
+pub async fn observe(
+    ctx: &Context,
+    t: &TenantRef,
+    infra: &InfraSpec,
+    inventory: Option<&Inventory>,
+) -> Result<Observed, kube::Error> {
+    let ar = infra.resource();
+    let objects: Vec<ObjectMeta> = match Api::<kube::api::DynamicObject>::namespaced_with(
+        ctx.client.clone(),
+        &t.namespace,
+        &ar,
+    )
+    .list_metadata(&ListParams::default())
+    .await
+    {
+        Ok(l) => l.items.into_iter().map(|o| o.metadata).collect(),
+        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Observed::default()),
+        Err(e) => return Err(e),
+    };
+    let claims = Api::<PersistentVolumeClaim>::namespaced(ctx.client.clone(), &t.namespace)
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let volumes = Api::<PersistentVolume>::all(ctx.client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    Ok(select(
+        infra,
+        &t.name,
+        &t.namespace,
+        inventory,
+        &objects,
+        &claims,
+        &volumes,
+    ))
+}
+
+/// The inventoried volumes the phase may free from the management side:
+/// reclaim policy Delete, and an infra object that is both named by the
+/// inventory and labelled for the tenant.
+pub fn deletable<'a>(inv: &'a Inventory, observed: &Observed) -> Vec<&'a InfraRef> {
+    let labelled: HashSet<&str> = observed
+        .objects
+        .iter()
+        .filter(|h| h.labelled)
+        .map(|h| h.name.as_str())
+        .collect();
+    inv.volumes
+        .iter()
+        .filter(|v| v.reclaim == "Delete")
+        .filter_map(|v| v.infra.as_ref())
+        .filter(|r| labelled.contains(r.name.as_str()))
+        .collect()
+}
+
+/// Frees the [`deletable`] volumes from the management side: deletes their
+/// infra objects (guarded by UID), then the Pods that mount their PVCs (the
+/// attachments of a VM of a cluster whose API is gone). Marks them
+/// `freed_here` in `inv`; returns their names.
+pub async fn free_deletable(
+    ctx: &Context,
+    t: &TenantRef,
+    infra: &InfraSpec,
+    inv: &mut Inventory,
+    observed: &Observed,
+) -> Result<Vec<String>, kube::Error> {
+    let names: BTreeSet<String> = deletable(inv, observed)
+        .into_iter()
+        .map(|r| r.name.clone())
+        .collect();
+    if names.is_empty() {
+        return Ok(Vec::new());
+    }
+    let objects = Api::<kube::api::DynamicObject>::namespaced_with(
+        ctx.client.clone(),
+        &t.namespace,
+        &infra.resource(),
+    );
+    for h in observed
+        .objects
+        .iter()
+        .filter(|h| names.contains(&h.name) && !h.deleting)
+    {
+        let dp = DeleteParams {
+            preconditions: h.uid.clone().map(|uid| Preconditions {
+                uid: Some(uid),
+                resource_version: None,
+            }),
+            ..DeleteParams::background()
+        };
+        match objects.delete(&h.name, &dp).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+            Err(e) => return Err(e),
+        }
+        info!(namespace = %t.namespace, tenant = %t.name, object = %h.name, kind = %infra.kind, "infra object deleted: the tenant API is unreachable");
+    }
+    // Their PVCs (same name) are held by pvc-protection while a Pod mounts them.
+    let held: HashSet<ClaimKey> = names
+        .iter()
+        .map(|n| (t.namespace.clone(), n.clone()))
+        .collect();
+    let pods: Vec<Pod> = Api::<Pod>::namespaced(ctx.client.clone(), &t.namespace)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect();
+    let holding = claims::pods_holding(&pods, &held);
+    let pod_api = Api::<Pod>::namespaced(ctx.client.clone(), &t.namespace);
+    let results: Vec<Result<(), kube::Error>> = futures::stream::iter(holding)
+        .map(|(_, name)| {
+            let api = pod_api.clone();
+            async move {
+                match api.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => Ok(()),
+                    Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                    Err(e) => Err(e),
+                }
+            }
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    results.into_iter().collect::<Result<Vec<()>, _>>()?;
+    for r in inv.volumes.iter_mut().filter_map(|v| v.infra.as_mut()) {
+        if names.contains(&r.name) {
+            r.freed_here = true;
+        }
+    }
+    Ok(names.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::record::Volume;
+    use k8s_openapi::api::core::v1::{
+        ObjectReference, PersistentVolumeClaimSpec, PersistentVolumeSpec,
+    };
+    use k8s_openapi::apimachinery::pkg::apis::meta::v1::OwnerReference;
+
+    const NS: &str = "tenant-a";
+
+    fn meta(name: &str, labels: &[(&str, &str)]) -> ObjectMeta {
+        ObjectMeta {
+            name: Some(name.into()),
+            namespace: Some(NS.into()),
+            uid: Some(format!("uid-{name}")),
+            labels: Some(
+                labels
+                    .iter()
+                    .map(|(k, v)| (k.to_string(), v.to_string()))
+                    .collect(),
+            ),
+            ..Default::default()
+        }
+    }
+
+    fn pvc(
+        name: &str,
+        labels: &[(&str, &str)],
+        owner: Option<&str>,
+        pv: Option<&str>,
+    ) -> PersistentVolumeClaim {
+        let mut m = meta(name, labels);
+        m.owner_references = owner.map(|o| {
+            vec![OwnerReference {
+                uid: format!("uid-{o}"),
+                name: o.into(),
+                ..Default::default()
+            }]
+        });
+        PersistentVolumeClaim {
+            metadata: m,
+            spec: Some(PersistentVolumeClaimSpec {
+                volume_name: pv.map(str::to_string),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn pv(name: &str, claim_ns: &str, claim: &str) -> PersistentVolume {
+        PersistentVolume {
+            metadata: ObjectMeta {
+                name: Some(name.into()),
+                ..Default::default()
+            },
+            spec: Some(PersistentVolumeSpec {
+                claim_ref: Some(ObjectReference {
+                    namespace: Some(claim_ns.into()),
+                    name: Some(claim.into()),
+                    ..Default::default()
+                }),
+                ..Default::default()
+            }),
+            ..Default::default()
+        }
+    }
+
+    fn inventory(handles: &[(&str, &str)]) -> Inventory {
+        let mut inv = Inventory::new(
+            "t".into(),
+            handles
+                .iter()
+                .map(|(h, reclaim)| Volume {
+                    pv: format!("tenant-{h}"),
+                    driver: Some("csi.kubevirt.io".into()),
+                    handle: Some(h.to_string()),
+                    capacity: None,
+                    reclaim: reclaim.to_string(),
+                    claim: None,
+                    gone: false,
+                    infra: None,
+                })
+                .collect(),
+        );
+        attach_refs(&mut inv, &InfraSpec::cozystack());
+        inv
+    }
+
+    const MINE: (&str, &str) = ("cluster.x-k8s.io/cluster-name", "kubernetes-a");
+    const OTHER: (&str, &str) = ("cluster.x-k8s.io/cluster-name", "kubernetes-b");
+
+    #[test]
+    fn a_handle_names_its_object_only_when_the_pattern_fits_and_the_name_is_valid() {
+        let mut infra = InfraSpec::cozystack();
+        assert_eq!(infra.object_of("pvc-1").as_deref(), Some("pvc-1"));
+        assert_eq!(infra.object_of("Bad/Name"), None);
+        assert_eq!(infra.object_of(""), None);
+        infra.handle = "dv-{name}.disk".into();
+        assert_eq!(infra.object_of("dv-pvc-1.disk").as_deref(), Some("pvc-1"));
+        assert_eq!(infra.object_of("pvc-1"), None);
+    }
+
+    #[test]
+    fn the_tenants_objects_are_the_labelled_and_the_inventoried_and_what_hangs_off_them() {
+        let inv = inventory(&[("pvc-1", "Delete"), ("pvc-2", "Delete")]);
+        let objects = [
+            meta("pvc-1", &[MINE]),
+            meta("pvc-2", &[]),      // inventoried, label removed
+            meta("pvc-3", &[MINE]),  // labelled, not inventoried
+            meta("pvc-9", &[OTHER]), // another tenant's
+            meta("vm-root", &[]),    // nobody's
+        ];
+        let claims = [
+            pvc("pvc-1", &[MINE], Some("pvc-1"), Some("pv-m1")),
+            pvc("pvc-2", &[], Some("pvc-2"), Some("pv-m2")),
+            pvc("pvc-9", &[OTHER], Some("pvc-9"), Some("pv-m9")),
+            pvc("data", &[], None, Some("pv-data")),
+        ];
+        let volumes = [
+            pv("pv-m1", NS, "pvc-1"),
+            pv("pv-m2", NS, "pvc-2"),
+            pv("pv-m9", NS, "pvc-9"),
+            pv("pv-other-ns", "elsewhere", "pvc-1"),
+            pv("pv-data", NS, "data"),
+        ];
+        let o = select(
+            &InfraSpec::cozystack(),
+            "kubernetes-a",
+            NS,
+            Some(&inv),
+            &objects,
+            &claims,
+            &volumes,
+        );
+        let names = |h: &[Held]| h.iter().map(|h| h.name.clone()).collect::<Vec<_>>();
+        assert_eq!(names(&o.objects), ["pvc-1", "pvc-2", "pvc-3"]);
+        assert_eq!(names(&o.claims), ["pvc-1", "pvc-2"]);
+        assert_eq!(names(&o.volumes), ["pv-m1", "pv-m2"]);
+        // Only labelled and inventoried Delete volumes are ever deleted.
+        let d: Vec<&str> = deletable(&inv, &o)
+            .iter()
+            .map(|r| r.name.as_str())
+            .collect();
+        assert_eq!(d, ["pvc-1"]);
+    }
+
+    #[test]
+    fn a_recorded_pv_is_still_the_tenants_once_its_claim_is_gone() {
+        let mut inv = inventory(&[("pvc-1", "Delete")]);
+        let before = select(
+            &InfraSpec::cozystack(),
+            "kubernetes-a",
+            NS,
+            Some(&inv),
+            &[meta("pvc-1", &[MINE])],
+            &[pvc("pvc-1", &[MINE], Some("pvc-1"), Some("pv-m1"))],
+            &[],
+        );
+        note_pvs(&mut inv, &before);
+        let mut released = pv("pv-m1", "", "");
+        released.spec = None;
+        let after = select(
+            &InfraSpec::cozystack(),
+            "kubernetes-a",
+            NS,
+            Some(&inv),
+            &[],
+            &[],
+            &[released],
+        );
+        assert_eq!(after.volumes.len(), 1, "{after:?}");
+        assert!(after.objects.is_empty() && after.claims.is_empty());
+    }
+
+    #[test]
+    fn retain_volumes_and_unrecorded_policies_are_never_deletable() {
+        let inv = inventory(&[("pvc-1", "Retain"), ("pvc-2", "Recycle")]);
+        let o = select(
+            &InfraSpec::cozystack(),
+            "kubernetes-a",
+            NS,
+            Some(&inv),
+            &[meta("pvc-1", &[MINE]), meta("pvc-2", &[MINE])],
+            &[],
+            &[],
+        );
+        assert!(deletable(&inv, &o).is_empty());
+        let none = select(
+            &InfraSpec::cozystack(),
+            "kubernetes-a",
+            NS,
+            None,
+            &[meta("pvc-1", &[MINE])],
+            &[],
+            &[],
+        );
+        assert_eq!(
+            none.objects.len(),
+            1,
+            "a labelled object is held without an inventory"
+        );
+    }
+
+    #[test]
+    fn the_description_names_each_layer_and_what_holds_it() {
+        let mut dv = meta("pvc-1", &[MINE]);
+        dv.deletion_timestamp = Some(k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(
+            Default::default(),
+        ));
+        dv.finalizers = Some(vec!["example.com/keep".into()]);
+        let o = select(
+            &InfraSpec::cozystack(),
+            "kubernetes-a",
+            NS,
+            None,
+            &[dv],
+            &[pvc("pvc-1", &[MINE], Some("pvc-1"), Some("pv-m1"))],
+            &[],
+        );
+        assert_eq!(
+            o.describe("DataVolume", 5),
+            "1 DataVolume (pvc-1, being deleted, held by finalizers example.com/keep), 1 PVC (pvc-1 (pv-m1))"
+        );
+    }
+}

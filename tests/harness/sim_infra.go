@@ -1,0 +1,386 @@
+package main
+
+// The infra layer, as in Cozystack: a tenant volume is two layers. The
+// tenant sees a PV of the KubeVirt CSI driver; its controller,
+// R-kcsi-controller, runs in the management cluster in the tenant's
+// namespace and, for every tenant volume, creates a CDI DataVolume there
+// (named like the tenant PV, which is also the PV's volumeHandle, and
+// labelled with the tenant's infra labels). CDI makes a PVC of the same
+// name, owned by the DataVolume, and the management cluster's own storage
+// provisions it: that disk is the one on the hypervisor, so here it is the
+// ledger file. DeleteVolume deletes the DataVolume and returns; the disk is
+// freed when the management PVC goes, which pvc-protection holds back while
+// a Pod of the tenant's VM (its hotplug attachment Pod) still mounts it.
+//
+//	kcsiBackend      the tenant driver's CreateVolume/DeleteVolume (DataVolumes)
+//	cdi              DataVolume -> PVC (owned by it, labels copied)
+//	infra provisioner the management StorageClass's provisioner (a driver with a ledgerBackend)
+//	attachments      confirms the deletion of attachment Pods (their "kubelet")
+//
+// A tenant's VM lives while a MachineDeployment labelled with the tenant's
+// Cluster API label exists (the chain MachineDeployment -> Machine ->
+// KubevirtMachine -> VirtualMachine -> virt-launcher collapsed): attachment
+// Pods are owned by it, so garbage collection takes them when it goes. A
+// tenant without one has no node, and its disks are never attached.
+
+import (
+	"context"
+	"fmt"
+	"strings"
+	"time"
+
+	corev1 "k8s.io/api/core/v1"
+	storagev1 "k8s.io/api/storage/v1"
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic/dynamicinformer"
+	"k8s.io/client-go/informers"
+	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/util/workqueue"
+	"k8s.io/utils/ptr"
+)
+
+const (
+	// infraDriverName provisions the management cluster's own disks.
+	infraDriverName = "infra.volume-gate.test"
+	// infraStorageClass is the management StorageClass the DataVolumes use
+	// (Cozystack: the tenant's infraStorageClassName, "replicated").
+	infraStorageClass = "sim-infra"
+	// annDeleteAfterCompletion is what kubevirt-csi-driver puts on each
+	// DataVolume it creates, so CDI keeps the DataVolume after the import.
+	annDeleteAfterCompletion = "cdi.kubevirt.io/storage.deleteAfterCompletion"
+	// attachmentLabel marks the hotplug attachment Pods of a VM.
+	attachmentLabel = "kubevirt.io"
+	attachmentValue = "hotplug-disk"
+	// attachmentTenantLabel names the tenant whose VM an attachment Pod serves.
+	attachmentTenantLabel = "harness.volume-gate.test/vm-of"
+)
+
+var gvrMachineDeployment = schema.GroupVersionResource{Group: "cluster.x-k8s.io", Version: "v1beta1", Resource: "machinedeployments"}
+
+// infraLabels are the labels of R's infra objects (the profile's template).
+func infraLabels(r string) map[string]string {
+	out := map[string]string{}
+	for k, v := range prof.infra.labels {
+		out[k] = strings.ReplaceAll(v, tenantPlaceholder, r)
+	}
+	return out
+}
+
+// kcsiBackend is the tenant driver's storage when the platform has an
+// infra layer: DataVolumes in the management cluster, created and deleted
+// by the tenant's CSI controller, which runs there as R-kcsi-controller.
+type kcsiBackend struct{ t *tenant }
+
+// controller reports why the tenant's CSI controller cannot act: its
+// Deployment is gone or going (it belongs to the parent release).
+func (b *kcsiBackend) controller(ctx context.Context) error {
+	t := b.t
+	name := t.name + "-kcsi-controller"
+	d, err := t.s.mgmt.AppsV1().Deployments(t.ns).Get(ctx, name, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return fmt.Errorf("the CSI controller Deployment %s/%s is gone", t.ns, name)
+	case err != nil:
+		return fmt.Errorf("read Deployment %s/%s: %w", t.ns, name, err)
+	case d.DeletionTimestamp != nil:
+		return fmt.Errorf("the CSI controller Deployment %s/%s is being deleted", t.ns, name)
+	}
+	return nil
+}
+
+func (b *kcsiBackend) createVolume(ctx context.Context, key string, pvc *corev1.PersistentVolumeClaim, pvName, _ string, size resource.Quantity) (string, error) {
+	t := b.t
+	if err := b.controller(ctx); err != nil {
+		return "", fmt.Errorf("CreateVolume for claim %s: %w", key, err)
+	}
+	dv := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "cdi.kubevirt.io/v1beta1",
+		"kind":       "DataVolume",
+		"metadata": map[string]any{
+			"name":        pvName,
+			"namespace":   t.ns,
+			"labels":      toAny(infraLabels(t.name)),
+			"annotations": map[string]any{annDeleteAfterCompletion: "false"},
+		},
+		"spec": map[string]any{
+			"source": map[string]any{"blank": map[string]any{}},
+			"storage": map[string]any{
+				"accessModes":      []any{"ReadWriteOnce"},
+				"resources":        map[string]any{"requests": map[string]any{"storage": size.String()}},
+				"storageClassName": infraStorageClass,
+			},
+		},
+	}}
+	_, err := t.s.dyn.Resource(gvrDataVolume).Namespace(t.ns).Create(ctx, dv, metav1.CreateOptions{})
+	switch {
+	case err == nil:
+		t.logf("driver", "datavolume", "created DataVolume %s/%s (%s) for claim %s", t.ns, pvName, size.String(), key)
+	case apierrors.IsAlreadyExists(err):
+	default:
+		return "", fmt.Errorf("CreateVolume for claim %s: create DataVolume %s/%s: %w", key, t.ns, pvName, err)
+	}
+	if err := b.attach(ctx, pvName); err != nil {
+		return "", err
+	}
+	return pvName, nil
+}
+
+func (b *kcsiBackend) deleteVolume(ctx context.Context, pv *corev1.PersistentVolume) error {
+	t := b.t
+	handle := pv.Spec.CSI.VolumeHandle
+	if err := b.controller(ctx); err != nil {
+		return fmt.Errorf("DeleteVolume %s: %w", handle, err)
+	}
+	if err := t.mayFree(ctx, handle, pv.Name); err != nil {
+		return err
+	}
+	// The tenant PV is released, so no tenant Pod uses it: the volume was
+	// detached (ControllerUnpublishVolume) before it could be deleted.
+	if err := b.detach(ctx, handle); err != nil {
+		return err
+	}
+	err := t.s.dyn.Resource(gvrDataVolume).Namespace(t.ns).Delete(ctx, handle, metav1.DeleteOptions{})
+	switch {
+	case err == nil:
+		t.logf("driver", "datavolume", "deleted DataVolume %s/%s (DeleteVolume returns; the disk goes with the management PVC)", t.ns, handle)
+	case apierrors.IsNotFound(err):
+	default:
+		return fmt.Errorf("DeleteVolume %s: delete DataVolume: %w", handle, err)
+	}
+	return nil
+}
+
+// attachmentPod is the name of the Pod that attaches DataVolume dv to its VM.
+func attachmentPod(dv string) string { return "hp-volume-" + dv }
+
+// attach hotplugs the disk into the tenant's VM: a Pod in the tenant
+// namespace of the management cluster mounting the DataVolume's PVC, owned
+// by the tenant's MachineDeployment. No MachineDeployment, no VM: nothing
+// to attach to.
+func (b *kcsiBackend) attach(ctx context.Context, dv string) error {
+	t := b.t
+	sel := metav1.FormatLabelSelector(&metav1.LabelSelector{MatchLabels: map[string]string{prof.clusterLabel: t.name}})
+	mds, err := t.s.dyn.Resource(gvrMachineDeployment).Namespace(t.ns).List(ctx, metav1.ListOptions{LabelSelector: sel})
+	if err != nil && !apierrors.IsNotFound(err) {
+		return fmt.Errorf("attach %s: list MachineDeployments: %w", dv, err)
+	}
+	if err != nil || len(mds.Items) == 0 {
+		t.logf("driver", "not-attached", "DataVolume %s: the tenant has no MachineDeployment, so no VM to attach it to", dv)
+		return nil
+	}
+	md := mds.Items[0]
+	pod := &corev1.Pod{
+		ObjectMeta: metav1.ObjectMeta{
+			Name:      attachmentPod(dv),
+			Namespace: t.ns,
+			Labels:    map[string]string{attachmentLabel: attachmentValue, attachmentTenantLabel: t.name},
+			OwnerReferences: []metav1.OwnerReference{{
+				APIVersion: "cluster.x-k8s.io/v1beta1", Kind: "MachineDeployment", Name: md.GetName(), UID: md.GetUID(),
+			}},
+		},
+		Spec: corev1.PodSpec{
+			NodeName:                      jobsNodeName,
+			TerminationGracePeriodSeconds: ptr.To[int64](0),
+			Containers:                    []corev1.Container{{Name: "hotplug-disk", Image: "quay.io/kubevirt/virt-launcher"}},
+			Volumes: []corev1.Volume{{Name: "disk", VolumeSource: corev1.VolumeSource{
+				PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: dv},
+			}}},
+		},
+	}
+	_, err = t.s.mgmt.CoreV1().Pods(t.ns).Create(ctx, pod, metav1.CreateOptions{})
+	switch {
+	case err == nil:
+		t.logf("driver", "attached", "DataVolume %s to the VM of MachineDeployment %s (Pod %s)", dv, md.GetName(), pod.Name)
+	case apierrors.IsAlreadyExists(err):
+	default:
+		return fmt.Errorf("attach %s: create Pod %s: %w", dv, pod.Name, err)
+	}
+	return nil
+}
+
+// detach removes the attachment Pod of dv, if any.
+func (b *kcsiBackend) detach(ctx context.Context, dv string) error {
+	t := b.t
+	err := t.s.mgmt.CoreV1().Pods(t.ns).Delete(ctx, attachmentPod(dv), metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)})
+	switch {
+	case err == nil:
+		t.logf("driver", "detached", "DataVolume %s (Pod %s deleted)", dv, attachmentPod(dv))
+	case !apierrors.IsNotFound(err):
+		return fmt.Errorf("detach %s: %w", dv, err)
+	}
+	return nil
+}
+
+func toAny(m map[string]string) map[string]any {
+	out := make(map[string]any, len(m))
+	for k, v := range m {
+		out[k] = v
+	}
+	return out
+}
+
+// startInfra runs the management side of the infra layer: the StorageClass
+// and its provisioner, CDI, and the attachment Pods' kubelet.
+func (s *sim) startInfra(ctx context.Context, factory dynamicinformer.DynamicSharedInformerFactory) {
+	s.wg.Go(func() {
+		if err := s.ensureInfraClass(ctx); err != nil {
+			s.log.printf("infra", "", "error", "%v", err)
+			return
+		}
+		d := &driver{name: infraDriverName, cs: s.mgmt, dyn: s.dyn, scope: s.inScope,
+			backend: &ledgerBackend{store: s.store, log: s.log, owner: infraOwner, layer: "management"},
+			logf: func(component, action, format string, args ...any) {
+				s.log.printf(component, "", action, format, args...)
+			},
+			deleted: map[types.UID]bool{}, releasedAt: map[types.UID]time.Time{}}
+		s.log.printf("infra", "", "started", "provisioner %s for StorageClass %s", infraDriverName, infraStorageClass)
+		d.run(ctx)
+	})
+	c := &cdi{s: s}
+	c.dvs = newLazyInformer(s, factory, gvrDataVolume, cache.ResourceEventHandlerFuncs{
+		AddFunc:    c.enqueue,
+		UpdateFunc: func(_, obj any) { c.enqueue(obj) },
+	})
+	s.wg.Go(func() { c.run(ctx) })
+	s.wg.Go(func() { s.runAttachments(ctx) })
+}
+
+// infraOwner names the tenant of a management PVC: its namespace and the
+// tenant's Cluster API label ("-" when it has none).
+func infraOwner(pvc *corev1.PersistentVolumeClaim) (string, string) {
+	r := pvc.Labels[prof.clusterLabel]
+	if r == "" || strings.ContainsAny(r, "./") {
+		r = "-"
+	}
+	return pvc.Namespace, r
+}
+
+func (s *sim) ensureInfraClass(ctx context.Context) error {
+	sc := &storagev1.StorageClass{
+		ObjectMeta:        metav1.ObjectMeta{Name: infraStorageClass},
+		Provisioner:       infraDriverName,
+		ReclaimPolicy:     ptr.To(corev1.PersistentVolumeReclaimDelete),
+		VolumeBindingMode: ptr.To(storagev1.VolumeBindingImmediate),
+	}
+	_, err := s.mgmt.StorageV1().StorageClasses().Create(ctx, sc, metav1.CreateOptions{})
+	if err != nil && !apierrors.IsAlreadyExists(err) {
+		return fmt.Errorf("create StorageClass %s in the management cluster: %w", infraStorageClass, err)
+	}
+	return nil
+}
+
+// cdi makes each DataVolume's PVC, as CDI's DataVolume controller does: same
+// name and namespace, the DataVolume's labels, owned by it (so garbage
+// collection deletes the PVC once the DataVolume is gone).
+type cdi struct {
+	s   *sim
+	dvs *lazyInformer
+	q   workqueue.TypedRateLimitingInterface[string]
+}
+
+func (c *cdi) enqueue(obj any) {
+	if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil && c.q != nil {
+		c.q.Add(key)
+	}
+}
+
+func (c *cdi) run(ctx context.Context) {
+	c.q = newItemQueue("cdi")
+	defer c.q.ShutDown()
+	go func() {
+		<-ctx.Done()
+		c.q.ShutDown()
+	}()
+	go c.dvs.run(ctx)
+	for {
+		key, quit := c.q.Get()
+		if quit {
+			return
+		}
+		if err := c.sync(ctx, key); err != nil && ctx.Err() == nil {
+			c.s.log.printf("cdi", "", "error", "DataVolume %s: %v (retrying)", key, err)
+			c.q.AddRateLimited(key)
+		} else {
+			c.q.Forget(key)
+		}
+		c.q.Done(key)
+	}
+}
+
+func (c *cdi) sync(ctx context.Context, key string) error {
+	ns, name, _ := cache.SplitMetaNamespaceKey(key)
+	dv, ok, _ := c.dvs.get(ns, name)
+	if !ok || dv.GetDeletionTimestamp() != nil || !c.s.inScope(ns) {
+		return nil
+	}
+	sizeText, _, _ := unstructured.NestedString(dv.Object, "spec", "storage", "resources", "requests", "storage")
+	size, err := resource.ParseQuantity(sizeText)
+	if err != nil {
+		return fmt.Errorf("spec.storage.resources.requests.storage %q: %v", sizeText, err)
+	}
+	class, _, _ := unstructured.NestedString(dv.Object, "spec", "storage", "storageClassName")
+	if class == "" {
+		class = infraStorageClass
+	}
+	pvc := &corev1.PersistentVolumeClaim{
+		ObjectMeta: metav1.ObjectMeta{
+			Name: name, Namespace: ns, Labels: dv.GetLabels(),
+			OwnerReferences: []metav1.OwnerReference{{
+				APIVersion: "cdi.kubevirt.io/v1beta1", Kind: "DataVolume", Name: name, UID: dv.GetUID(),
+				Controller: ptr.To(true), BlockOwnerDeletion: ptr.To(true),
+			}},
+		},
+		Spec: corev1.PersistentVolumeClaimSpec{
+			AccessModes:      []corev1.PersistentVolumeAccessMode{corev1.ReadWriteOnce},
+			Resources:        corev1.VolumeResourceRequirements{Requests: corev1.ResourceList{corev1.ResourceStorage: size}},
+			StorageClassName: &class,
+		},
+	}
+	_, err = c.s.mgmt.CoreV1().PersistentVolumeClaims(ns).Create(ctx, pvc, metav1.CreateOptions{})
+	switch {
+	case err == nil:
+		c.s.log.printf("cdi", ns+"/"+dv.GetLabels()[prof.clusterLabel], "pvc", "created PVC %s/%s for DataVolume %s", ns, name, name)
+	case apierrors.IsAlreadyExists(err):
+	default:
+		return fmt.Errorf("create PVC: %w", err)
+	}
+	return nil
+}
+
+// runAttachments plays the kubelet of the attachment Pods: it confirms
+// their deletion (as a kubelet does once the containers stopped), so a Pod
+// deleted by garbage collection or by hand lets its PVC go.
+func (s *sim) runAttachments(ctx context.Context) {
+	f := informers.NewSharedInformerFactoryWithOptions(s.mgmt, 0,
+		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = attachmentLabel + "=" + attachmentValue }))
+	inf := f.Core().V1().Pods()
+	confirm := func(obj any) {
+		pod, ok := tombstone(obj).(*corev1.Pod)
+		if !ok || pod.DeletionTimestamp == nil || !s.inScope(pod.Namespace) {
+			return
+		}
+		opts := metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0), Preconditions: &metav1.Preconditions{UID: &pod.UID}}
+		err := s.mgmt.CoreV1().Pods(pod.Namespace).Delete(ctx, pod.Name, opts)
+		if err != nil && !apierrors.IsNotFound(err) && !apierrors.IsConflict(err) && ctx.Err() == nil {
+			s.log.printf("infra", pod.Namespace+"/"+pod.Labels[attachmentTenantLabel], "error", "confirm deletion of Pod %s: %v", pod.Name, err)
+		}
+	}
+	inf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    confirm,
+		UpdateFunc: func(_, obj any) { confirm(obj) },
+		DeleteFunc: func(obj any) {
+			if pod, ok := tombstone(obj).(*corev1.Pod); ok && s.inScope(pod.Namespace) {
+				s.log.printf("infra", pod.Namespace+"/"+pod.Labels[attachmentTenantLabel], "detached", "Pod %s gone: its disk is no longer held by the VM", pod.Name)
+			}
+		},
+	})
+	f.Start(ctx.Done())
+	f.WaitForCacheSync(ctx.Done())
+	<-ctx.Done()
+	f.Shutdown()
+}
