@@ -36,6 +36,8 @@ pub struct Held {
     pub finalizers: Vec<String>,
     /// A claim's bound PV; a PV's phase.
     pub detail: Option<String>,
+    /// A PV's claim (name; its namespace is the tenant's).
+    pub claim: Option<String>,
 }
 
 impl Held {
@@ -126,6 +128,12 @@ pub fn note_pvs(inv: &mut Inventory, observed: &Observed) {
         .claims
         .iter()
         .filter_map(|c| Some((c.name.as_str(), c.detail.as_deref()?)))
+        .chain(
+            observed
+                .volumes
+                .iter()
+                .filter_map(|v| Some((v.claim.as_deref()?, v.name.as_str()))),
+        )
         .collect();
     for r in inv.volumes.iter_mut().filter_map(|v| v.infra.as_mut()) {
         if r.pv.is_none()
@@ -187,6 +195,7 @@ pub fn select(
         deleting: m.deletion_timestamp.is_some(),
         finalizers: m.finalizers.clone().unwrap_or_default(),
         detail,
+        claim: None,
     };
 
     let mut out = Observed {
@@ -226,19 +235,21 @@ pub fn select(
         .collect();
     for pv in volumes {
         let name = pv.metadata.name.as_deref().unwrap_or_default();
-        let claimed = pv
+        let claim = pv
             .spec
             .as_ref()
             .and_then(|s| s.claim_ref.as_ref())
-            .is_some_and(|r| {
-                r.namespace.as_deref() == Some(namespace)
-                    && r.name
-                        .as_deref()
-                        .is_some_and(|n| claim_names.contains(n) || named.contains(n))
-            });
+            .filter(|r| r.namespace.as_deref() == Some(namespace))
+            .and_then(|r| r.name.clone());
+        let claimed = claim
+            .as_deref()
+            .is_some_and(|n| claim_names.contains(n) || named.contains(n));
         if claimed || claim_pvs.contains(name) || recorded_pvs.contains(name) {
             let phase = pv.status.as_ref().and_then(|s| s.phase.clone());
-            out.volumes.push(held(&pv.metadata, phase));
+            out.volumes.push(Held {
+                claim,
+                ..held(&pv.metadata, phase)
+            });
         }
     }
     for list in [&mut out.objects, &mut out.claims, &mut out.volumes] {

@@ -438,20 +438,7 @@ async fn unreachable(
             .collect()
     };
     if observed.is_empty() && unmapped(&inv).is_empty() {
-        let mut inventory = inv.unwrap_or_else(|| Inventory::new(now_rfc3339(), Vec::new()));
-        for v in inventory.volumes.iter_mut() {
-            v.gone = true;
-        }
-        inventory.freed = inventory.total;
-        let note = format!(
-            "the tenant API cannot be reached ({why}), and the management cluster holds no disk of it \
-             (no {kind}, PVC or PV labelled {labels} or named by the inventory)",
-            kind = spec.kind
-        );
-        return Ok(Outcome::Released {
-            inventory,
-            note: Some(note),
-        });
+        return Ok(released_from_management(ctx, inv, &why, &labels, spec));
     }
 
     let mut freed = Vec::new();
@@ -492,7 +479,20 @@ async fn unreachable(
         )
         .await?;
         ctx.event(t, true, "FreedFromManagement", message).await;
-        let disks: HashSet<String> = observed.volumes.iter().map(|h| h.name.clone()).collect();
+        // The disks of what was freed: the PVs of their PVCs, or recorded.
+        let disks: HashSet<String> = observed
+            .claims
+            .iter()
+            .filter(|c| freed.contains(&c.name))
+            .filter_map(|c| c.detail.clone())
+            .chain(
+                i.volumes
+                    .iter()
+                    .filter_map(|v| v.infra.as_ref())
+                    .filter(|r| freed.contains(&r.name))
+                    .filter_map(|r| r.pv.clone()),
+            )
+            .collect();
         let deadline = Instant::now() + ctx.settings.wait_bound;
         wait_gone(
             Api::<PersistentVolume>::all(ctx.client.clone()),
@@ -506,15 +506,7 @@ async fn unreachable(
         let marked = infra::mark_gone(i, &observed);
         ctx.metrics.volumes_freed.inc_by(marked as u64);
         if observed.is_empty() && unmapped(&inv).is_empty() {
-            let i = inv.expect("freed from an inventory");
-            let note = format!(
-                "the tenant API cannot be reached ({why}); {} freed from the management side",
-                count(freed.len(), "volume")
-            );
-            return Ok(Outcome::Released {
-                inventory: i,
-                note: Some(note),
-            });
+            return Ok(released_from_management(ctx, inv, &why, &labels, spec));
         }
     }
 
@@ -575,6 +567,46 @@ async fn unreachable(
         }
     }
     Ok(blocked(kind, parts.join("; "), inv))
+}
+
+/// `Released` decided from the management side: nothing of the tenant is
+/// left there. Every inventoried volume is gone; the note says how.
+fn released_from_management(
+    ctx: &Context,
+    inv: Option<Inventory>,
+    why: &str,
+    labels: &str,
+    spec: &crate::profile::InfraSpec,
+) -> Outcome {
+    let mut inventory = inv.unwrap_or_else(|| Inventory::new(now_rfc3339(), Vec::new()));
+    let mut newly = 0;
+    for v in inventory.volumes.iter_mut().filter(|v| !v.gone) {
+        v.gone = true;
+        newly += 1;
+    }
+    inventory.freed = inventory.total;
+    ctx.metrics.volumes_freed.inc_by(newly as u64);
+    let freed_here = inventory
+        .volumes
+        .iter()
+        .filter(|v| v.infra.as_ref().is_some_and(|r| r.freed_here))
+        .count();
+    let note = if freed_here > 0 {
+        format!(
+            "the tenant API cannot be reached ({why}); {} freed from the management side, and nothing of the tenant is left there",
+            count(freed_here, "volume")
+        )
+    } else {
+        format!(
+            "the tenant API cannot be reached ({why}), and the management cluster holds no disk of it \
+             (no {kind}, PVC or PV labelled {labels} or named by the inventory)",
+            kind = spec.kind
+        )
+    };
+    Outcome::Released {
+        inventory,
+        note: Some(note),
+    }
 }
 
 /// Checks that `api` reaches the cluster bound to the tenant, binding it

@@ -918,3 +918,91 @@ impl Tenant {
         .await
     }
 }
+
+/// The tenant's objects on the management side of its volumes (the infra
+/// layer): DataVolumes and PVCs labelled for it in its namespace, and the
+/// management PVs bound to those PVCs.
+#[derive(Clone, Debug, Default, PartialEq, Eq)]
+pub struct InfraObjects {
+    pub datavolumes: Vec<String>,
+    pub claims: Vec<String>,
+    pub volumes: Vec<String>,
+}
+
+impl InfraObjects {
+    pub fn is_empty(&self) -> bool {
+        self.datavolumes.is_empty() && self.claims.is_empty() && self.volumes.is_empty()
+    }
+}
+
+pub fn datavolume_resource() -> ApiResource {
+    resource("cdi.kubevirt.io", "v1beta1", "DataVolume", "datavolumes")
+}
+
+impl Tenant {
+    /// The DataVolumes in the tenant's namespace of the management cluster.
+    pub fn datavolumes(&self) -> Api<DynamicObject> {
+        Api::namespaced_with(
+            self.management.clone(),
+            &self.namespace,
+            &datavolume_resource(),
+        )
+    }
+
+    /// What the management cluster holds of the tenant's disks now; with
+    /// `also`, the objects of that earlier look too (labels can be removed,
+    /// a PV outlives its claim).
+    pub async fn infra_objects(&self, also: Option<&InfraObjects>) -> InfraObjects {
+        let dvs = self
+            .datavolumes()
+            .list_metadata(&ListParams::default())
+            .await
+            .expect("list DataVolumes")
+            .items;
+        let labelled = |labels: &Option<BTreeMap<String, String>>| {
+            labels
+                .as_ref()
+                .and_then(|l| l.get("cluster.x-k8s.io/cluster-name"))
+                .is_some_and(|v| v == &self.name)
+        };
+        let earlier = also.cloned().unwrap_or_default();
+        let mut out = InfraObjects::default();
+        for d in dvs {
+            let name = d.metadata.name.clone().unwrap_or_default();
+            if labelled(&d.metadata.labels) || earlier.datavolumes.contains(&name) {
+                out.datavolumes.push(name);
+            }
+        }
+        let pvcs: Api<PersistentVolumeClaim> =
+            Api::namespaced(self.management.clone(), &self.namespace);
+        for c in pvcs
+            .list(&ListParams::default())
+            .await
+            .expect("list PVCs")
+            .items
+        {
+            let name = c.metadata.name.clone().unwrap_or_default();
+            if labelled(&c.metadata.labels) || earlier.claims.contains(&name) {
+                out.claims.push(name);
+            }
+        }
+        let pvs: Api<PersistentVolume> = Api::all(self.management.clone());
+        for pv in pvs
+            .list(&ListParams::default())
+            .await
+            .expect("list PVs")
+            .items
+        {
+            let name = pv.metadata.name.clone().unwrap_or_default();
+            let claim = pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref());
+            let ours = claim.is_some_and(|r| {
+                r.namespace.as_deref() == Some(self.namespace.as_str())
+                    && r.name.as_ref().is_some_and(|n| out.claims.contains(n))
+            });
+            if ours || earlier.volumes.contains(&name) {
+                out.volumes.push(name);
+            }
+        }
+        out
+    }
+}

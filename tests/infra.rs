@@ -1,0 +1,312 @@
+//! The infra layer (docs/design.md §5b) on the real control plane: a tenant
+//! volume is a tenant PV and, behind it, a DataVolume, its PVC and that
+//! PVC's PV in the management cluster, whose deletion frees the disk (the
+//! ledger file). `Released` needs both layers gone; when the tenant API
+//! cannot be reached, the management side decides.
+//!
+//! The worker here frees from the management side after 3 s of an
+//! unreachable tenant API (`--infra-after`; 2 minutes by default) and waits
+//! 30 s for disks per pass. Blocked messages are read from the record's
+//! history: an Event series keeps the note of its first occurrence.
+
+mod common;
+
+use std::time::Duration;
+
+use common::tenant::Tenant;
+use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use serde_json::json;
+use volume_gate::record::Phase;
+
+fn env() -> &'static common::Env {
+    let mut args = common::gate::test_worker_args();
+    let bound = args
+        .iter()
+        .position(|a| a == "--wait-bound")
+        .expect("--wait-bound");
+    args[bound + 1] = "30s".into();
+    args.extend(["--infra-after".into(), "3s".into()]);
+    common::gated_with(args)
+}
+
+/// The next record in phase Blocked whose message satisfies `matches`.
+async fn next_blocked(t: &Tenant, what: &str, matches: impl Fn(&str) -> bool) -> String {
+    t.history
+        .next_record(what, Duration::from_secs(120), |r| {
+            r.phase == Some(Phase::Blocked) && r.message.as_deref().is_some_and(&matches)
+        })
+        .await
+        .message
+        .unwrap_or_default()
+}
+
+/// The Released record, then the parent gone.
+async fn released_and_gone(t: &Tenant) -> volume_gate::record::Record {
+    let record = t
+        .wait_phase(Phase::Released, Duration::from_secs(180))
+        .await;
+    t.wait_parent_gone(Duration::from_secs(180)).await;
+    record
+}
+
+/// A tenant with the seed's workload: 4 volumes, each a DataVolume with a
+/// PVC and a PV in the management cluster, and a disk in the ledger.
+async fn tenant_with_disks(app: &str) -> (Tenant, common::tenant::InfraObjects) {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique(app)).await;
+    t.wait_custody().await;
+    t.incident_workload().await;
+    let disks = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(disks.len(), 4, "one management disk per claim: {disks:?}");
+    let infra = t.infra_objects(None).await;
+    assert_eq!(
+        (
+            infra.datavolumes.len(),
+            infra.claims.len(),
+            infra.volumes.len()
+        ),
+        (4, 4, 4),
+        "each tenant volume is a DataVolume, a PVC and a PV in the management cluster: {infra:?}"
+    );
+    (t, infra)
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_gated_teardown_frees_both_layers() {
+    let env = env();
+    let (t, before) = tenant_with_disks("both").await;
+
+    t.delete_parent().await;
+    let released = released_and_gone(&t).await;
+
+    assert!(
+        env.sim.volumes_of(&t.namespace, &t.name).is_empty(),
+        "no disk left in the ledger"
+    );
+    let left = t.infra_objects(Some(&before)).await;
+    assert!(
+        left.is_empty(),
+        "no DataVolume, PVC or PV of the tenant left: {left:?}"
+    );
+    // Each inventoried volume names the DataVolume behind it.
+    assert!(
+        released
+            .inventory
+            .as_ref()
+            .is_some_and(|i| i
+                .volumes
+                .iter()
+                .all(|v| v
+                    .infra
+                    .as_ref()
+                    .is_some_and(|r| Some(&r.name) == v.handle.as_ref()
+                        && before.datavolumes.contains(&r.name)))),
+        "{:?}",
+        released.inventory
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_api_dead_after_the_inventory_is_released_from_the_management_side_and_a_label_alone_deletes_nothing()
+ {
+    let env = env();
+    let (t, before) = tenant_with_disks("dies").await;
+    // A DataVolume that carries the tenant's label but is in no inventory:
+    // a label is writable by whoever edits the namespace, so it must never
+    // be enough for the worker to delete.
+    let stranger = format!("{}-stranger", t.name);
+    t.datavolumes()
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({
+                "apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume",
+                "metadata": {"name": stranger, "labels": {"cluster.x-k8s.io/cluster-name": t.name}},
+                "spec": {"source": {"blank": {}}, "storage": {"resources": {"requests": {"storage": "1Gi"}}, "storageClassName": "sim-infra"}},
+            }))
+            .unwrap(),
+        )
+        .await
+        .expect("create the stranger DataVolume");
+    common::wait::eventually(
+        "the stranger's disk provisioned",
+        Duration::from_secs(60),
+        || {
+            let n = env.sim.volumes_of(&t.namespace, &t.name).len();
+            async move {
+                if n == 5 {
+                    Ok(())
+                } else {
+                    Err(format!("{n} disks"))
+                }
+            }
+        },
+    )
+    .await;
+
+    // The driver stops, so the phase holds after the inventory; then the
+    // tenant API dies.
+    t.set_driver(&env.sim, false).await;
+    t.delete_parent().await;
+    t.wait_inventory().await;
+    env.cp.cluster_down(&t.cluster.name);
+
+    let note = t
+        .wait_event("Warning", "FreedFromManagement", |n| {
+            n.contains("freeing 4 volumes from the management side")
+        })
+        .await;
+    assert!(note.contains("the tenant API cannot be reached"), "{note}");
+    let blocked = next_blocked(&t, "Blocked naming the stranger", |m| {
+        m.contains(&stranger) && m.contains("so kept")
+    })
+    .await;
+    assert!(
+        blocked.contains("labelled cluster.x-k8s.io/cluster-name=")
+            && blocked.contains("named by no inventoried volume, so kept"),
+        "{blocked}"
+    );
+    // Every inventoried disk is freed; the stranger's is kept.
+    let ledger = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(
+        ledger.len(),
+        1,
+        "only the stranger's disk is left: {ledger:?}"
+    );
+    let left = t.infra_objects(Some(&before)).await;
+    assert_eq!(left.datavolumes, vec![stranger.clone()], "{left:?}");
+
+    // Deleted by a person, it goes, and the teardown finishes.
+    t.datavolumes()
+        .delete(&stranger, &DeleteParams::default())
+        .await
+        .expect("delete the stranger");
+    let record = released_and_gone(&t).await;
+    let message = record.message.clone().unwrap_or_default();
+    assert!(
+        message.contains("4 volumes freed, none left on storage")
+            && message.contains("4 volumes freed from the management side"),
+        "{message}"
+    );
+    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
+    let inv = record.inventory.expect("inventory kept");
+    assert!(
+        inv.volumes
+            .iter()
+            .all(|v| v.gone && v.infra.as_ref().is_some_and(|r| r.freed_here)),
+        "each volume is recorded as freed from the management side: {inv:?}"
+    );
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_dead_from_the_start_that_holds_no_disk_is_released_with_no_override() {
+    let env = env();
+    let t = Tenant::create_with(env.cp, &env.cp.unique("never"), json!({"nodes": 0})).await;
+    t.wait_custody().await;
+    env.cp.cluster_down(&t.cluster.name);
+
+    t.delete_parent().await;
+    let record = released_and_gone(&t).await;
+    let note = record.message.clone().unwrap_or_default();
+    assert!(
+        note.contains("holds no disk")
+            && note.contains("the tenant API cannot be reached")
+            && note.contains(&format!("cluster.x-k8s.io/cluster-name={}", t.name)),
+        "{note}"
+    );
+    assert!(record.override_.is_none(), "no override was needed");
+    t.wait_event("Normal", "Released", |n| n.contains("holds no disk"))
+        .await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenant_dead_from_the_start_that_holds_disks_keeps_them_until_an_override() {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("nodinv")).await;
+    t.wait_custody().await;
+    t.with_held_claims(&["data"]).await;
+    let before = t.infra_objects(None).await;
+    env.cp.cluster_down(&t.cluster.name);
+
+    t.delete_parent().await;
+    let note = next_blocked(&t, "Blocked without an inventory", |m| {
+        m.contains("no inventory was taken")
+    })
+    .await;
+    assert!(
+        note.contains(&before.datavolumes[0]) && note.contains("reclaim policy is unknown"),
+        "{note}"
+    );
+    // Well past the wait before freeing (3 s), nothing without a recorded
+    // policy was deleted.
+    next_blocked(&t, "the fifth Blocked", |m| {
+        m.contains("no inventory was taken") && m.contains("attempt 5;")
+    })
+    .await;
+    assert_eq!(t.infra_objects(Some(&before)).await, before);
+    assert_eq!(env.sim.volumes_of(&t.namespace, &t.name).len(), 1);
+
+    t.grant_override("platform-admins").await;
+    let alice = env
+        .cp
+        .client_as("alice", &["platform-admins", "system:authenticated"])
+        .await;
+    t.annotate_override(&alice, "tenant never answered; disk abandoned (ticket 7)")
+        .await
+        .expect("authorized override accepted");
+    // What then becomes of the disk is the hook's (its step 5 deletes the
+    // tenant's DataVolumes by label, best effort): the phase deleted nothing.
+    t.wait_parent_gone(Duration::from_secs(180)).await;
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_datavolume_that_cannot_be_deleted_keeps_the_tenant_blocked_naming_it() {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("stuckdv")).await;
+    t.wait_custody().await;
+    t.with_held_claims(&["data", "logs"]).await;
+    let before = t.infra_objects(None).await;
+    let stuck = before.datavolumes[0].clone();
+    let keep = json!({"metadata": {"finalizers": ["example.com/keep"]}});
+    t.datavolumes()
+        .patch(&stuck, &PatchParams::default(), &Patch::Merge(&keep))
+        .await
+        .expect("add a finalizer");
+
+    t.delete_parent().await;
+    let note = next_blocked(&t, "Blocked naming the stuck DataVolume", |m| {
+        m.contains(&stuck)
+    })
+    .await;
+    assert!(
+        note.contains("the tenant's PVs are gone, but the management cluster still holds")
+            && note.contains("being deleted, held by finalizers example.com/keep"),
+        "{note}"
+    );
+    assert!(
+        t.parent().await.is_some(),
+        "the parent is held while the disk is"
+    );
+    // The other disk is freed, the stuck one is not.
+    common::wait::eventually("one disk left", Duration::from_secs(60), || {
+        let n = env.sim.volumes_of(&t.namespace, &t.name).len();
+        async move {
+            if n == 1 {
+                Ok(())
+            } else {
+                Err(format!("{n} disks"))
+            }
+        }
+    })
+    .await;
+    next_blocked(&t, "Blocked still naming it", |m| m.contains(&stuck)).await;
+
+    // Its finalizer removed, the DataVolume goes, and with it the disk.
+    let free = json!({"metadata": {"finalizers": null}});
+    t.datavolumes()
+        .patch(&stuck, &PatchParams::default(), &Patch::Merge(&free))
+        .await
+        .expect("remove the finalizer");
+    released_and_gone(&t).await;
+    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
+    assert!(t.infra_objects(Some(&before)).await.is_empty());
+}
