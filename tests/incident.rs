@@ -3,6 +3,11 @@
 //! tenant, or its namespace, leaves every one of its volumes on storage.
 //! This is the bug volume-gate closes; these tests prove the harness can
 //! show it (so the gated tests can fail).
+//!
+//! The world here is the seed's: the Proxmox path, where a volume is the
+//! tenant CSI driver's alone (profile `infra: null`: no management object
+//! behind it), so only the driver can free it. The KubeVirt path, with a
+//! DataVolume behind each volume, is in `teardown.rs`.
 
 mod common;
 
@@ -70,7 +75,7 @@ async fn without_the_gate_deleting_the_tenant_namespace_leaks_every_volume() {
 async fn ungated_tenant_with_volumes(
     prefix: &str,
 ) -> (&'static common::Env, common::tenant::Tenant, Vec<String>) {
-    let env = common::ungated();
+    let env = common::ungated_one_layer();
     let t = common::tenant::Tenant::create(env.cp, &env.cp.unique(prefix)).await;
     t.incident_workload().await;
     let before = env.sim.volumes_of(&t.namespace, &t.name);

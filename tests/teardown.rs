@@ -661,3 +661,102 @@ async fn deleting_the_tenant_control_plane_stops_the_tenant_api_server_and_gc_re
         "the TenantControlPlane is gone"
     );
 }
+
+/// The KubeVirt path without the gate, with the hook as it was at the
+/// incident (no DataVolume step): step 2 takes the CSI driver before anyone
+/// deleted a claim, so no DeleteVolume ever runs; the tenant's PVs go with
+/// its API, and every DataVolume, with its PVC, PV and disk, stays in the
+/// management cluster. Both layers leak.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_gate_the_incident_era_hook_leaks_both_layers() {
+    let _serial = common::serial();
+    let env = env();
+    let t = Tenant::create_with(
+        env.cp,
+        &env.cp.unique("leak2"),
+        json!({"deleteDataVolumes": false}),
+    )
+    .await;
+    t.incident_workload().await;
+    let disks = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(disks.len(), 4, "{disks:?}");
+    let infra = t.infra_objects(None).await;
+    assert_eq!(infra.datavolumes.len(), 4, "{infra:?}");
+
+    t.delete_parent().await;
+    let runs = runs_once_gone(env, &t).await;
+    t.wait_api_stopped(&env.sim, Duration::from_secs(120)).await;
+    assert!(
+        runs.iter().any(|r| r
+            .output
+            .iter()
+            .any(|l| l == "  this hook predates the DataVolume step: none deleted")),
+        "{}",
+        render(&runs)
+    );
+    // Nothing can free a disk now: the driver and the tenant API are gone,
+    // and nothing deletes a DataVolume.
+    assert_eq!(
+        env.sim.volumes_of(&t.namespace, &t.name),
+        disks,
+        "THE INCIDENT on the KubeVirt path: every disk stayed"
+    );
+    assert_eq!(
+        t.infra_objects(Some(&infra)).await,
+        infra,
+        "every DataVolume, PVC and PV stayed in the management cluster"
+    );
+    let key = format!(" {}/{} ", t.namespace, t.name);
+    assert!(
+        !env.sim
+            .log()
+            .lines()
+            .any(|l| l.contains(&key) && l.contains(" datavolume deleted ")),
+        "no DeleteVolume ran"
+    );
+}
+
+/// Upstream's later answer, step 5 (`--wait=false`, no check): it deletes
+/// the tenant's DataVolumes by label behind the driver's back, and once the
+/// VM's attachments go with its MachineDeployment, their disks are freed,
+/// in a run that reaches step 5. It decides by a label and checks nothing.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_gate_upstreams_datavolume_step_frees_the_disks_behind_the_drivers_back() {
+    let _serial = common::serial();
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("step5")).await;
+    t.incident_workload().await;
+    assert_eq!(env.sim.volumes_of(&t.namespace, &t.name).len(), 4);
+
+    t.delete_parent().await;
+    let runs = runs_once_gone(env, &t).await;
+    let deleted = runs
+        .iter()
+        .flat_map(|r| r.output.iter())
+        .filter(|l| {
+            l.starts_with("datavolume.cdi.kubevirt.io \"")
+                && l.ends_with(&format!("\" deleted from {} namespace", t.namespace))
+        })
+        .count();
+    assert_eq!(deleted, 4, "step 5 deleted each DataVolume:\n{}", render(&runs));
+    // Freed disks never come back: wait for the ledger to empty.
+    eventually("every disk freed", Duration::from_secs(120), || {
+        let left = env.sim.volumes_of(&t.namespace, &t.name);
+        async move {
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{left:?}"))
+            }
+        }
+    })
+    .await;
+    let key = format!(" {}/{} ", t.namespace, t.name);
+    assert!(
+        !env.sim
+            .log()
+            .lines()
+            .any(|l| l.contains(&key) && l.contains(" datavolume deleted ")),
+        "the driver freed nothing: the hook's label did"
+    );
+}

@@ -113,7 +113,7 @@ async fn main() {
     );
     let first = args.max_concurrent.first().copied().unwrap_or(4);
     let mut gate = BenchGate::install(cp, "conc", &worker_args(first), "info").await;
-    let sim = common::sim::Simulator::start(cp);
+    let sim = common::sim::Simulator::start(cp, &volume_gate::profile::Profile::cozystack());
     let workload = Workload {
         claims: 3,
         namespaces: 1,

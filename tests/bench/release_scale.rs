@@ -122,7 +122,7 @@ async fn main() {
         args.worker_args,
         gate.worker_log.display()
     );
-    let sim = common::sim::Simulator::start(cp);
+    let sim = common::sim::Simulator::start(cp, &volume_gate::profile::Profile::cozystack());
     println!("simulator: log {}", sim.process.log.display());
     let cache_dir = cp.state.join("bench-kubectl-cache");
 

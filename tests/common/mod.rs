@@ -40,6 +40,20 @@ pub fn ungated() -> &'static Env {
     ENV.get_or_init(|| start_env(None))
 }
 
+/// As [`ungated`], in a world whose tenant volumes have no infra layer:
+/// the tenant's CSI driver holds each disk itself, as on the Proxmox path
+/// of the seed's incident (profile `infra: null`).
+pub fn ungated_one_layer() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let profile = volume_gate::profile::Profile {
+            infra: None,
+            ..volume_gate::profile::Profile::cozystack()
+        };
+        start_env_with(None, (flux::MIN_RETRY_DELAY, flux::MAX_RETRY_DELAY), profile)
+    })
+}
+
 /// As [`ungated`], with helm-controller retrying a failed reconcile after
 /// `min_retry_delay` growing to `max_retry_delay` (the first caller's win):
 /// for tests of Flux's own retries.
@@ -48,21 +62,33 @@ pub fn ungated_with_flux_retry(
     max_retry_delay: &'static str,
 ) -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| start_env_with(None, (min_retry_delay, max_retry_delay)))
+    ENV.get_or_init(|| {
+        start_env_with(
+            None,
+            (min_retry_delay, max_retry_delay),
+            volume_gate::profile::Profile::cozystack(),
+        )
+    })
 }
 
 /// The control plane, the gate with `worker_args` (none: only the CRDs),
 /// Flux's real helm-controller (`flux::flux`), and the simulator; tenants
 /// are installed by helm-controller (`Tenant::create`).
 fn start_env(worker_args: Option<Vec<String>>) -> Env {
-    start_env_with(worker_args, (flux::MIN_RETRY_DELAY, flux::MAX_RETRY_DELAY))
+    start_env_with(
+        worker_args,
+        (flux::MIN_RETRY_DELAY, flux::MAX_RETRY_DELAY),
+        volume_gate::profile::Profile::cozystack(),
+    )
 }
 
-/// As [`start_env`], with helm-controller's retry delays; Flux's real CRDs
+/// As [`start_env`], with helm-controller's retry delays and the profile
+/// the simulator plays (the worker's is Cozystack's); Flux's real CRDs
 /// (HelmRelease among them) are installed before any test runs.
 fn start_env_with(
     worker_args: Option<Vec<String>>,
     flux_retry: (&'static str, &'static str),
+    profile: volume_gate::profile::Profile,
 ) -> Env {
     let cp = cluster::control_plane();
     let gate = std::thread::spawn(move || {
@@ -84,7 +110,7 @@ fn start_env_with(
     })
     .join()
     .expect("gate install");
-    let sim = sim::Simulator::start(cp);
+    let sim = sim::Simulator::start(cp, &profile);
     Env {
         cp,
         gate: gate.map(std::sync::Mutex::new),

@@ -19,8 +19,10 @@ impl Simulator {
     /// Starts a simulator for every tenant of the control plane: storage,
     /// CSI driver, kubelets, Kamaji's control planes, and the management
     /// node that runs the Pods of Jobs (the tenant chart's real pre-delete
-    /// hook, run by the real helm-controller).
-    pub fn start(cp: &ControlPlane) -> Simulator {
+    /// hook, run by the real helm-controller). The world is `profile`'s:
+    /// with an infra layer, tenant volumes are DataVolumes whose management
+    /// PVs hold the disks; without one, the tenant's driver holds them.
+    pub fn start(cp: &ControlPlane, profile: &volume_gate::profile::Profile) -> Simulator {
         let storage = cp.state.join(cp.unique("storage"));
         std::fs::create_dir_all(&storage).expect("storage dir");
         let control = std::fs::read_to_string(cp.state.join("control.addr"))
@@ -33,9 +35,8 @@ impl Simulator {
             format!("http://{control}")
         };
         // The platform's names, from the profile the product uses.
+        let json = serde_json::to_string(profile).expect("profile serializes");
         let profile = cp.state.join(cp.unique("profile.json"));
-        let json = serde_json::to_string(&volume_gate::profile::Profile::cozystack())
-            .expect("profile serializes");
         std::fs::write(&profile, json).expect("write the profile");
         let mut cmd = Command::new(&cp.harness);
         cmd.arg("sim")
