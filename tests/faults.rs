@@ -140,7 +140,15 @@ async fn a_tenant_api_killed_mid_phase_blocks_and_the_phase_finishes_when_it_ret
 async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_record() {
     let _serial = common::serial();
     let env = env();
-    let t = Tenant::create(env.cp, &env.cp.unique("retain")).await;
+    // The hook as it was at the incident: upstream's later DataVolume step
+    // deletes by label whatever the reclaim policy, the retained disk too
+    // (docs/design.md §5b), which is not what this test is about.
+    let t = Tenant::create_with(
+        env.cp,
+        &env.cp.unique("retain"),
+        serde_json::json!({"deleteDataVolumes": false}),
+    )
+    .await;
     t.wait_custody().await;
     t.tenant_namespace("apps").await;
     t.claim("apps", "kept", RETAIN_STORAGE_CLASS).await;
@@ -161,12 +169,26 @@ async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_recor
         (2, 1),
         "the Delete volume was freed, the Retain one is residue"
     );
-    let residue = env.sim.volumes_of(&t.namespace, &t.name);
-    assert_eq!(residue.len(), 1);
+    let kept = inv.remaining().next().expect("the residue");
+    let handle = kept.handle.clone().expect("its volumeHandle");
     assert!(
-        message.contains(&residue[0]),
+        kept.is_retain() && message.contains(&handle),
         "the residue is named by its volumeHandle: {message}"
     );
+    // On storage, only the retained disk stays (the freed one's management
+    // PVC goes a moment after its DataVolume: wait for it, it never comes back).
+    common::wait::eventually("one disk left", Duration::from_secs(90), || {
+        let n = env.sim.volumes_of(&t.namespace, &t.name).len();
+        async move {
+            if n == 1 {
+                Ok(())
+            } else {
+                Err(format!("{n} disks"))
+            }
+        }
+    })
+    .await;
+    let residue = env.sim.volumes_of(&t.namespace, &t.name);
 
     t.grant_override("platform-admins").await;
     let alice = env.cp.client_as("alice", &["platform-admins"]).await;
@@ -175,7 +197,7 @@ async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_recor
         .expect("override accepted");
     let note = t.wait_event("Warning", "Overridden", |_| true).await;
     assert!(
-        note.contains(&residue[0]) && note.contains("left on storage"),
+        note.contains(&handle) && note.contains("left on storage"),
         "the Warning names the disk left: {note}"
     );
     t.wait_parent_gone(Duration::from_secs(120)).await;

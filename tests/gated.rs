@@ -163,7 +163,14 @@ async fn deleting_the_tenant_namespace_leaves_zero_volumes() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_silent_tenant_api_blocks_loudly_and_an_authorized_override_finishes_the_teardown() {
     let env = env();
-    let t = Tenant::create(env.cp, &env.cp.unique("silent")).await;
+    // The hook as it was at the incident: upstream's later DataVolume step
+    // would delete the abandoned disk's DataVolume by label after the override.
+    let t = Tenant::create_with(
+        env.cp,
+        &env.cp.unique("silent"),
+        json!({"deleteDataVolumes": false}),
+    )
+    .await;
     t.wait_custody().await;
     t.with_held_claims(&["data"]).await;
     // A port that accepts connections and never answers: an API server that exists and is silent.
