@@ -192,9 +192,12 @@ async fn a_parents_kind_label_added_to_the_csi_release_is_refused_and_its_delete
     );
 }
 
-/// A parent release with nothing behind it, in custody: the worker can
-/// never release it, so once deleted it stays in teardown, not done.
+/// A parent release in custody with no tenant API behind it, only a disk
+/// no inventory names (`unreleasable_disk`): the worker never releases it,
+/// so once deleted it stays in teardown, not done.
 async fn paper_parent(hrs: &Api<DynamicObject>, r: &str) {
+    let ns = hrs.namespace().expect("namespaced").to_string();
+    common::tenant::unreleasable_disk(&hrs.clone().into_client(), &ns, r).await;
     let parent = json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
         "metadata": {"name": r, "labels": {PARENT_KIND: "Kubernetes", PARENT_GROUP: "apps.cozystack.io"}},
         "spec": common::flux::inert_spec("kubernetes")});

@@ -39,7 +39,9 @@ async fn a_stopped_driver_blocks_naming_each_remaining_volume_and_recovery_frees
     let _serial = common::serial();
     let env = env();
     let t = tenant_with_volumes("stuck", &["a", "b"]).await;
-    let handles = env.sim.volumes_of(&t.namespace, &t.name);
+    let disks = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(disks.len(), 2);
+    let handles = t.volume_handles().await;
     assert_eq!(handles.len(), 2);
     t.set_driver(&env.sim, false).await;
 
@@ -60,7 +62,7 @@ async fn a_stopped_driver_blocks_naming_each_remaining_volume_and_recovery_frees
         .await;
     assert_eq!(
         env.sim.volumes_of(&t.namespace, &t.name),
-        handles,
+        disks,
         "nothing freed, nothing lost while the driver is stopped"
     );
 

@@ -151,13 +151,22 @@ async fn deleting_the_tenant_namespace_leaves_zero_volumes() {
     let t = Tenant::create(env.cp, &env.cp.unique("nsdel")).await;
     t.wait_custody().await;
     t.incident_workload().await;
+    let before = t.infra_objects(None).await;
     t.delete_namespace().await;
-    t.wait_namespace_gone(Duration::from_secs(240)).await;
+    // Released is recorded only once both layers are gone. (What follows,
+    // helm-controller uninstalling the children, can fail once against the
+    // stopped tenant API and wait out this suite's 10-minute retry delay; on
+    // Flux's defaults it is retried within a second, by then the admin
+    // kubeconfig is gone and the uninstall skipped: docs/reliability.md.)
+    let record = t.wait_phase(Phase::Released, Duration::from_secs(240)).await;
+    assert_eq!(record.inventory.map(|i| i.total), Some(4));
     let left = env.sim.volumes_of(&t.namespace, &t.name);
     assert!(
         left.is_empty(),
         "volumes left after deleting the namespace: {left:?}"
     );
+    let infra = t.infra_objects(Some(&before)).await;
+    assert!(infra.is_empty(), "{infra:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

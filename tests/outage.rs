@@ -91,10 +91,12 @@ async fn gate_requests() -> u64 {
     count
 }
 
-/// A tenant in teardown that can never be released (a parent with nothing
-/// behind it), with every object the gate guards for it.
+/// A tenant in teardown that can never be released (a parent with no API
+/// behind it, only a disk no inventory names), with every object the gate
+/// guards for it.
 async fn tenant_in_teardown(client: &kube::Client, ns: &str, r: &str) {
     env().cp.namespace(ns).await;
+    common::tenant::unreleasable_disk(client, ns, r).await;
     create(client, ns, &hr(), parent_release(r)).await;
     let hr_body = |name: String, labels: Value| {
         json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",

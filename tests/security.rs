@@ -1250,7 +1250,9 @@ async fn a_webhook_killed_under_load_lets_nothing_through_and_a_restarted_one_re
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("wkill")).await;
     t.wait_custody().await;
-    // Hold the tenant in teardown, not done: its API cannot be reached.
+    // Hold the tenant in teardown, not done: its API cannot be reached, and
+    // it holds a disk no inventory names.
+    common::tenant::unreleasable_disk(&t.management, &t.namespace, &t.name).await;
     t.point_kubeconfig_at("https://127.0.0.1:1").await;
     t.delete_parent().await;
     t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;

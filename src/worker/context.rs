@@ -106,7 +106,7 @@ impl Context {
         m.entry(t.clone()).or_insert_with(Instant::now).elapsed()
     }
 
-    /// `t`'s API answered (or its phase is over).
+    /// `t`'s API answered, or its phase has an outcome.
     pub(crate) fn reachable(&self, t: &TenantRef) {
         self.unreachable.lock().expect("lock").remove(t);
     }
@@ -438,6 +438,7 @@ impl Context {
     }
 
     pub(crate) fn observe_outcome(&self, t: &TenantRef, outcome: &str) {
+        self.reachable(t);
         if let Some(started) = self.phase_started.lock().expect("lock").remove(t) {
             self.metrics
                 .phase_seconds

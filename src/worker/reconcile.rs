@@ -208,7 +208,6 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
                 message.push_str(": ");
                 message.push_str(&note);
             }
-            ctx.reachable(&t);
             let update = Update {
                 phase: Some(Phase::Released),
                 message: Some(message.clone()),

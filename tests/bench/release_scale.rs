@@ -83,6 +83,9 @@ struct Args {
 #[derive(Clone, Debug)]
 struct GateRun {
     seconds: f64,
+    /// When the ledger held none of the tenant's disks (the management
+    /// side's PVs gone), seconds after the DELETE.
+    disks_freed: Option<f64>,
     requests: Requests,
     milestones: Milestones,
     worker_steps: BTreeMap<&'static str, f64>,
@@ -92,6 +95,9 @@ struct GateRun {
 #[derive(Clone, Debug)]
 struct BaselineRun {
     seconds: f64,
+    /// As for the gate: the baseline waits for the tenant's PVs only; the
+    /// disks behind them (DataVolume, PVC, PV) go after it ends.
+    disks_freed: Option<f64>,
     processes: usize,
     requests: usize,
     steps: Vec<(String, f64)>,
@@ -178,17 +184,23 @@ async fn main() {
             let mut br = None;
             if round % 2 == 1 {
                 if let Some(b) = &b {
-                    br = Some(baseline(cp, b, &cache_dir, args.baseline_pod_wait).await);
+                    br = Some(
+                        baseline(cp, &sim, b, &cache_dir, args.baseline_pod_wait, args.poll_ms)
+                            .await,
+                    );
                 }
                 if let Some(g) = &g {
-                    gr = Some(gated(cp, &gate, g, args.poll_ms).await);
+                    gr = Some(gated(cp, &gate, &sim, g, args.poll_ms).await);
                 }
             } else {
                 if let Some(g) = &g {
-                    gr = Some(gated(cp, &gate, g, args.poll_ms).await);
+                    gr = Some(gated(cp, &gate, &sim, g, args.poll_ms).await);
                 }
                 if let Some(b) = &b {
-                    br = Some(baseline(cp, b, &cache_dir, args.baseline_pod_wait).await);
+                    br = Some(
+                        baseline(cp, &sim, b, &cache_dir, args.baseline_pod_wait, args.poll_ms)
+                            .await,
+                    );
                 }
             }
             print_round(size, round, gr.as_ref(), br.as_ref());
@@ -266,6 +278,15 @@ async fn main() {
             "  worker requests/volume: tenant API {tenant_rpv}, management API (without Lease renewals) {mgmt_rpv}, all {all_rpv}"
         );
         println!("  baseline (kubectl) requests/volume {base_rpv}");
+        let freed = |xs: Vec<Option<f64>>| -> String {
+            let v: Vec<f64> = xs.into_iter().flatten().collect();
+            if v.is_empty() { "-".into() } else { stats(&v).to_string() }
+        };
+        println!(
+            "  disks freed (management side) s: gate {}, baseline {}",
+            freed(gs.iter().map(|r| r.disks_freed).collect()),
+            freed(bs.iter().map(|r| r.disks_freed).collect())
+        );
         per_volume_gate.insert(*size, gpv.median);
         ratio_parts.push(format!("{size}={ratio:.2}"));
         worst_ratio = worst_ratio.max(ratio);
@@ -325,7 +346,11 @@ fn print_round(size: usize, round: usize, g: Option<&GateRun>, b: Option<&Baseli
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        println!("      observed: {}", g.milestones);
+        println!(
+            "      observed: {}; disks freed (management side) {}",
+            g.milestones,
+            g.disks_freed.map_or("not within 15 min".to_string(), |v| format!("{v:.1}s"))
+        );
     }
     if let Some(b) = b {
         println!(
@@ -345,7 +370,11 @@ fn print_round(size: usize, round: usize, g: Option<&GateRun>, b: Option<&Baseli
                 .collect::<Vec<_>>()
                 .join(", ")
         );
-        println!("      observed: {}", b.milestones);
+        println!(
+            "      observed: {}; disks freed (management side) {}",
+            b.milestones,
+            b.disks_freed.map_or("not within 15 min".to_string(), |v| format!("{v:.1}s"))
+        );
     }
     if let (Some(g), Some(b)) = (g, b) {
         println!(
@@ -356,7 +385,13 @@ fn print_round(size: usize, round: usize, g: Option<&GateRun>, b: Option<&Baseli
 }
 
 /// Deletes the parent and waits for `Released`; counts the worker's requests.
-async fn gated(cp: &ControlPlane, gate: &BenchGate, t: &Tenant, poll_ms: u64) -> GateRun {
+async fn gated(
+    cp: &ControlPlane,
+    gate: &BenchGate,
+    sim: &common::sim::Simulator,
+    t: &Tenant,
+    poll_ms: u64,
+) -> GateRun {
     let observer = Observer::start(&t.api).await;
     let servers: HashSet<String> = [t.cluster.server.clone()].into();
     let offset = gate.worker_log_len();
@@ -373,6 +408,7 @@ async fn gated(cp: &ControlPlane, gate: &BenchGate, t: &Tenant, poll_ms: u64) ->
     )
     .await;
     let seconds = seen.duration_since(t0).as_secs_f64();
+    let disks_freed = disks_freed(sim, t, t0, Duration::from_millis(poll_ms)).await;
     observer.wait_pvs_gone(Duration::from_secs(5)).await;
     // Custody ends right after Released: let those requests land too.
     tokio::time::sleep(Duration::from_secs(2)).await;
@@ -380,10 +416,31 @@ async fn gated(cp: &ControlPlane, gate: &BenchGate, t: &Tenant, poll_ms: u64) ->
     let worker_steps = worker_steps(&gate.worker_log, offset, wall0, &t.name);
     GateRun {
         seconds,
+        disks_freed,
         requests,
         milestones: observer.milestones(),
         worker_steps,
         load,
+    }
+}
+
+/// Seconds after `t0` at which the ledger held none of `t`'s disks, polled
+/// every `every` (its precision); `None` if some are left after 15 minutes.
+async fn disks_freed(
+    sim: &common::sim::Simulator,
+    t: &Tenant,
+    t0: Instant,
+    every: Duration,
+) -> Option<f64> {
+    let bound = Instant::now() + Duration::from_secs(900);
+    loop {
+        if sim.volumes_of(&t.namespace, &t.name).is_empty() {
+            return Some(t0.elapsed().as_secs_f64());
+        }
+        if Instant::now() > bound {
+            return None;
+        }
+        tokio::time::sleep(every).await;
     }
 }
 
@@ -428,7 +485,14 @@ fn worker_steps(
 }
 
 /// The seed's Step 1b, each step a kubectl process, sequentially.
-async fn baseline(cp: &ControlPlane, t: &Tenant, cache_dir: &Path, pod_wait: bool) -> BaselineRun {
+async fn baseline(
+    cp: &ControlPlane,
+    sim: &common::sim::Simulator,
+    t: &Tenant,
+    cache_dir: &Path,
+    pod_wait: bool,
+    poll_ms: u64,
+) -> BaselineRun {
     let observer = Observer::start(&t.api).await;
     let kubeconfig = t.cluster.kubeconfig.clone();
     let mut k = Kubectl {
@@ -499,9 +563,11 @@ async fn baseline(cp: &ControlPlane, t: &Tenant, cache_dir: &Path, pod_wait: boo
     }
     step(&format!("wait pv x{}", pvs.len()), &mut mark);
     let seconds = t0.elapsed().as_secs_f64();
+    let disks_freed = disks_freed(sim, t, t0, Duration::from_millis(poll_ms)).await;
     observer.wait_pvs_gone(Duration::from_secs(5)).await;
     BaselineRun {
         seconds,
+        disks_freed,
         processes: k.processes,
         requests: k.requests,
         steps,

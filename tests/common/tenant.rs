@@ -940,6 +940,23 @@ pub fn datavolume_resource() -> ApiResource {
 }
 
 impl Tenant {
+    /// The volumeHandles of the tenant's PVs (its API's view), sorted: what
+    /// the record names. On the KubeVirt path each is a DataVolume's name;
+    /// the ledger holds the management disks behind them.
+    pub async fn volume_handles(&self) -> Vec<String> {
+        let pvs: Api<PersistentVolume> = Api::all(self.api.clone());
+        let mut out: Vec<String> = pvs
+            .list(&ListParams::default())
+            .await
+            .expect("list tenant PVs")
+            .items
+            .into_iter()
+            .filter_map(|pv| Some(pv.spec?.csi?.volume_handle))
+            .collect();
+        out.sort();
+        out
+    }
+
     /// The DataVolumes in the tenant's namespace of the management cluster.
     pub fn datavolumes(&self) -> Api<DynamicObject> {
         Api::namespaced_with(
@@ -1005,4 +1022,20 @@ impl Tenant {
         }
         out
     }
+}
+
+/// A disk of tenant `r` that no inventory names: a DataVolume labelled for it
+/// in namespace `ns` of the management cluster. A tenant with no API behind
+/// it and such a disk is never released by the worker (with no inventory,
+/// the disk's reclaim policy is unknown; docs/design.md §5b): tests use it
+/// to hold a parent with nothing else behind it in teardown. (With no disk
+/// at all, the worker would release it at once.)
+pub async fn unreleasable_disk(client: &kube::Client, ns: &str, r: &str) {
+    let dvs: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &datavolume_resource());
+    let disk = json!({"apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume",
+        "metadata": {"name": format!("{r}-disk"), "labels": {"cluster.x-k8s.io/cluster-name": r}},
+        "spec": {"source": {"blank": {}}, "storage": {"resources": {"requests": {"storage": "1Gi"}}}}});
+    dvs.create(&PostParams::default(), &serde_json::from_value(disk).unwrap())
+        .await
+        .expect("create the tenant's unreleasable DataVolume");
 }

@@ -34,7 +34,15 @@ fn ledger(sim: &common::sim::Simulator, t: &Tenant) -> Vec<String> {
             v.len()
         );
         for f in &v {
-            println!("      {f}");
+            // Each disk's record names the management claim behind it: on
+            // the KubeVirt path, the DataVolume of the tenant volume.
+            let behind = std::fs::read_to_string(sim.storage.join(f))
+                .ok()
+                .and_then(|text| serde_json::from_str::<serde_json::Value>(&text).ok())
+                .and_then(|r| r["pvc"].as_str().map(str::to_string))
+                .map(|pvc| format!("  (management PVC {pvc}, of the DataVolume of that name)"))
+                .unwrap_or_default();
+            println!("      {f}{behind}");
         }
     }
     v
