@@ -179,18 +179,7 @@ async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_recor
     );
     // On storage, only the retained disk stays (the freed one's management
     // PVC goes a moment after its DataVolume: wait for it, it never comes back).
-    common::wait::eventually("one disk left", Duration::from_secs(90), || {
-        let n = env.sim.volumes_of(&t.namespace, &t.name).len();
-        async move {
-            if n == 1 {
-                Ok(())
-            } else {
-                Err(format!("{n} disks"))
-            }
-        }
-    })
-    .await;
-    let residue = env.sim.volumes_of(&t.namespace, &t.name);
+    let residue = env.sim.wait_disks(&t.namespace, &t.name, 1).await;
 
     t.grant_override("platform-admins").await;
     let alice = env.cp.client_as("alice", &["platform-admins"]).await;

@@ -158,7 +158,9 @@ async fn deleting_the_tenant_namespace_leaves_zero_volumes() {
     // stopped tenant API and wait out this suite's 10-minute retry delay; on
     // Flux's defaults it is retried within a second, by then the admin
     // kubeconfig is gone and the uninstall skipped: docs/reliability.md.)
-    let record = t.wait_phase(Phase::Released, Duration::from_secs(240)).await;
+    let record = t
+        .wait_phase(Phase::Released, Duration::from_secs(240))
+        .await;
     assert_eq!(record.inventory.map(|i| i.total), Some(4));
     let left = env.sim.volumes_of(&t.namespace, &t.name);
     assert!(

@@ -127,21 +127,7 @@ async fn an_api_dead_after_the_inventory_is_released_from_the_management_side_an
         )
         .await
         .expect("create the stranger DataVolume");
-    common::wait::eventually(
-        "the stranger's disk provisioned",
-        Duration::from_secs(60),
-        || {
-            let n = env.sim.volumes_of(&t.namespace, &t.name).len();
-            async move {
-                if n == 5 {
-                    Ok(())
-                } else {
-                    Err(format!("{n} disks"))
-                }
-            }
-        },
-    )
-    .await;
+    env.sim.wait_disks(&t.namespace, &t.name, 5).await;
 
     // The driver stops, so the phase holds after the inventory; then the
     // tenant API dies.
@@ -287,17 +273,7 @@ async fn a_datavolume_that_cannot_be_deleted_keeps_the_tenant_blocked_naming_it(
         "the parent is held while the disk is"
     );
     // The other disk is freed, the stuck one is not.
-    common::wait::eventually("one disk left", Duration::from_secs(60), || {
-        let n = env.sim.volumes_of(&t.namespace, &t.name).len();
-        async move {
-            if n == 1 {
-                Ok(())
-            } else {
-                Err(format!("{n} disks"))
-            }
-        }
-    })
-    .await;
+    env.sim.wait_disks(&t.namespace, &t.name, 1).await;
     next_blocked(&t, "Blocked still naming it", |m| m.contains(&stuck)).await;
 
     // Its finalizer removed, the DataVolume goes, and with it the disk.

@@ -1634,6 +1634,8 @@ async fn override_stamps_come_from_the_requester_and_an_empty_reason_is_refused(
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("stamps")).await;
     t.wait_custody().await;
+    // Held in teardown: no API, and a disk no inventory names.
+    common::tenant::unreleasable_disk(&t.management, &t.namespace, &t.name).await;
     t.point_kubeconfig_at("https://127.0.0.1:1").await;
     t.delete_parent().await;
     t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;

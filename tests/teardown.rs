@@ -662,6 +662,16 @@ async fn deleting_the_tenant_control_plane_stops_the_tenant_api_server_and_gc_re
     );
 }
 
+/// Whether `t`'s CSI driver ever ran DeleteVolume (deleted a DataVolume), by
+/// the simulator's log.
+fn driver_deleted_a_datavolume(env: &common::Env, t: &Tenant) -> bool {
+    let key = format!(" {}/{} ", t.namespace, t.name);
+    env.sim
+        .log()
+        .lines()
+        .any(|l| l.contains(&key) && l.contains(" datavolume deleted "))
+}
+
 /// The KubeVirt path without the gate, with the hook as it was at the
 /// incident (no DataVolume step): step 2 takes the CSI driver before anyone
 /// deleted a claim, so no DeleteVolume ever runs; the tenant's PVs go with
@@ -706,14 +716,7 @@ async fn without_the_gate_the_incident_era_hook_leaks_both_layers() {
         infra,
         "every DataVolume, PVC and PV stayed in the management cluster"
     );
-    let key = format!(" {}/{} ", t.namespace, t.name);
-    assert!(
-        !env.sim
-            .log()
-            .lines()
-            .any(|l| l.contains(&key) && l.contains(" datavolume deleted ")),
-        "no DeleteVolume ran"
-    );
+    assert!(!driver_deleted_a_datavolume(env, &t), "no DeleteVolume ran");
 }
 
 /// Upstream's later answer, step 5 (`--wait=false`, no check): it deletes
@@ -738,25 +741,16 @@ async fn without_the_gate_upstreams_datavolume_step_frees_the_disks_behind_the_d
                 && l.ends_with(&format!("\" deleted from {} namespace", t.namespace))
         })
         .count();
-    assert_eq!(deleted, 4, "step 5 deleted each DataVolume:\n{}", render(&runs));
+    assert_eq!(
+        deleted,
+        4,
+        "step 5 deleted each DataVolume:\n{}",
+        render(&runs)
+    );
     // Freed disks never come back: wait for the ledger to empty.
-    eventually("every disk freed", Duration::from_secs(120), || {
-        let left = env.sim.volumes_of(&t.namespace, &t.name);
-        async move {
-            if left.is_empty() {
-                Ok(())
-            } else {
-                Err(format!("{left:?}"))
-            }
-        }
-    })
-    .await;
-    let key = format!(" {}/{} ", t.namespace, t.name);
+    env.sim.wait_disks(&t.namespace, &t.name, 0).await;
     assert!(
-        !env.sim
-            .log()
-            .lines()
-            .any(|l| l.contains(&key) && l.contains(" datavolume deleted ")),
+        !driver_deleted_a_datavolume(env, &t),
         "the driver freed nothing: the hook's label did"
     );
 }

@@ -354,15 +354,7 @@ async fn management_layer(
     )
     .await?;
     let disks: HashSet<String> = observed.volumes.iter().map(|h| h.name.clone()).collect();
-    wait_gone(
-        Api::<PersistentVolume>::all(ctx.client.clone()),
-        disks,
-        deadline,
-        &NoProgress,
-    )
-    .await?;
-    let observed = infra::observe(ctx, t, spec, Some(&inv)).await?;
-    infra::note_pvs(&mut inv, &observed);
+    let observed = wait_disks_then_observe(ctx, t, spec, disks, deadline, &mut inv).await?;
     if observed.is_empty() {
         return Ok(Outcome::Released {
             inventory: inv,
@@ -494,15 +486,7 @@ async fn unreachable(
             )
             .collect();
         let deadline = Instant::now() + ctx.settings.wait_bound;
-        wait_gone(
-            Api::<PersistentVolume>::all(ctx.client.clone()),
-            disks,
-            deadline,
-            &NoProgress,
-        )
-        .await?;
-        observed = infra::observe(ctx, t, spec, Some(i)).await?;
-        infra::note_pvs(i, &observed);
+        observed = wait_disks_then_observe(ctx, t, spec, disks, deadline, i).await?;
         let marked = infra::mark_gone(i, &observed);
         ctx.metrics.volumes_freed.inc_by(marked as u64);
         if observed.is_empty() && unmapped(&inv).is_empty() {
@@ -567,6 +551,28 @@ async fn unreachable(
         }
     }
     Ok(blocked(kind, parts.join("; "), inv))
+}
+
+/// Waits (until `deadline`) for the management PVs `disks` to go, then
+/// lists the management side again and records the PVs it sees in `inv`.
+async fn wait_disks_then_observe(
+    ctx: &Context,
+    t: &TenantRef,
+    spec: &crate::profile::InfraSpec,
+    disks: HashSet<String>,
+    deadline: Instant,
+    inv: &mut Inventory,
+) -> Result<infra::Observed, kube::Error> {
+    wait_gone(
+        Api::<PersistentVolume>::all(ctx.client.clone()),
+        disks,
+        deadline,
+        &NoProgress,
+    )
+    .await?;
+    let observed = infra::observe(ctx, t, spec, Some(inv)).await?;
+    infra::note_pvs(inv, &observed);
+    Ok(observed)
 }
 
 /// `Released` decided from the management side: nothing of the tenant is

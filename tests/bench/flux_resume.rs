@@ -157,8 +157,10 @@ async fn main() {
     let args = Args::parse();
     let cp = common::cluster::control_plane();
     let mut gate = BenchGate::install(cp, "flux", &common::gate::test_worker_args(), "info").await;
-    let sim: &'static common::sim::Simulator =
-        Box::leak(Box::new(common::sim::Simulator::start(cp, &volume_gate::profile::Profile::cozystack())));
+    let sim: &'static common::sim::Simulator = Box::leak(Box::new(common::sim::Simulator::start(
+        cp,
+        &volume_gate::profile::Profile::cozystack(),
+    )));
     common::flux::flux_with(cp, "750ms", "15m", args.flux_concurrent).await;
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(

@@ -185,8 +185,15 @@ async fn main() {
             if round % 2 == 1 {
                 if let Some(b) = &b {
                     br = Some(
-                        baseline(cp, &sim, b, &cache_dir, args.baseline_pod_wait, args.poll_ms)
-                            .await,
+                        baseline(
+                            cp,
+                            &sim,
+                            b,
+                            &cache_dir,
+                            args.baseline_pod_wait,
+                            args.poll_ms,
+                        )
+                        .await,
                     );
                 }
                 if let Some(g) = &g {
@@ -198,8 +205,15 @@ async fn main() {
                 }
                 if let Some(b) = &b {
                     br = Some(
-                        baseline(cp, &sim, b, &cache_dir, args.baseline_pod_wait, args.poll_ms)
-                            .await,
+                        baseline(
+                            cp,
+                            &sim,
+                            b,
+                            &cache_dir,
+                            args.baseline_pod_wait,
+                            args.poll_ms,
+                        )
+                        .await,
                     );
                 }
             }
@@ -280,7 +294,11 @@ async fn main() {
         println!("  baseline (kubectl) requests/volume {base_rpv}");
         let freed = |xs: Vec<Option<f64>>| -> String {
             let v: Vec<f64> = xs.into_iter().flatten().collect();
-            if v.is_empty() { "-".into() } else { stats(&v).to_string() }
+            if v.is_empty() {
+                "-".into()
+            } else {
+                stats(&v).to_string()
+            }
         };
         println!(
             "  disks freed (management side) s: gate {}, baseline {}",
@@ -349,7 +367,8 @@ fn print_round(size: usize, round: usize, g: Option<&GateRun>, b: Option<&Baseli
         println!(
             "      observed: {}; disks freed (management side) {}",
             g.milestones,
-            g.disks_freed.map_or("not within 15 min".to_string(), |v| format!("{v:.1}s"))
+            g.disks_freed
+                .map_or("not within 15 min".to_string(), |v| format!("{v:.1}s"))
         );
     }
     if let Some(b) = b {
@@ -373,7 +392,8 @@ fn print_round(size: usize, round: usize, g: Option<&GateRun>, b: Option<&Baseli
         println!(
             "      observed: {}; disks freed (management side) {}",
             b.milestones,
-            b.disks_freed.map_or("not within 15 min".to_string(), |v| format!("{v:.1}s"))
+            b.disks_freed
+                .map_or("not within 15 min".to_string(), |v| format!("{v:.1}s"))
         );
     }
     if let (Some(g), Some(b)) = (g, b) {

@@ -50,7 +50,11 @@ pub fn ungated_one_layer() -> &'static Env {
             infra: None,
             ..volume_gate::profile::Profile::cozystack()
         };
-        start_env_with(None, (flux::MIN_RETRY_DELAY, flux::MAX_RETRY_DELAY), profile)
+        start_env_with(
+            None,
+            (flux::MIN_RETRY_DELAY, flux::MAX_RETRY_DELAY),
+            profile,
+        )
     })
 }
 

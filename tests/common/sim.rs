@@ -63,6 +63,27 @@ impl Simulator {
         }
     }
 
+    /// Waits until the ledger holds exactly `n` of the tenant's disks (for
+    /// a count that only falls, as disks are freed, or only rises, as they
+    /// are provisioned) and returns them.
+    pub async fn wait_disks(&self, namespace: &str, tenant: &str, n: usize) -> Vec<String> {
+        super::wait::eventually(
+            &format!("{n} disks of {namespace}/{tenant} on storage"),
+            std::time::Duration::from_secs(90),
+            || {
+                let disks = self.volumes_of(namespace, tenant);
+                async move {
+                    if disks.len() == n {
+                        Ok(disks)
+                    } else {
+                        Err(format!("{disks:?}"))
+                    }
+                }
+            },
+        )
+        .await
+    }
+
     /// Volumes on storage for a tenant: the files whose names start with
     /// `<namespace>.<tenant>.`.
     pub fn volumes_of(&self, namespace: &str, tenant: &str) -> Vec<String> {

@@ -1035,7 +1035,10 @@ pub async fn unreleasable_disk(client: &kube::Client, ns: &str, r: &str) {
     let disk = json!({"apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume",
         "metadata": {"name": format!("{r}-disk"), "labels": {"cluster.x-k8s.io/cluster-name": r}},
         "spec": {"source": {"blank": {}}, "storage": {"resources": {"requests": {"storage": "1Gi"}}}}});
-    dvs.create(&PostParams::default(), &serde_json::from_value(disk).unwrap())
-        .await
-        .expect("create the tenant's unreleasable DataVolume");
+    dvs.create(
+        &PostParams::default(),
+        &serde_json::from_value(disk).unwrap(),
+    )
+    .await
+    .expect("create the tenant's unreleasable DataVolume");
 }
