@@ -1386,8 +1386,10 @@ async fn a_webhook_killed_under_load_lets_nothing_through_and_a_restarted_one_re
         "{err}"
     );
 
-    // And the gate works end to end again: the tenant finishes once reachable.
+    // And the gate works end to end again: the tenant finishes once
+    // reachable and its disk that no inventory names is gone.
     restore_kubeconfig(&t).await;
+    common::tenant::delete_unreleasable_disk(&t.management, &t.namespace, &t.name).await;
     t.wait_parent_gone(Duration::from_secs(120)).await;
 }
 

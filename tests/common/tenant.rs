@@ -1042,3 +1042,11 @@ pub async fn unreleasable_disk(client: &kube::Client, ns: &str, r: &str) {
     .await
     .expect("create the tenant's unreleasable DataVolume");
 }
+
+/// Deletes the disk [`unreleasable_disk`] made, so the tenant can be released.
+pub async fn delete_unreleasable_disk(client: &kube::Client, ns: &str, r: &str) {
+    let dvs: Api<DynamicObject> = Api::namespaced_with(client.clone(), ns, &datavolume_resource());
+    dvs.delete(&format!("{r}-disk"), &DeleteParams::default())
+        .await
+        .expect("delete the tenant's unreleasable DataVolume");
+}
