@@ -87,9 +87,25 @@ async fn a_dry_run_delete_of_the_parent_changes_nothing() {
         after.metadata.deletion_timestamp.is_none(),
         "a dry run set no deletionTimestamp"
     );
+    // Flux's helm-controller (status) and the worker (the inventory) may
+    // write the release at any time, so the resourceVersion is no witness:
+    // what a delete writes must be as before.
     assert_eq!(
-        after.metadata.resource_version, before.metadata.resource_version,
-        "nothing was written"
+        after.metadata.deletion_grace_period_seconds, None,
+        "a dry run set no grace period"
+    );
+    assert!(
+        after
+            .metadata
+            .finalizers
+            .unwrap_or_default()
+            .iter()
+            .any(|f| f == "volumes.cozystack.io/release"),
+        "custody is kept"
+    );
+    assert_eq!(
+        after.metadata.generation, before.metadata.generation,
+        "the spec is as before"
     );
     assert_eq!(t.record().await.phase, None, "no phase started");
 }
