@@ -5,6 +5,7 @@ use std::collections::{BTreeSet, HashSet};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
 
+use crate::profile::InfraSpec;
 use crate::record::{Inventory, MAX_FIELD_BYTES, Volume, bounded};
 
 /// A claim, `namespace/name`.
@@ -44,10 +45,12 @@ pub fn volume_of(pv: &PersistentVolume) -> Volume {
 /// provisioned after the first pass is still the tenant's disk). Works from
 /// a truncated record too: counts carry over, and every PV present now is
 /// listed in the result (truncation happens only when it is written).
+/// With an infra layer, each volume names the management object behind it.
 pub fn reconcile_inventory(
     previous: Option<&Inventory>,
     current: &[PersistentVolume],
     now: &str,
+    infra: Option<&InfraSpec>,
 ) -> Inventory {
     let present: HashSet<&str> = current
         .iter()
@@ -88,6 +91,9 @@ pub fn reconcile_inventory(
     let mut inv = Inventory::new(taken_at, volumes);
     inv.total = total.max(present_count);
     inv.freed = inv.total - present_count;
+    if let Some(infra) = infra {
+        super::infra::attach_refs(&mut inv, infra);
+    }
     inv
 }
 
@@ -291,10 +297,14 @@ mod tests {
 
     #[test]
     fn inventory_marks_missing_pvs_gone_and_adds_new_ones() {
-        let first = reconcile_inventory(None, &[pv("a", "Delete"), pv("b", "Delete")], "t0");
+        let first = reconcile_inventory(None, &[pv("a", "Delete"), pv("b", "Delete")], "t0", None);
         assert_eq!((first.total, first.freed), (2, 0));
-        let second =
-            reconcile_inventory(Some(&first), &[pv("b", "Delete"), pv("c", "Delete")], "t1");
+        let second = reconcile_inventory(
+            Some(&first),
+            &[pv("b", "Delete"), pv("c", "Delete")],
+            "t1",
+            None,
+        );
         assert_eq!(
             second.taken_at, "t0",
             "the inventory keeps the time it was first taken"
@@ -302,8 +312,12 @@ mod tests {
         assert_eq!((second.total, second.freed, second.left()), (3, 1, 2));
         assert!(second.volumes.iter().find(|v| v.pv == "a").unwrap().gone);
         // A PV once gone stays gone, even if a PV of that name reappears.
-        let third =
-            reconcile_inventory(Some(&second), &[pv("a", "Delete"), pv("c", "Delete")], "t2");
+        let third = reconcile_inventory(
+            Some(&second),
+            &[pv("a", "Delete"), pv("c", "Delete")],
+            "t2",
+            None,
+        );
         assert!(third.volumes.iter().find(|v| v.pv == "a").unwrap().gone);
     }
 
@@ -314,6 +328,7 @@ mod tests {
             None,
             &[pv("a", "Delete"), pv("b", "Delete"), pv("c", "Delete")],
             "t0",
+            None,
         );
         listed.total = 10;
         listed.freed = 6;
@@ -326,7 +341,7 @@ mod tests {
             pv("d", "Delete"),
             pv("e", "Delete"),
         ];
-        let inv = reconcile_inventory(Some(&listed), &now, "t1");
+        let inv = reconcile_inventory(Some(&listed), &now, "t1", None);
         assert_eq!(inv.total, 11, "d was known, e is new");
         assert_eq!(inv.left(), 5);
         assert_eq!(inv.freed, 6);

@@ -23,7 +23,7 @@ use tracing::info;
 use super::claims::{self, ClaimKey};
 use super::{Context, TenantRef};
 use crate::profile::InfraSpec;
-use crate::record::{InfraRef, Inventory};
+use crate::record::{InfraRef, Inventory, count};
 
 /// One management object of the tenant's disks, as last listed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -396,6 +396,75 @@ pub async fn free_deletable(
     Ok(names.into_iter().collect())
 }
 
+/// Inventoried volumes whose volumeHandle names nothing on the management
+/// side: they cannot be vouched for from there.
+pub fn unmapped(inv: Option<&Inventory>) -> Vec<String> {
+    inv.iter()
+        .flat_map(|i| i.remaining())
+        .filter(|v| v.infra.is_none())
+        .map(|v| v.describe())
+        .collect()
+}
+
+/// Why the phase keeps what the management side still holds of a tenant
+/// whose API cannot be reached (`docs/design.md` §5b): one clause per
+/// reason, for the `Blocked` message. `labels` is the tenant's infra label
+/// selector as written (`k=v,...`).
+pub fn kept_reasons(
+    inv: Option<&Inventory>,
+    observed: &Observed,
+    spec: &InfraSpec,
+    labels: &str,
+) -> Vec<String> {
+    let Some(i) = inv else {
+        return vec![
+            "no inventory was taken while the tenant API answered, so these disks' reclaim policy is unknown \
+             and the phase does not delete them: delete them in the management cluster if their data is not wanted, \
+             or record an override to abandon them"
+                .into(),
+        ];
+    };
+    let mut parts = Vec::new();
+    let retained = i
+        .volumes
+        .iter()
+        .filter(|v| v.is_retain() && v.infra.is_some())
+        .count();
+    if retained > 0 {
+        parts.push(format!(
+            "{} with reclaim policy Retain, kept by design",
+            count(retained, "volume")
+        ));
+    }
+    let named: HashSet<&str> = i
+        .volumes
+        .iter()
+        .filter_map(|v| v.infra.as_ref().map(|r| r.name.as_str()))
+        .collect();
+    let strangers: Vec<&str> = observed
+        .objects
+        .iter()
+        .filter(|h| !named.contains(h.name.as_str()))
+        .map(|h| h.name.as_str())
+        .collect();
+    if !strangers.is_empty() {
+        parts.push(format!(
+            "{} labelled {labels} but named by no inventoried volume, so kept: {}",
+            count(strangers.len(), &spec.kind),
+            strangers.join(", ")
+        ));
+    }
+    let unmapped = unmapped(inv);
+    if !unmapped.is_empty() {
+        parts.push(format!(
+            "{} whose volumeHandle names nothing in the management cluster: {}",
+            count(unmapped.len(), "volume"),
+            unmapped.join(", ")
+        ));
+    }
+    parts
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -620,5 +689,77 @@ mod tests {
             o.describe("DataVolume", 5),
             "1 DataVolume (pvc-1, being deleted, held by finalizers example.com/keep), 1 PVC (pvc-1 (pv-m1))"
         );
+    }
+
+    #[test]
+    fn what_is_kept_from_the_management_side_is_explained_case_by_case() {
+        let spec = InfraSpec::cozystack();
+        let labels = "cluster.x-k8s.io/cluster-name=kubernetes-a";
+        let held = |names: &[&str]| Observed {
+            served: true,
+            objects: names
+                .iter()
+                .map(|n| Held {
+                    name: n.to_string(),
+                    labelled: true,
+                    ..Default::default()
+                })
+                .collect(),
+            ..Default::default()
+        };
+        let mut unmapped_inv = inventory(&[("pvc-1", "Delete")]);
+        unmapped_inv.volumes.push(Volume {
+            pv: "tenant-nfs".into(),
+            driver: Some("nfs.csi.k8s.io".into()),
+            handle: Some("server/share".into()),
+            capacity: None,
+            reclaim: "Delete".into(),
+            claim: None,
+            gone: false,
+            infra: None,
+        });
+        let cases: Vec<(&str, Option<Inventory>, Observed, Vec<&str>)> = vec![
+            (
+                "no inventory",
+                None,
+                held(&["pvc-1"]),
+                vec!["no inventory was taken while the tenant API answered"],
+            ),
+            (
+                "retained",
+                Some(inventory(&[("pvc-1", "Retain"), ("pvc-2", "Delete")])),
+                held(&["pvc-1"]),
+                vec!["1 volume with reclaim policy Retain, kept by design"],
+            ),
+            (
+                "labelled stranger",
+                Some(inventory(&[("pvc-1", "Delete")])),
+                held(&["pvc-1", "pvc-7", "pvc-8"]),
+                vec![
+                    "2 DataVolumes labelled cluster.x-k8s.io/cluster-name=kubernetes-a but named by no inventoried volume, so kept: pvc-7, pvc-8",
+                ],
+            ),
+            (
+                "unmapped handle",
+                Some(unmapped_inv),
+                held(&[]),
+                vec![
+                    "1 volume whose volumeHandle names nothing in the management cluster: tenant-nfs (driver nfs.csi.k8s.io, volumeHandle server/share)",
+                ],
+            ),
+            (
+                "only deletable objects left",
+                Some(inventory(&[("pvc-1", "Delete")])),
+                held(&["pvc-1"]),
+                vec![],
+            ),
+        ];
+        for (name, inv, observed, want) in cases {
+            let got = kept_reasons(inv.as_ref(), &observed, &spec, labels);
+            assert_eq!(got.len(), want.len(), "{name}: {got:?}");
+            for (g, w) in got.iter().zip(&want) {
+                assert!(g.starts_with(w), "{name}: {g:?} does not start with {w:?}");
+            }
+        }
     }
 }

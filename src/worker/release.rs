@@ -111,10 +111,12 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
             }
         };
         let first_time = inventory.is_none();
-        let mut inv = claims::reconcile_inventory(inventory.as_ref(), &pvs, &now_rfc3339());
-        if let Some(infra) = &ctx.profile.infra {
-            infra::attach_refs(&mut inv, infra);
-        }
+        let inv = claims::reconcile_inventory(
+            inventory.as_ref(),
+            &pvs,
+            &now_rfc3339(),
+            ctx.profile.infra.as_ref(),
+        );
         let grew = inventory.as_ref().is_some_and(|old| old.total != inv.total);
         let message = format!(
             "inventory taken: {} ({} left); deleting claims",
@@ -254,10 +256,12 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
                 ));
             }
         };
-        let mut inv = claims::reconcile_inventory(Some(&inv), &pvs, &now_rfc3339());
-        if let Some(infra) = &ctx.profile.infra {
-            infra::attach_refs(&mut inv, infra);
-        }
+        let inv = claims::reconcile_inventory(
+            Some(&inv),
+            &pvs,
+            &now_rfc3339(),
+            ctx.profile.infra.as_ref(),
+        );
         let newly_freed = inv
             .freed
             .saturating_sub(inventory.as_ref().map_or(0, |i| i.freed));
@@ -420,16 +424,7 @@ async fn unreachable(
         .map(|(k, v)| format!("{k}={v}"))
         .collect::<Vec<_>>()
         .join(",");
-    // Volumes whose handle names nothing on the management side cannot be
-    // vouched for from there.
-    let unmapped = |inv: &Option<Inventory>| -> Vec<String> {
-        inv.iter()
-            .flat_map(|i| i.remaining())
-            .filter(|v| v.infra.is_none())
-            .map(|v| v.describe())
-            .collect()
-    };
-    if observed.is_empty() && unmapped(&inv).is_empty() {
+    if observed.is_empty() && infra::unmapped(inv.as_ref()).is_empty() {
         return Ok(released_from_management(ctx, inv, &why, &labels, spec));
     }
 
@@ -489,7 +484,7 @@ async fn unreachable(
         observed = wait_disks_then_observe(ctx, t, spec, disks, deadline, i).await?;
         let marked = infra::mark_gone(i, &observed);
         ctx.metrics.volumes_freed.inc_by(marked as u64);
-        if observed.is_empty() && unmapped(&inv).is_empty() {
+        if observed.is_empty() && infra::unmapped(inv.as_ref()).is_empty() {
             return Ok(released_from_management(ctx, inv, &why, &labels, spec));
         }
     }
@@ -502,54 +497,7 @@ async fn unreachable(
             observed.describe(&spec.kind, 5)
         ),
     ];
-    match &inv {
-        None => parts.push(
-            "no inventory was taken while the tenant API answered, so these disks' reclaim policy is unknown \
-             and the phase does not delete them: delete them in the management cluster if their data is not wanted, \
-             or record an override to abandon them"
-                .into(),
-        ),
-        Some(i) => {
-            let retained = i
-                .volumes
-                .iter()
-                .filter(|v| v.is_retain() && v.infra.is_some())
-                .count();
-            if retained > 0 {
-                parts.push(format!(
-                    "{} with reclaim policy Retain, kept by design",
-                    count(retained, "volume")
-                ));
-            }
-            let named: HashSet<&str> = i
-                .volumes
-                .iter()
-                .filter_map(|v| v.infra.as_ref().map(|r| r.name.as_str()))
-                .collect();
-            let strangers: Vec<&str> = observed
-                .objects
-                .iter()
-                .filter(|h| !named.contains(h.name.as_str()))
-                .map(|h| h.name.as_str())
-                .collect();
-            if !strangers.is_empty() {
-                parts.push(format!(
-                    "{} {} labelled {labels} but named by no inventoried volume, so kept: {}",
-                    strangers.len(),
-                    spec.kind,
-                    strangers.join(", ")
-                ));
-            }
-            let unmapped = unmapped(&inv);
-            if !unmapped.is_empty() {
-                parts.push(format!(
-                    "{} whose volumeHandle names nothing in the management cluster: {}",
-                    count(unmapped.len(), "volume"),
-                    unmapped.join(", ")
-                ));
-            }
-        }
-    }
+    parts.extend(infra::kept_reasons(inv.as_ref(), &observed, spec, &labels));
     Ok(blocked(kind, parts.join("; "), inv))
 }
 

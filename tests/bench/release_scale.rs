@@ -180,43 +180,33 @@ async fn main() {
             );
             let (g, b) = (g.map(|x| x.0), b.map(|x| x.0));
 
-            let mut gr = None;
-            let mut br = None;
-            if round % 2 == 1 {
-                if let Some(b) = &b {
-                    br = Some(
-                        baseline(
-                            cp,
-                            &sim,
-                            b,
-                            &cache_dir,
-                            args.baseline_pod_wait,
-                            args.poll_ms,
-                        )
-                        .await,
-                    );
-                }
-                if let Some(g) = &g {
-                    gr = Some(gated(cp, &gate, &sim, g, args.poll_ms).await);
-                }
+            // Odd rounds measure the baseline first, even rounds the gate:
+            // neither always meets a control plane the other has warmed.
+            let run_g = async || match &g {
+                Some(g) => Some(gated(cp, &gate, &sim, g, args.poll_ms).await),
+                None => None,
+            };
+            let run_b = async || match &b {
+                Some(b) => Some(
+                    baseline(
+                        cp,
+                        &sim,
+                        b,
+                        &cache_dir,
+                        args.baseline_pod_wait,
+                        args.poll_ms,
+                    )
+                    .await,
+                ),
+                None => None,
+            };
+            let (gr, br) = if round % 2 == 1 {
+                let br = run_b().await;
+                (run_g().await, br)
             } else {
-                if let Some(g) = &g {
-                    gr = Some(gated(cp, &gate, &sim, g, args.poll_ms).await);
-                }
-                if let Some(b) = &b {
-                    br = Some(
-                        baseline(
-                            cp,
-                            &sim,
-                            b,
-                            &cache_dir,
-                            args.baseline_pod_wait,
-                            args.poll_ms,
-                        )
-                        .await,
-                    );
-                }
-            }
+                let gr = run_g().await;
+                (gr, run_b().await)
+            };
             print_round(size, round, gr.as_ref(), br.as_ref());
             // The gated tenant's teardown runs on; the baseline tenant's
             // volumes are gone, so its release finds nothing left.
