@@ -286,3 +286,73 @@ async fn a_datavolume_that_cannot_be_deleted_keeps_the_tenant_blocked_naming_it(
     assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
     assert!(t.infra_objects(Some(&before)).await.is_empty());
 }
+
+/// The hole this closes: without an inventory, the infra labels are all the
+/// phase finds a dead tenant's disks by, and whoever edits the tenant
+/// namespace could remove them and leave the disks behind.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_tenants_disk_labels_cannot_be_removed_while_it_lives_and_its_other_edits_pass() {
+    use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+    let env = env();
+    let (t, before) = tenant_with_disks("relabel").await;
+    let dv = before.datavolumes[0].clone();
+    let claims: kube::Api<PersistentVolumeClaim> =
+        kube::Api::namespaced(t.management.clone(), &t.namespace);
+    let unlabel = Patch::Merge(json!({
+        "metadata": {"labels": {"cluster.x-k8s.io/cluster-name": null}}
+    }));
+    let retarget = Patch::Merge(json!({
+        "metadata": {"labels": {"cluster.x-k8s.io/cluster-name": "kubernetes-elsewhere"}}
+    }));
+    let pp = PatchParams::default();
+    for (what, patch) in [("removal", &unlabel), ("change", &retarget)] {
+        let refused = |r: Result<_, kube::Error>| match r {
+            Err(kube::Error::Api(s)) => s,
+            other => panic!("label {what} on a tenant's disk was not refused: {other:?}"),
+        };
+        let s = refused(t.datavolumes().patch(&dv, &pp, patch).await.map(|_| ()));
+        assert_eq!(s.code, 403, "{s:?}");
+        assert!(
+            s.message.contains(&format!(
+                "refusing to relabel DataVolume {}/{dv}",
+                t.namespace
+            )) && s.message.contains(&t.name),
+            "{}",
+            s.message
+        );
+        let s = refused(claims.patch(&dv, &pp, patch).await.map(|_| ()));
+        assert_eq!(s.code, 403, "{s:?}");
+        assert!(
+            s.message.contains(&format!(
+                "refusing to relabel PersistentVolumeClaim {}/{dv}",
+                t.namespace
+            )),
+            "{}",
+            s.message
+        );
+    }
+    // Everything else about the disk stays writable (CDI annotates its
+    // objects all the time): an annotation and another label pass.
+    let annotate = Patch::Merge(json!({
+        "metadata": {
+            "annotations": {"example.com/note": "kept"},
+            "labels": {"example.com/team": "a"}
+        }
+    }));
+    t.datavolumes()
+        .patch(&dv, &pp, &annotate)
+        .await
+        .expect("an annotation on a DataVolume passes");
+    claims
+        .patch(&dv, &pp, &annotate)
+        .await
+        .expect("an annotation on its PVC passes");
+
+    // And the teardown frees it, label intact.
+    t.delete_parent().await;
+    released_and_gone(&t).await;
+    assert!(
+        env.sim.volumes_of(&t.namespace, &t.name).is_empty(),
+        "no disk left in the ledger"
+    );
+}

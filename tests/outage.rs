@@ -1,6 +1,6 @@
 //! What a gate outage refuses, and what it does not: the webhook
 //! configurations send the gate exactly the operations a refusal protects a
-//! volume from. With the gate up, a thousand everyday operations reach it
+//! volume from. With the gate up, 1,200 everyday operations reach it
 //! zero times; with no replica answering, every everyday operation still
 //! succeeds and every guarded one is refused (failurePolicy Fail).
 
@@ -8,7 +8,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::tenant::{Tenant, kcp_resource, resource, tcp_resource};
+use common::tenant::{Tenant, datavolume_resource, kcp_resource, resource, tcp_resource};
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::ApiResource;
 use serde_json::{Value, json};
@@ -25,6 +25,10 @@ fn hr() -> ApiResource {
 
 fn machine_resource() -> ApiResource {
     resource("cluster.x-k8s.io", "v1beta1", "Machine", "machines")
+}
+
+fn claim_resource() -> ApiResource {
+    resource("", "v1", "PersistentVolumeClaim", "persistentvolumeclaims")
 }
 
 fn deployment_resource() -> ApiResource {
@@ -198,15 +202,26 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
     create(&client, SYSTEM_NS, &hr(), system_release("cozy-cilium")).await;
     create(&client, &ns, &machine_resource(), json!({"apiVersion": "cluster.x-k8s.io/v1beta1", "kind": "Machine",
         "metadata": {"name": "md-0-abcde", "labels": {"cluster.x-k8s.io/cluster-name": r}}, "spec": {}})).await;
+    // A disk of the tenant on the management side, as the KubeVirt CSI
+    // controller labels it, and a claim labelled the same (of a class no
+    // provisioner serves): CDI writes such objects all the time.
+    create(&client, &ns, &datavolume_resource(), json!({"apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume",
+        "metadata": {"name": "disk-daily", "labels": {"cluster.x-k8s.io/cluster-name": r}},
+        "spec": {"source": {"blank": {}}, "storage": {"resources": {"requests": {"storage": "1Gi"}}, "storageClassName": "sim-none"}}})).await;
+    create(&client, &ns, &claim_resource(), json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
+        "metadata": {"name": "claim-daily", "labels": {"cluster.x-k8s.io/cluster-name": r}},
+        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "sim-none", "resources": {"requests": {"storage": "1Gi"}}}})).await;
+    let disks = api(&client, &ns, &datavolume_resource());
+    let claims = api(&client, &ns, &claim_resource());
     let system = api(&client, SYSTEM_NS, &hr());
     let releases = api(&client, &ns, &hr());
     let machines = api(&client, &ns, &machine_resource());
     let pp = PatchParams::default();
 
-    // With the gate up: a thousand everyday operations, none sent to it.
+    // With the gate up: 1,200 everyday operations, none sent to it.
     let before = gate_requests().await;
     for i in 0..100 {
-        let ops: [(&Api<DynamicObject>, &str, Value); 10] = [
+        let ops: [(&Api<DynamicObject>, &str, Value); 12] = [
             (
                 &system,
                 "cozy-cilium",
@@ -253,6 +268,16 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
                 "md-0-abcde",
                 json!({"metadata": {"finalizers": if i % 2 == 0 { json!(["machine.cluster.x-k8s.io"]) } else { json!(null) }}}),
             ),
+            (
+                &disks,
+                "disk-daily",
+                json!({"metadata": {"annotations": {"cdi.kubevirt.io/storage.condition.running": format!("{}", i % 2 == 0)}}}),
+            ),
+            (
+                &claims,
+                "claim-daily",
+                json!({"metadata": {"labels": {"app": format!("a{i}")}}}),
+            ),
         ];
         for (api, name, patch) in ops {
             api.patch(name, &pp, &merge(patch.clone()))
@@ -262,7 +287,7 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
     }
     let after = gate_requests().await;
     eprintln!(
-        "1000 everyday operations: {} admission requests reached the gate",
+        "1200 everyday operations: {} admission requests reached the gate",
         after - before
     );
     assert_eq!(after - before, 0, "everyday operations reached the gate");
@@ -303,6 +328,12 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
             "CAPI Machine: finalizer",
             machines.patch("md-0-abcde", &pp, &merge(json!({"metadata": {"finalizers": ["machine.cluster.x-k8s.io"]}}))).await.map(drop),
         ),
+        (
+            "tenant disk DataVolume: annotation",
+            disks.patch("disk-daily", &pp, &merge(json!({"metadata": {"annotations": {"cdi.kubevirt.io/storage.bind.immediate.requested": "true"}}}))).await.map(drop),
+        ),
+        ("tenant disk PVC: label", claims.patch("claim-daily", &pp, &merge(json!({"metadata": {"labels": {"app": "down"}}}))).await.map(drop)),
+        ("tenant disk DataVolume: delete", disks.delete("disk-daily", &DeleteParams::default()).await.map(drop)),
         ("tenant parent: spec edit", releases.patch(&r, &pp, &merge(json!({"spec": {"values": {"replicas": 9}}}))).await.map(drop)),
         (
             "tenant parent: annotation",
@@ -371,6 +402,10 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
                 .patch(&format!("{r}-cilium"), &pp, &merge(json!({"metadata": {"labels": {"cozystack.io/target-cluster-name": "kubernetes-nobody"}}})))
                 .await
                 .map(drop),
+        ),
+        (
+            "tenant disk PVC: infra label removed",
+            claims.patch("claim-daily", &pp, &merge(json!({"metadata": {"labels": {"cluster.x-k8s.io/cluster-name": null}}}))).await.map(drop),
         ),
         ("parent without custody: delete", api(&client, "tenant-newcomer", &hr()).delete("kubernetes-newcomer", &DeleteParams::default()).await.map(drop)),
     ];

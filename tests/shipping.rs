@@ -433,6 +433,7 @@ fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
     profile_names.push(p.parent.name_prefix.clone());
     profile_names.extend(volume_gate::admission::decide::release_keys(&p).map(str::to_string));
     profile_names.extend(p.guarded.iter().filter_map(|g| g.label.clone()));
+    profile_names.extend(p.infra.iter().flat_map(|i| i.labels.keys().cloned()));
     profile_names.sort();
     profile_names.dedup();
     // The operations, and '' (the default of an absent label in `orValue('')`).

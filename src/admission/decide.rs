@@ -21,6 +21,12 @@ pub enum Target {
     /// An object of the tenant's parent release (what Helm's uninstall
     /// deletes), in `namespace` (the parent's), wherever the object is.
     ReleaseObject { tenant: String, namespace: String },
+    /// A disk of the tenant on the management side (an infra object, such
+    /// as a DataVolume, or its PVC) known by the profile's infra labels.
+    /// Its DELETE frees the disk and is allowed; changing those labels
+    /// would hide it from the phase when the tenant API cannot answer, and
+    /// is held until done.
+    InfraDisk { tenant: String },
     /// Nothing the gate protects.
     Unrelated,
 }
@@ -32,7 +38,8 @@ impl Target {
             | Target::CsiRelease { tenant }
             | Target::Child { tenant }
             | Target::Guarded { tenant, .. }
-            | Target::ReleaseObject { tenant, .. } => Some(tenant),
+            | Target::ReleaseObject { tenant, .. }
+            | Target::InfraDisk { tenant } => Some(tenant),
             Target::Unrelated => None,
         }
     }
@@ -45,6 +52,7 @@ impl Target {
             Target::Child { .. } => "child",
             Target::Guarded { .. } => "guarded",
             Target::ReleaseObject { .. } => "release-object",
+            Target::InfraDisk { .. } => "infra-disk",
             Target::Unrelated => "unrelated",
         }
     }
@@ -111,7 +119,27 @@ pub fn identities(
             });
         }
     }
+    if let Some(infra) = profile
+        .infra
+        .as_ref()
+        .filter(|_| is_infra_kind(profile, kind))
+    {
+        for (key, template) in &infra.labels {
+            if let Some(tenant) = labels.get(key).and_then(|v| tenant_from_name(template, v)) {
+                push(Target::InfraDisk { tenant });
+            }
+        }
+    }
     out
+}
+
+/// The kinds the profile's infra labels mark as a tenant's disk: the infra
+/// object (DataVolume) and the PVC it makes, which carries its labels.
+pub fn is_infra_kind(profile: &Profile, kind: &GroupKind) -> bool {
+    profile.infra.as_ref().is_some_and(|i| {
+        (kind.group == i.group && kind.kind == i.kind)
+            || (kind.group.is_empty() && kind.kind == "PersistentVolumeClaim")
+    })
 }
 
 /// What an object primarily is (its first identity), for logs and metrics.
@@ -143,6 +171,13 @@ pub fn identity_labels<'a>(profile: &'a Profile, kind: &GroupKind) -> Vec<&'a st
             .filter(|g| g.group == kind.group && g.kind == kind.kind)
             .filter_map(|g| g.label.as_deref()),
     );
+    if let Some(infra) = profile
+        .infra
+        .as_ref()
+        .filter(|_| is_infra_kind(profile, kind))
+    {
+        keys.extend(infra.labels.keys().map(String::as_str));
+    }
     keys.sort_unstable();
     keys.dedup();
     keys
@@ -395,6 +430,17 @@ pub fn decide_dependent_delete(
         )
     };
     match target {
+        Target::InfraDisk { .. } if subject.action == "delete" => Verdict::allow("frees-the-disk"),
+        Target::InfraDisk { .. } => held(
+            "infra-disk-held",
+            "a disk of the tenant on the management side: its labels are how the volume-release phase finds it \
+             when the tenant API cannot answer",
+            if parent.teardown() {
+                "is being torn down"
+            } else {
+                "exists"
+            },
+        ),
         Target::CsiRelease { .. } => held(
             "csi-release-held",
             "the tenant's CSI driver release",

@@ -170,6 +170,8 @@ impl Gate {
                             self.decide_dependent(&target, subject, &parent_namespace, &tenant)
                                 .await
                         }
+                        // Deleting a disk frees it: what the driver does.
+                        Target::InfraDisk { .. } => Verdict::allow("frees-the-disk"),
                         Target::Unrelated => Verdict::allow("unrelated"),
                     };
                     judged.push((target, verdict));

@@ -1287,3 +1287,82 @@ fn a_release_object_is_held_during_teardown_only() {
     );
     assert!(needs_namespace(&ro, &facts().namespace_unread().build()));
 }
+
+#[test]
+fn a_tenants_disk_may_be_deleted_but_its_infra_labels_are_held_until_done() {
+    let p = profile();
+    let dv = GroupKind::new("cdi.kubevirt.io", "DataVolume");
+    let pvc = GroupKind::new("", "PersistentVolumeClaim");
+    let capi = labels(&[("cluster.x-k8s.io/cluster-name", R)]);
+    let disk = Target::InfraDisk { tenant: R.into() };
+    for kind in [&dv, &pvc] {
+        assert_eq!(identities(&p, kind, "pvc-1", &capi), vec![disk.clone()]);
+        assert_eq!(
+            identities(&p, kind, "pvc-1", &BTreeMap::new()),
+            Vec::<Target>::new(),
+            "an unlabelled claim is nobody's disk"
+        );
+        // Removing, changing or adding the label is a relabel of the disk.
+        assert_eq!(
+            relabel_targets(&p, kind, "pvc-1", &capi, &BTreeMap::new()),
+            vec![disk.clone()]
+        );
+        let other = labels(&[("cluster.x-k8s.io/cluster-name", "kubernetes-other")]);
+        assert_eq!(
+            relabel_targets(&p, kind, "pvc-1", &capi, &other),
+            vec![
+                disk.clone(),
+                Target::InfraDisk {
+                    tenant: "kubernetes-other".into()
+                }
+            ]
+        );
+        let mut annotated = capi.clone();
+        annotated.insert(
+            "cdi.kubevirt.io/storage.import.source".into(),
+            "none".into(),
+        );
+        assert!(relabel_targets(&p, kind, "pvc-1", &capi, &annotated).is_empty());
+    }
+    // Without an infra layer a PVC is nothing to the gate.
+    let flat = Profile {
+        infra: None,
+        ..profile()
+    };
+    assert!(identities(&flat, &pvc, "pvc-1", &capi).is_empty());
+
+    let relabel = |parent: Option<ParentFacts>| {
+        decide_dependent_delete(
+            &p,
+            &disk,
+            Subject {
+                kind: &dv,
+                namespace: NS,
+                name: "pvc-1",
+                action: "relabel",
+            },
+            parent.as_ref(),
+        )
+    };
+    // Held while the tenant lives (before teardown, too: a label removed
+    // then hides the disk later) and during teardown, with the way out named.
+    for parent in [facts().build(), facts().deleting().build()] {
+        let v = relabel(Some(parent));
+        assert_eq!(v.reason(), "infra-disk-held", "{v:?}");
+        let Verdict::Deny { message, .. } = v else {
+            unreachable!()
+        };
+        assert!(message.contains("refusing to relabel DataVolume tenant-acme/pvc-1"));
+        assert!(message.contains("override"), "{message}");
+    }
+    assert_eq!(
+        relabel(Some(facts().deleting().phase("Released").build())).reason(),
+        "done"
+    );
+    assert_eq!(relabel(None).reason(), "parent-absent");
+    // Its delete frees the disk: allowed, whatever the tenant's state.
+    assert_eq!(
+        delete(&disk, "pvc-1", Some(facts().deleting().build())).reason(),
+        "frees-the-disk"
+    );
+}
