@@ -8,46 +8,15 @@ mod common;
 use std::collections::BTreeMap;
 use std::process::Command;
 
+use common::chart::{key, kustomize};
 use common::cluster::{control_plane, repo_root};
 use common::gate::{binary, helmrelease_resource};
 use kube::api::{Api, DeleteParams, DynamicObject, PostParams};
 use serde_json::{Value, json};
 
-fn key(doc: &Value) -> (String, String, String) {
-    (
-        doc["kind"].as_str().unwrap_or("").to_string(),
-        doc["metadata"]["namespace"]
-            .as_str()
-            .unwrap_or("")
-            .to_string(),
-        doc["metadata"]["name"].as_str().unwrap_or("").to_string(),
-    )
-}
-
-/// `kubectl kustomize DIR` with the harness's kubectl, parsed.
-fn render(dir: &str) -> BTreeMap<(String, String, String), Value> {
-    let cp = control_plane();
-    let out = Command::new(&cp.harness)
-        .args(["kubectl", "kustomize"])
-        .arg(repo_root().join(dir))
-        .output()
-        .expect("kubectl kustomize");
-    assert!(
-        out.status.success(),
-        "kustomize {dir}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    let docs: Vec<Value> = serde_saphyr::from_multiple(&String::from_utf8(out.stdout).unwrap())
-        .expect("rendered YAML");
-    docs.into_iter()
-        .filter(|d| !d.is_null())
-        .map(|d| (key(&d), d))
-        .collect()
-}
-
 #[test]
 fn the_kustomize_base_renders_exactly_the_documents_the_tests_install() {
-    let rendered = render("manifests");
+    let rendered = kustomize("manifests");
     let shipped: BTreeMap<_, _> = common::manifests::base_documents()
         .into_iter()
         .map(|d| (key(&d), d))
@@ -75,7 +44,7 @@ fn the_kustomize_base_renders_exactly_the_documents_the_tests_install() {
 
 #[test]
 fn the_cert_manager_overlay_injects_the_ca_into_both_webhook_configurations() {
-    let rendered = render("manifests/overlays/cert-manager");
+    let rendered = kustomize("manifests/overlays/cert-manager");
     for kind in [
         "ValidatingWebhookConfiguration",
         "MutatingWebhookConfiguration",

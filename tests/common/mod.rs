@@ -2,6 +2,7 @@
 //! `manifests/`, the simulator, and Cozystack tenants.
 #![allow(dead_code)]
 
+pub mod chart;
 pub mod cluster;
 pub mod flux;
 pub mod gate;

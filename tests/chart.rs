@@ -1,0 +1,597 @@
+//! The Helm chart (`manifests/chart/volume-gate`), rendered by the real
+//! `helm` built from the Go module proxy: lint, each option, clear refusals
+//! of bad values, no drift from the kustomize base (object by object), and
+//! alerts and dashboard panels that name only metrics the binary exports.
+
+mod common;
+
+use std::collections::{BTreeMap, BTreeSet};
+use std::process::Command;
+
+use common::chart::{CHART, Key, helm, kustomize, template, try_template};
+use common::gate::binary;
+use serde_json::{Value, json};
+
+const CA: &str = "Q0EgcGxhY2Vob2xkZXI="; // base64 "CA placeholder"
+const WEBHOOK_CONFIGURATIONS: [&str; 2] = [
+    "ValidatingWebhookConfiguration",
+    "MutatingWebhookConfiguration",
+];
+
+fn get<'a>(docs: &'a BTreeMap<Key, Value>, kind: &str, ns: &str, name: &str) -> &'a Value {
+    docs.get(&(kind.into(), ns.into(), name.into()))
+        .unwrap_or_else(|| panic!("{kind} {ns}/{name} not rendered; have {:?}", docs.keys()))
+}
+
+fn container<'a>(docs: &'a BTreeMap<Key, Value>, ns: &str, deployment: &str) -> &'a Value {
+    &get(docs, "Deployment", ns, deployment)["spec"]["template"]["spec"]["containers"][0]
+}
+
+fn args(c: &Value) -> Vec<String> {
+    c["args"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|a| a.as_str().unwrap().to_string())
+        .collect()
+}
+
+/// The kustomize rendering without its Namespace: the chart leaves the
+/// namespace to `helm install --create-namespace` or the platform.
+fn without_namespace(mut docs: BTreeMap<Key, Value>) -> BTreeMap<Key, Value> {
+    let ns = docs
+        .remove(&("Namespace".into(), String::new(), "volume-gate".into()))
+        .expect("the base ships its Namespace");
+    assert_eq!(
+        ns["metadata"]["labels"]["pod-security.kubernetes.io/enforce"],
+        "restricted"
+    );
+    docs
+}
+
+fn assert_same(chart: &BTreeMap<Key, Value>, kustomized: &BTreeMap<Key, Value>, what: &str) {
+    assert_eq!(
+        chart.keys().collect::<Vec<_>>(),
+        kustomized.keys().collect::<Vec<_>>(),
+        "{what}: the same objects"
+    );
+    for (k, doc) in kustomized {
+        assert_eq!(
+            &chart[k], doc,
+            "{what}: {k:?} drifted between the chart and the kustomize files"
+        );
+    }
+}
+
+#[test]
+fn helm_lint_passes_for_the_default_values_and_each_option() {
+    let variants: [&[&str]; 5] = [
+        &[],
+        &[
+            "certificates.mode=secret",
+            &format!("certificates.caBundle={CA}"),
+        ],
+        &[
+            "monitoring.prometheusRule.enabled=true",
+            "monitoring.dashboard.enabled=true",
+            "monitoring.podMonitor.enabled=true",
+        ],
+        &[
+            "profile=name: acme",
+            "worker.waitBound=20m",
+            "worker.infraAfter=5m",
+        ],
+        &[
+            "image.digest=sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef",
+            "webhook.replicas=3",
+        ],
+    ];
+    for sets in variants {
+        let mut a = vec!["lint", CHART, "--strict", "--namespace", "volume-gate"];
+        for s in sets {
+            a.extend(["--set", s]);
+        }
+        let out = helm(&a);
+        let text = format!(
+            "{}{}",
+            String::from_utf8_lossy(&out.stdout),
+            String::from_utf8_lossy(&out.stderr)
+        );
+        assert!(out.status.success(), "helm lint {sets:?}:\n{text}");
+        assert!(text.contains("0 chart(s) failed"), "{text}");
+    }
+}
+
+#[test]
+fn with_an_existing_secret_the_chart_renders_the_kustomize_base_object_by_object() {
+    let mut chart = template(
+        "volume-gate",
+        &[
+            "certificates.mode=secret",
+            &format!("certificates.caBundle={CA}"),
+        ],
+    );
+    for kind in WEBHOOK_CONFIGURATIONS {
+        let doc = chart
+            .get_mut(&(kind.into(), String::new(), "volume-gate".into()))
+            .unwrap();
+        assert!(
+            doc["metadata"]["annotations"].is_null(),
+            "{kind}: no cert-manager annotation"
+        );
+        for w in doc["webhooks"].as_array_mut().unwrap() {
+            // The base leaves the caBundle to certs-scripts/.
+            let cc = w["clientConfig"].as_object_mut().unwrap();
+            assert_eq!(
+                cc.remove("caBundle"),
+                Some(json!(CA)),
+                "{kind} {}",
+                w["name"]
+            );
+        }
+    }
+    assert!(
+        !chart
+            .keys()
+            .any(|k| k.0 == "Certificate" || k.0 == "Issuer"),
+        "no cert-manager objects in secret mode"
+    );
+    assert_same(
+        &chart,
+        &without_namespace(kustomize("manifests")),
+        "secret mode",
+    );
+}
+
+#[test]
+fn with_cert_manager_the_chart_renders_the_overlay_a_ca_chain_and_injects_it() {
+    let chart = template("volume-gate", &[]);
+    assert_same(
+        &chart,
+        &without_namespace(kustomize("manifests/overlays/cert-manager")),
+        "cert-manager mode",
+    );
+
+    // In any namespace: Cozystack's shape, everything named from it.
+    let ns = "cozy-volume-gate";
+    let docs = template(ns, &[]);
+    let issuer = |name: &str| get(&docs, "Issuer", ns, name)["spec"].clone();
+    assert_eq!(issuer("volume-gate-selfsigned"), json!({"selfSigned": {}}));
+    assert_eq!(
+        issuer("volume-gate-ca"),
+        json!({"ca": {"secretName": "volume-gate-ca"}})
+    );
+    let ca = &get(&docs, "Certificate", ns, "volume-gate-ca")["spec"];
+    assert_eq!(ca["isCA"], true);
+    assert_eq!(ca["issuerRef"]["name"], "volume-gate-selfsigned");
+    let serving = &get(&docs, "Certificate", ns, "volume-gate-webhook")["spec"];
+    assert_eq!(serving["issuerRef"]["name"], "volume-gate-ca");
+    assert_eq!(serving["secretName"], "volume-gate-webhook-tls");
+    assert_eq!(serving["renewBefore"], "360h");
+    let names: BTreeSet<&str> = serving["dnsNames"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|n| n.as_str().unwrap())
+        .collect();
+    for n in [
+        "volume-gate-webhook",
+        &format!("volume-gate-webhook.{ns}.svc"),
+    ] {
+        assert!(
+            names.contains(n),
+            "serving certificate names {n}: {names:?}"
+        );
+    }
+    for kind in WEBHOOK_CONFIGURATIONS {
+        let doc = get(&docs, kind, "", "volume-gate");
+        assert_eq!(
+            doc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"],
+            format!("{ns}/volume-gate-webhook")
+        );
+        for w in doc["webhooks"].as_array().unwrap() {
+            assert_eq!(w["clientConfig"]["service"]["namespace"], ns);
+            assert!(
+                w["clientConfig"]["caBundle"].is_null(),
+                "cainjector writes it"
+            );
+        }
+    }
+    // The worker's identity follows the namespace: the gate lets only it
+    // write the record.
+    assert!(
+        args(container(&docs, ns, "volume-gate-webhook")).contains(&format!(
+            "--worker-identity=system:serviceaccount:{ns}:volume-gate-worker"
+        ))
+    );
+    let binding = get(&docs, "ClusterRoleBinding", "", "volume-gate-worker");
+    assert_eq!(binding["subjects"][0]["namespace"], ns);
+    assert!(
+        docs.keys().all(|k| k.1.is_empty() || k.1 == ns),
+        "{:?}",
+        docs.keys()
+    );
+}
+
+#[test]
+fn values_reach_the_objects_and_every_argument_is_a_flag_the_binary_has() {
+    let digest = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    let ns = "volume-gate";
+    let docs = template(
+        ns,
+        &[
+            &format!("image.digest={digest}"),
+            "image.tag=0.2.0",
+            "webhook.replicas=3",
+            "worker.replicas=1",
+            "worker.waitBound=20m",
+            "worker.infraAfter=5m",
+            "worker.maxConcurrentReleases=8",
+            "webhook.timeoutSeconds=10",
+            "webhook.minAvailable=2",
+            "profile=name: acme",
+        ],
+    );
+    let image = format!("ghcr.io/cozystack/volume-gate:0.2.0@{digest}");
+    for (deployment, replicas) in [("volume-gate-webhook", 3), ("volume-gate-worker", 1)] {
+        let d = get(&docs, "Deployment", ns, deployment);
+        assert_eq!(d["spec"]["replicas"], replicas, "{deployment}");
+        let c = container(&docs, ns, deployment);
+        assert_eq!(c["image"], image, "{deployment}");
+        let a = args(c);
+        assert!(
+            a.contains(&"--profile=/etc/volume-gate/profile/profile.yaml".to_string()),
+            "{a:?}"
+        );
+        let spec = &d["spec"]["template"]["spec"];
+        assert!(
+            spec["volumes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|v| v["configMap"]["name"] == "volume-gate-profile"),
+            "{deployment} mounts the profile"
+        );
+        assert!(
+            !d["spec"]["template"]["metadata"]["annotations"]["checksum/profile"].is_null(),
+            "a profile change rolls {deployment}"
+        );
+        // Every argument is a flag `volume-gate <role> --help` lists.
+        let help = Command::new(binary())
+            .arg(&a[0])
+            .arg("--help")
+            .output()
+            .unwrap();
+        let help = String::from_utf8(help.stdout).unwrap();
+        for arg in &a[1..] {
+            let flag = arg.split('=').next().unwrap();
+            assert!(
+                help.contains(flag),
+                "{deployment} passes {flag}, unknown to `volume-gate {} --help`",
+                a[0]
+            );
+        }
+    }
+    let worker = args(container(&docs, ns, "volume-gate-worker"));
+    for f in [
+        "--wait-bound=20m",
+        "--infra-after=5m",
+        "--max-concurrent-releases=8",
+    ] {
+        assert!(worker.contains(&f.to_string()), "{f} in {worker:?}");
+    }
+    assert_eq!(
+        get(&docs, "ConfigMap", ns, "volume-gate-profile")["data"]["profile.yaml"]
+            .as_str()
+            .map(str::trim_end),
+        Some("name: acme")
+    );
+    assert_eq!(
+        get(&docs, "PodDisruptionBudget", ns, "volume-gate-webhook")["spec"]["minAvailable"],
+        2
+    );
+    for kind in WEBHOOK_CONFIGURATIONS {
+        for w in get(&docs, kind, "", "volume-gate")["webhooks"]
+            .as_array()
+            .unwrap()
+        {
+            assert_eq!(w["timeoutSeconds"], 10);
+        }
+    }
+    // The profile the chart ships is one the binary accepts.
+    let dir = std::env::temp_dir().join(format!("volume-gate-chart-{}", std::process::id()));
+    std::fs::create_dir_all(&dir).unwrap();
+    let file = dir.join("profile.yaml");
+    std::fs::write(&file, "name: acme\n").unwrap();
+    let out = Command::new(binary())
+        .args(["profile", "--profile"])
+        .arg(&file)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+}
+
+#[test]
+fn bad_values_are_refused_with_a_message_naming_the_value_and_the_fix() {
+    let cases: [(&[&str], &[&str]); 5] = [
+        (
+            &["certificates.mode=vault"],
+            &["certificates.mode \"vault\"", "cert-manager", "secret"],
+        ),
+        (
+            &["certificates.mode=secret"],
+            &["certificates.caBundle is empty", "certs-scripts/"],
+        ),
+        (
+            &["image.digest=latest"],
+            &["image.digest \"latest\"", "sha256:"],
+        ),
+        (
+            &["webhook.timeoutSeconds=31"],
+            &["webhook.timeoutSeconds 31", "1 to 30"],
+        ),
+        (&["image.tag="], &["image.tag is empty"]),
+    ];
+    for (sets, wanted) in cases {
+        let err = try_template("volume-gate", sets).expect_err("refused");
+        for w in wanted {
+            assert!(err.contains(w), "{sets:?}: {w:?} not in {err}");
+        }
+    }
+}
+
+/// The sample names the binary exports: `# TYPE` lines of its own /metrics
+/// text, counters as `_total`, histograms as `_bucket`, `_sum`, `_count`.
+fn exported() -> BTreeSet<String> {
+    use volume_gate::metrics::*;
+    // A family prints nothing until it has a label set: give each one.
+    let m = Metrics::new();
+    m.decisions
+        .get_or_create(&DecisionLabels {
+            target: "parent".into(),
+            operation: "DELETE".into(),
+            verdict: "allowed".into(),
+            reason: "in-custody".into(),
+        })
+        .inc();
+    m.decision_seconds
+        .get_or_create(&EndpointLabels {
+            endpoint: "validate".into(),
+        })
+        .observe(0.001);
+    m.tenants_by_phase
+        .get_or_create(&PhaseLabels {
+            phase: "Blocked".into(),
+        })
+        .set(1);
+    m.phase_seconds
+        .get_or_create(&OutcomeLabels {
+            outcome: "Released".into(),
+        })
+        .observe(1.0);
+    m.count_error(ErrorKind::ManagementApi);
+    let text = m.encode();
+    let mut names = BTreeSet::new();
+    for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {
+        let (name, kind) = line.split_once(' ').unwrap();
+        match kind {
+            "counter" => {
+                names.insert(format!("{name}_total"));
+            }
+            "histogram" => {
+                for s in ["_bucket", "_sum", "_count"] {
+                    names.insert(format!("{name}{s}"));
+                }
+            }
+            _ => {
+                names.insert(name.to_string());
+            }
+        }
+    }
+    assert!(names.len() >= 12, "{names:?}");
+    names
+}
+
+/// Metric names in a PromQL expression: identifiers followed by `{`, `[`
+/// or an operator, that are not functions, keywords or labels.
+fn metric_names(expr: &str) -> BTreeSet<String> {
+    let mut out = BTreeSet::new();
+    let bytes: Vec<char> = expr.chars().collect();
+    let mut i = 0;
+    let mut in_braces = false;
+    let mut in_string = false;
+    while i < bytes.len() {
+        let c = bytes[i];
+        if in_string {
+            in_string = c != '"';
+            i += 1;
+            continue;
+        }
+        match c {
+            '"' => in_string = true,
+            '{' | '[' => in_braces = true,
+            '}' | ']' => in_braces = false,
+            _ => {}
+        }
+        if (c.is_ascii_alphabetic() || c == '_') && !in_braces {
+            let start = i;
+            while i < bytes.len()
+                && (bytes[i].is_ascii_alphanumeric() || bytes[i] == '_' || bytes[i] == ':')
+            {
+                i += 1;
+            }
+            let word: String = bytes[start..i].iter().collect();
+            let next = bytes[i..].iter().find(|c| !c.is_whitespace()).copied();
+            let before = bytes[..start]
+                .iter()
+                .rev()
+                .find(|c| !c.is_whitespace())
+                .copied();
+            let is_call = next == Some('(');
+            let in_grouping = before == Some('(') && {
+                let head: String = bytes[..start].iter().collect();
+                let t = head.trim_end().trim_end_matches('(').trim_end();
+                t.ends_with("by")
+                    || t.ends_with("on")
+                    || t.ends_with("without")
+                    || t.ends_with("ignoring")
+            } || before == Some(',') && {
+                let head: String = bytes[..start].iter().collect();
+                let open = head.rfind('(').unwrap_or(0);
+                let t = head[..open].trim_end();
+                t.ends_with("by")
+                    || t.ends_with("on")
+                    || t.ends_with("without")
+                    || t.ends_with("ignoring")
+            };
+            let keyword = matches!(
+                word.as_str(),
+                // Aggregations, which may be followed by `by (...)`.
+                "sum"
+                    | "min"
+                    | "max"
+                    | "avg"
+                    | "count"
+                    | "group"
+                    | "stddev"
+                    | "stdvar"
+                    | "topk"
+                    | "bottomk"
+                    | "quantile"
+                    | "count_values"
+                    | "by"
+                    | "on"
+                    | "without"
+                    | "ignoring"
+                    | "or"
+                    | "and"
+                    | "unless"
+                    | "bool"
+                    | "group_left"
+                    | "group_right"
+                    | "offset"
+            );
+            if !is_call && !keyword && !in_grouping && !word.starts_with("__") {
+                out.insert(word);
+            }
+            continue;
+        }
+        i += 1;
+    }
+    out
+}
+
+#[test]
+fn every_alert_and_panel_names_only_metrics_the_binary_exports() {
+    let exported = exported();
+    // Outside the binary: kube-state-metrics, for the one thing a dead
+    // webhook cannot say about itself.
+    let outside = BTreeSet::from(["kube_deployment_status_replicas_available".to_string()]);
+    let ns = "volume-gate";
+    let docs = template(
+        ns,
+        &[
+            "monitoring.prometheusRule.enabled=true",
+            "monitoring.dashboard.enabled=true",
+            "monitoring.podMonitor.enabled=true",
+        ],
+    );
+    let mut exprs: Vec<(String, String)> = Vec::new();
+    let rule = get(&docs, "PrometheusRule", ns, "volume-gate");
+    let alerts: Vec<&str> = rule["spec"]["groups"][0]["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|r| {
+            exprs.push((
+                r["alert"].as_str().unwrap().to_string(),
+                r["expr"].as_str().unwrap().to_string(),
+            ));
+            r["alert"].as_str().unwrap()
+        })
+        .collect();
+    assert_eq!(
+        alerts,
+        [
+            "VolumeGateTenantBlocked",
+            "VolumeGateResidue",
+            "VolumeGateWebhookUnavailable",
+            "VolumeGateReconcileErrors"
+        ]
+    );
+    let dashboard: Value = serde_json::from_str(
+        get(&docs, "ConfigMap", ns, "volume-gate-dashboard")["data"]["volume-gate.json"]
+            .as_str()
+            .unwrap(),
+    )
+    .expect("the dashboard is JSON");
+    let panels = dashboard["panels"].as_array().unwrap();
+    for p in panels {
+        for t in p["targets"].as_array().unwrap() {
+            exprs.push((
+                p["title"].as_str().unwrap().to_string(),
+                t["expr"].as_str().unwrap().to_string(),
+            ));
+        }
+    }
+    let titles: Vec<&str> = panels
+        .iter()
+        .map(|p| p["title"].as_str().unwrap())
+        .collect();
+    for wanted in [
+        "Tenants by phase",
+        "Release phase duration",
+        "Volumes freed",
+        "Admission decisions by verdict",
+        "Admission latency",
+    ] {
+        assert!(
+            titles.iter().any(|t| t.starts_with(wanted)),
+            "a panel for {wanted}: {titles:?}"
+        );
+    }
+    for (what, expr) in &exprs {
+        let names = metric_names(expr);
+        assert!(
+            names.iter().any(|n| exported.contains(n)),
+            "{what}: {expr} names no metric of the binary ({names:?})"
+        );
+        for n in &names {
+            assert!(
+                exported.contains(n) || outside.contains(n),
+                "{what}: {n} is not a metric volume-gate exports ({exported:?})"
+            );
+        }
+    }
+    // The alerts' `container` matcher names the webhook's container, and
+    // the PodMonitor scrapes the admin port both roles serve.
+    assert_eq!(
+        container(&docs, ns, "volume-gate-webhook")["name"],
+        "webhook"
+    );
+    let pm = get(&docs, "PodMonitor", ns, "volume-gate");
+    assert_eq!(pm["spec"]["podMetricsEndpoints"][0]["port"], "admin");
+    // Without the values, none of it.
+    let plain = template(ns, &[]);
+    assert!(
+        !plain
+            .keys()
+            .any(|k| matches!(k.0.as_str(), "PrometheusRule" | "PodMonitor")
+                || k.2 == "volume-gate-dashboard")
+    );
+}
+
+#[test]
+fn the_metric_name_reader_finds_names_and_skips_functions_labels_and_groupings() {
+    let n = metric_names(
+        r#"histogram_quantile(0.9, sum by (le, outcome) (rate(volume_gate_x_bucket{namespace="a b", phase="Blocked"}[5m]))) or on() (kube_y == 0)"#,
+    );
+    assert_eq!(
+        n,
+        BTreeSet::from(["volume_gate_x_bucket".to_string(), "kube_y".to_string()])
+    );
+}
