@@ -12,7 +12,7 @@ use prometheus_client::registry::Registry;
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct DecisionLabels {
     /// `Target::label`: parent, csi-release, child, guarded, release-object,
-    /// unrelated; or invalid (an undecodable review)
+    /// infra-disk, unrelated; or invalid (an undecodable review)
     pub target: String,
     pub operation: String,
     /// allowed, denied
