@@ -95,8 +95,9 @@ struct GateRun {
 #[derive(Clone, Debug)]
 struct BaselineRun {
     seconds: f64,
-    /// As for the gate: the baseline waits for the tenant's PVs only; the
-    /// disks behind them (DataVolume, PVC, PV) go after it ends.
+    /// When the ledger held none of the tenant's disks, watched from the
+    /// start beside the kubectl steps (the baseline waits for the tenant's
+    /// PVs only; the disks behind them may go before or after it ends).
     disks_freed: Option<f64>,
     processes: usize,
     requests: usize,
@@ -435,14 +436,14 @@ async fn gated(
 }
 
 /// Seconds after `t0` at which the ledger held none of `t`'s disks, polled
-/// every `every` (its precision); `None` if some are left after 15 minutes.
+/// every `every` (its precision); `None` if some are left after 30 minutes.
 async fn disks_freed(
     sim: &common::sim::Simulator,
     t: &Tenant,
     t0: Instant,
     every: Duration,
 ) -> Option<f64> {
-    let bound = Instant::now() + Duration::from_secs(900);
+    let bound = Instant::now() + Duration::from_secs(1800);
     loop {
         if sim.volumes_of(&t.namespace, &t.name).is_empty() {
             return Some(t0.elapsed().as_secs_f64());
@@ -516,64 +517,69 @@ async fn baseline(
     let t0 = Instant::now();
     observer.arm(t0);
     let mut steps = Vec::new();
-    let mut mark = Instant::now();
-    let mut step = |name: &str, mark: &mut Instant| {
-        steps.push((name.to_string(), mark.elapsed().as_secs_f64()));
-        *mark = Instant::now();
-    };
+    // The disks are watched from the start, beside the kubectl steps: the
+    // management side frees them on its own clock, not after the last wait.
+    let freed = disks_freed(sim, t, t0, Duration::from_millis(poll_ms));
+    let run = async {
+        let mut mark = Instant::now();
+        let mut step = |name: &str, mark: &mut Instant| {
+            steps.push((name.to_string(), mark.elapsed().as_secs_f64()));
+            *mark = Instant::now();
+        };
 
-    let (ok, _) = k.run(&["get", "--raw", "/readyz"]).await;
-    assert!(ok, "baseline: tenant API not ready");
-    step("readyz", &mut mark);
-    let (ok, out) = k.run(&["get", "pv", "-o", "name"]).await;
-    assert!(ok, "baseline: get pv");
-    let pvs: Vec<String> = out
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .map(|l| l.trim().to_string())
-        .collect();
-    step("get pv", &mut mark);
-    let (ok, _) = k
-        .run(&["delete", "pvc", "--all", "--all-namespaces", "--wait=false"])
-        .await;
-    assert!(ok, "baseline: delete pvc");
-    step("delete pvc --all", &mut mark);
-    let (ok, out) = k
-        .run(&["get", "pods", "--all-namespaces", "-o", "json"])
-        .await;
-    assert!(ok, "baseline: get pods");
-    let list: serde_json::Value = serde_json::from_str(&out).expect("pods JSON");
-    let pods: Vec<Pod> = serde_json::from_value(list["items"].clone()).expect("pods");
-    let holding: Vec<(String, String)> = pods
-        .iter()
-        .filter(|p| !volume_gate::worker::claims::claims_of(p).is_empty())
-        .map(|p| {
-            (
-                p.metadata.namespace.clone().unwrap_or_default(),
-                p.metadata.name.clone().unwrap_or_default(),
-            )
-        })
-        .collect();
-    step("get pods", &mut mark);
-    let wait_flag = if pod_wait {
-        "--wait=true"
-    } else {
-        "--wait=false"
-    };
-    for (ns, name) in &holding {
-        let (ok, _) = k.run(&["delete", "pod", "-n", ns, name, wait_flag]).await;
-        assert!(ok, "baseline: delete pod {ns}/{name}");
-    }
-    step(&format!("delete pod x{}", holding.len()), &mut mark);
-    for pv in &pvs {
+        let (ok, _) = k.run(&["get", "--raw", "/readyz"]).await;
+        assert!(ok, "baseline: tenant API not ready");
+        step("readyz", &mut mark);
+        let (ok, out) = k.run(&["get", "pv", "-o", "name"]).await;
+        assert!(ok, "baseline: get pv");
+        let pvs: Vec<String> = out
+            .lines()
+            .filter(|l| !l.trim().is_empty())
+            .map(|l| l.trim().to_string())
+            .collect();
+        step("get pv", &mut mark);
         let (ok, _) = k
-            .run(&["wait", "--for=delete", pv, "--timeout=1200s"])
+            .run(&["delete", "pvc", "--all", "--all-namespaces", "--wait=false"])
             .await;
-        assert!(ok, "baseline: wait {pv}");
-    }
-    step(&format!("wait pv x{}", pvs.len()), &mut mark);
-    let seconds = t0.elapsed().as_secs_f64();
-    let disks_freed = disks_freed(sim, t, t0, Duration::from_millis(poll_ms)).await;
+        assert!(ok, "baseline: delete pvc");
+        step("delete pvc --all", &mut mark);
+        let (ok, out) = k
+            .run(&["get", "pods", "--all-namespaces", "-o", "json"])
+            .await;
+        assert!(ok, "baseline: get pods");
+        let list: serde_json::Value = serde_json::from_str(&out).expect("pods JSON");
+        let pods: Vec<Pod> = serde_json::from_value(list["items"].clone()).expect("pods");
+        let holding: Vec<(String, String)> = pods
+            .iter()
+            .filter(|p| !volume_gate::worker::claims::claims_of(p).is_empty())
+            .map(|p| {
+                (
+                    p.metadata.namespace.clone().unwrap_or_default(),
+                    p.metadata.name.clone().unwrap_or_default(),
+                )
+            })
+            .collect();
+        step("get pods", &mut mark);
+        let wait_flag = if pod_wait {
+            "--wait=true"
+        } else {
+            "--wait=false"
+        };
+        for (ns, name) in &holding {
+            let (ok, _) = k.run(&["delete", "pod", "-n", ns, name, wait_flag]).await;
+            assert!(ok, "baseline: delete pod {ns}/{name}");
+        }
+        step(&format!("delete pod x{}", holding.len()), &mut mark);
+        for pv in &pvs {
+            let (ok, _) = k
+                .run(&["wait", "--for=delete", pv, "--timeout=1200s"])
+                .await;
+            assert!(ok, "baseline: wait {pv}");
+        }
+        step(&format!("wait pv x{}", pvs.len()), &mut mark);
+        t0.elapsed().as_secs_f64()
+    };
+    let (seconds, disks_freed) = tokio::join!(run, freed);
     observer.wait_pvs_gone(Duration::from_secs(5)).await;
     BaselineRun {
         seconds,
