@@ -37,7 +37,7 @@ pub fn helm_binary() -> PathBuf {
 
 /// Runs `helm ARGS` with a home of its own (no user config, no repos).
 pub fn helm(args: &[&str]) -> Output {
-    let home = std::env::temp_dir().join(format!("volume-gate-helm-{}", std::process::id()));
+    let home = helm_home();
     std::fs::create_dir_all(&home).unwrap();
     Command::new(helm_binary())
         .args(args)
@@ -91,4 +91,58 @@ pub fn kustomize(dir: &str) -> BTreeMap<Key, Value> {
         String::from_utf8_lossy(&out.stderr)
     );
     parse(&String::from_utf8(out.stdout).unwrap())
+}
+
+/// The Helm home the tests use (see [`helm`]).
+fn helm_home() -> PathBuf {
+    std::env::temp_dir().join(format!("volume-gate-helm-{}", std::process::id()))
+}
+
+/// A Helm 4 post-renderer plugin, `point-at-local`, that does to the
+/// chart's rendering what `manifests::point_at_local` does to the kustomize
+/// base's: each webhook's `clientConfig.service` becomes a `url` on the
+/// loopback address given as its argument (the API server here reaches no
+/// Service: no ClusterIP routing, no cluster DNS). Everything else is the
+/// chart's.
+pub fn install_point_at_local_plugin() -> &'static str {
+    const NAME: &str = "point-at-local";
+    let dir = helm_home().join("data/plugins").join(NAME);
+    std::fs::create_dir_all(&dir).unwrap();
+    std::fs::write(
+        dir.join("plugin.yaml"),
+        format!(
+            "apiVersion: v1\nname: {NAME}\nversion: 0.1.0\ntype: postrenderer/v1\nruntime: subprocess\n\
+             runtimeConfig:\n  platformCommand:\n    - command: \"${{HELM_PLUGIN_DIR}}/rewrite.sh\"\n"
+        ),
+    )
+    .unwrap();
+    let script = dir.join("rewrite.sh");
+    std::fs::write(
+        &script,
+        r#"#!/usr/bin/env bash
+# stdin: the rendered manifests; $1: https://127.0.0.1:PORT
+set -euo pipefail
+base="${1:?base URL}"
+# A `service:` block (name, namespace, path, port, one per line, deeper
+# than `service:`) becomes `url:` at the same indentation.
+awk -v base="$base" '
+  function indent(line) { match(line, /^ */); return RLENGTH }
+  in_service && indent($0) > depth {
+    if ($1 == "path:") path = $2
+    next
+  }
+  in_service {
+    printf "%*surl: \"%s%s\"\n", depth, "", base, path
+    in_service = 0
+  }
+  /^ *service:$/ { in_service = 1; depth = indent($0); path = ""; next }
+  { print }
+  END { if (in_service) printf "%*surl: \"%s%s\"\n", depth, "", base, path }
+'
+"#,
+    )
+    .unwrap();
+    use std::os::unix::fs::PermissionsExt;
+    std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
+    NAME
 }

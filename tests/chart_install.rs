@@ -1,0 +1,336 @@
+//! The Helm chart installed by the real `helm` (v4, from the Go module
+//! proxy) on the real API server, then upgraded while a tenant is in
+//! teardown, then uninstalled after the README's custody hand-back.
+//!
+//! The webhook and the worker run as local processes under the
+//! ServiceAccounts the chart created, the worker with the arguments of the
+//! Deployment the chart rendered. The one change to what the chart renders
+//! is a post-renderer (`common::chart::install_point_at_local_plugin`) that
+//! points each webhook at the local process instead of the Service, which
+//! the API server here cannot route to.
+
+mod common;
+
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
+use std::time::Duration;
+
+use common::chart::{CHART, helm, install_point_at_local_plugin};
+use common::gate::{Gate, binary, free_port, generate_certs, helmrelease_resource};
+use common::tenant::Tenant;
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::ServiceAccount;
+use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use volume_gate::record::Phase;
+
+const NS: &str = "volume-gate";
+
+fn helm_ok(what: &str, args: &[&str]) -> String {
+    let out = helm(args);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "helm {what}: {text}");
+    text
+}
+
+/// The worker's arguments as the chart's Deployment has them, but for the
+/// admin address (loopback here); the role (`worker`) first.
+async fn worker_args_of_the_deployment(client: &kube::Client) -> Vec<String> {
+    let d = Api::<Deployment>::namespaced(client.clone(), NS)
+        .get("volume-gate-worker")
+        .await
+        .expect("the chart's worker Deployment");
+    let args = d.spec.template.spec.unwrap().containers[0]
+        .args
+        .clone()
+        .unwrap();
+    assert_eq!(args[0], "worker");
+    args.into_iter()
+        .skip(1)
+        .filter(|a| !a.starts_with("--admin-listen"))
+        .collect()
+}
+
+fn webhook_configuration(kind: &str, plural: &str) -> ApiResource {
+    ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", kind),
+        plural,
+    )
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
+    let env = common::ungated();
+    let cp = env.cp;
+    let client = cp.management_client().await;
+    let kubeconfig = cp.management.kubeconfig.to_str().unwrap().to_string();
+    cp.namespace(NS).await;
+    let certs = cp.state.join("helm-gate-certs");
+    let ca = generate_certs(&certs);
+    let port = free_port();
+    let plugin = install_point_at_local_plugin();
+    let base = format!("https://127.0.0.1:{port}");
+    let common_args = |verb: &'static str| -> Vec<String> {
+        [
+            verb,
+            "volume-gate",
+            CHART,
+            "--namespace",
+            NS,
+            "--kubeconfig",
+            &kubeconfig,
+            "--post-renderer",
+            plugin,
+            "--post-renderer-args",
+            &base,
+            "--set",
+            "certificates.mode=secret",
+            "--set",
+            &format!("certificates.caBundle={ca}"),
+            // The test suite's short bounds, through the chart's values.
+            "--set",
+            "worker.waitBound=90s",
+            "--set",
+            "worker.retryBase=1s",
+            "--set",
+            "worker.retryMax=5s",
+            "--set",
+            "worker.probeTimeout=3s",
+        ]
+        .map(String::from)
+        .to_vec()
+    };
+
+    // Install.
+    let args = common_args("install");
+    helm_ok(
+        "install",
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    let worker_args = worker_args_of_the_deployment(&client).await;
+    assert!(
+        worker_args.contains(&"--wait-bound=90s".to_string()),
+        "{worker_args:?}"
+    );
+    let mut gate = Gate::start_webhook(cp, certs.clone(), port, worker_args).await;
+    gate.start_worker_and_wait(cp).await;
+
+    // A tenant deleted under the installed gate: every volume freed.
+    let a = Tenant::create(cp, &cp.unique("helmed")).await;
+    a.wait_custody().await;
+    a.incident_workload().await;
+    a.delete_parent().await;
+    a.wait_phase(Phase::Released, Duration::from_secs(180))
+        .await;
+    a.wait_parent_gone(Duration::from_secs(180)).await;
+    assert!(
+        env.sim.volumes_of(&a.namespace, &a.name).is_empty(),
+        "0 volumes left"
+    );
+
+    // A tenant held in teardown (its driver stopped), and an upgrade that
+    // changes replicas and flags meanwhile: a guarded delete is tried all
+    // along and never let through.
+    let b = Tenant::create(cp, &cp.unique("upgraded")).await;
+    b.wait_custody().await;
+    b.incident_workload().await;
+    b.set_driver(&env.sim, false).await;
+    b.delete_parent().await;
+    b.wait_inventory().await;
+    let stop = Arc::new(AtomicBool::new(false));
+    let (tried, let_through) = (Arc::new(AtomicUsize::new(0)), Arc::new(AtomicUsize::new(0)));
+    let prober = {
+        let (stop, tried, let_through) = (stop.clone(), tried.clone(), let_through.clone());
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(client.clone(), &b.namespace, &helmrelease_resource());
+        let csi = format!("{}-csi", b.name);
+        tokio::spawn(async move {
+            // Paced, so the upgrade is not starved on a small machine.
+            let mut tick = tokio::time::interval(Duration::from_millis(50));
+            while !stop.load(Ordering::SeqCst) {
+                tick.tick().await;
+                let dry = DeleteParams {
+                    dry_run: true,
+                    ..Default::default()
+                };
+                tried.fetch_add(1, Ordering::SeqCst);
+                if api.delete(&csi, &dry).await.is_ok() {
+                    let_through.fetch_add(1, Ordering::SeqCst);
+                }
+            }
+        })
+    };
+    let mut args = common_args("upgrade");
+    args.extend(
+        [
+            "--set",
+            "webhook.replicas=3",
+            "--set",
+            "worker.replicas=1",
+            "--set",
+            "worker.maxConcurrentReleases=2",
+        ]
+        .map(String::from),
+    );
+    helm_ok(
+        "upgrade",
+        &args.iter().map(String::as_str).collect::<Vec<_>>(),
+    );
+    // The rollout, as the kubelet would do it: the old replicas go, new
+    // ones start with the upgraded Deployment's arguments.
+    let deployments = Api::<Deployment>::namespaced(client.clone(), NS);
+    let replicas = |d: Deployment| d.spec.replicas.unwrap();
+    assert_eq!(
+        replicas(deployments.get("volume-gate-webhook").await.unwrap()),
+        3
+    );
+    assert_eq!(
+        replicas(deployments.get("volume-gate-worker").await.unwrap()),
+        1
+    );
+    let worker_args = worker_args_of_the_deployment(&client).await;
+    assert!(
+        worker_args.contains(&"--max-concurrent-releases=2".to_string()),
+        "{worker_args:?}"
+    );
+    gate.kill_worker();
+    gate.webhook.kill(libc::SIGTERM);
+    let mut gate = Gate::start_webhook(cp, certs.clone(), port, worker_args).await;
+    gate.start_worker_and_wait(cp).await;
+    stop.store(true, Ordering::SeqCst);
+    prober.await.unwrap();
+    assert!(tried.load(Ordering::SeqCst) > 0);
+    assert_eq!(
+        let_through.load(Ordering::SeqCst),
+        0,
+        "a dry-run DELETE of the CSI release was allowed during the upgrade ({} tried)",
+        tried.load(Ordering::SeqCst)
+    );
+    assert_ne!(b.record().await.phase, Some(Phase::Released));
+    b.set_driver(&env.sim, true).await;
+    b.wait_phase(Phase::Released, Duration::from_secs(180))
+        .await;
+    b.wait_parent_gone(Duration::from_secs(180)).await;
+    assert!(
+        env.sim.volumes_of(&b.namespace, &b.name).is_empty(),
+        "0 volumes left"
+    );
+
+    // Uninstall after the README's custody hand-back: a live tenant keeps
+    // nothing of the gate.
+    let c = Tenant::create(cp, &cp.unique("handback")).await;
+    c.wait_custody().await;
+    gate.kill_worker();
+    for (kind, plural) in [
+        (
+            "ValidatingWebhookConfiguration",
+            "validatingwebhookconfigurations",
+        ),
+        (
+            "MutatingWebhookConfiguration",
+            "mutatingwebhookconfigurations",
+        ),
+    ] {
+        Api::<DynamicObject>::all_with(client.clone(), &webhook_configuration(kind, plural))
+            .delete("volume-gate", &DeleteParams::default())
+            .await
+            .unwrap_or_else(|e| panic!("delete {kind}: {e}"));
+    }
+    let out = std::process::Command::new(binary())
+        .args(["custody", "release"])
+        .env("KUBECONFIG", &cp.management.kubeconfig)
+        .output()
+        .unwrap();
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    helm_ok(
+        "uninstall",
+        &[
+            "uninstall",
+            "volume-gate",
+            "--namespace",
+            NS,
+            "--kubeconfig",
+            &kubeconfig,
+            "--wait",
+        ],
+    );
+    gate.webhook.kill(libc::SIGTERM);
+
+    for (kind, plural) in [
+        (
+            "ValidatingWebhookConfiguration",
+            "validatingwebhookconfigurations",
+        ),
+        (
+            "MutatingWebhookConfiguration",
+            "mutatingwebhookconfigurations",
+        ),
+    ] {
+        let left =
+            Api::<DynamicObject>::all_with(client.clone(), &webhook_configuration(kind, plural))
+                .list(&ListParams::default())
+                .await
+                .unwrap();
+        assert!(
+            left.items
+                .iter()
+                .all(|o| o.metadata.name.as_deref() != Some("volume-gate")),
+            "{kind} left"
+        );
+    }
+    let roles: Vec<String> = Api::<ClusterRole>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|r| r.metadata.name)
+        .filter(|n| n.starts_with("volume-gate"))
+        .collect();
+    assert!(roles.is_empty(), "ClusterRoles left: {roles:?}");
+    let bindings: Vec<String> = Api::<ClusterRoleBinding>::all(client.clone())
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|r| r.metadata.name)
+        .filter(|n| n.starts_with("volume-gate"))
+        .collect();
+    assert!(
+        bindings.is_empty(),
+        "ClusterRoleBindings left: {bindings:?}"
+    );
+    let accounts: Vec<String> = Api::<ServiceAccount>::namespaced(client.clone(), NS)
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter_map(|r| r.metadata.name)
+        .filter(|n| n.starts_with("volume-gate"))
+        .collect();
+    assert!(accounts.is_empty(), "ServiceAccounts left: {accounts:?}");
+    let finalizers = c
+        .parent()
+        .await
+        .unwrap()
+        .metadata
+        .finalizers
+        .unwrap_or_default();
+    assert!(
+        !finalizers
+            .iter()
+            .any(|f| f == "volumes.cozystack.io/release"),
+        "custody handed back: {finalizers:?}"
+    );
+}
