@@ -17,15 +17,59 @@ use crate::profile::GroupKind;
 pub const API_VERSION: &str = "admission.k8s.io/v1";
 pub const KIND: &str = "AdmissionReview";
 
-/// An object of a review as the decisions see it: its metadata, nothing
-/// else. The API server sends whole objects (spec, status, values: up to
-/// megabytes); building only the metadata costs a fifth to a seventh of
-/// building the whole object (`docs/benchmarks.md`, benchmark 1), and serde still
-/// checks that what it skips is well-formed JSON.
-#[derive(Clone, Debug, Default, Deserialize, Serialize)]
+/// An object of a review as the decisions see it: the metadata fields they
+/// read (name, namespace, labels, annotations, finalizers, whether it is
+/// being deleted), nothing else. The API server sends whole objects (spec,
+/// status, values, managedFields: up to megabytes); serde skips every other
+/// key as [`serde::de::IgnoredAny`], which still checks that what it skips
+/// is well-formed JSON, so a malformed review is refused as before
+/// (`docs/benchmarks.md`, benchmark 1, for what each field costs).
+#[derive(Clone, Debug, Default, Serialize)]
 pub struct Object {
-    #[serde(default)]
     pub metadata: ObjectMeta,
+}
+
+impl<'de> Deserialize<'de> for Object {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
+
+        // Keys not named here (apiVersion, kind, spec, status, and in the
+        // metadata uid, managedFields, ownerReferences, ...) are skipped.
+        #[derive(Deserialize)]
+        struct Wire {
+            #[serde(default)]
+            metadata: Meta,
+        }
+        #[derive(Default, Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Meta {
+            #[serde(default)]
+            name: Option<String>,
+            #[serde(default)]
+            namespace: Option<String>,
+            #[serde(default)]
+            labels: Option<BTreeMap<String, String>>,
+            #[serde(default)]
+            annotations: Option<BTreeMap<String, String>>,
+            #[serde(default)]
+            finalizers: Option<Vec<String>>,
+            // Still parsed as a time: a malformed one is a malformed review.
+            #[serde(default)]
+            deletion_timestamp: Option<Time>,
+        }
+        let Wire { metadata: m } = Wire::deserialize(d)?;
+        Ok(Object {
+            metadata: ObjectMeta {
+                name: m.name,
+                namespace: m.namespace,
+                labels: m.labels,
+                annotations: m.annotations,
+                finalizers: m.finalizers,
+                deletion_timestamp: m.deletion_timestamp,
+                ..ObjectMeta::default()
+            },
+        })
+    }
 }
 
 impl kube::Resource for Object {
@@ -302,6 +346,44 @@ mod tests {
         r["name"] = json!("");
         r["oldObject"]["metadata"]["name"] = json!("");
         assert_eq!(request_name(&decode(&review(r)).unwrap()), "");
+    }
+
+    #[test]
+    fn the_objects_are_read_for_their_metadata_fields_only() {
+        let mut r = minimal_request();
+        r["oldObject"]["metadata"] = json!({
+            "name": "kubernetes-a-csi", "namespace": "tenant-x",
+            "labels": {"a": "1"}, "annotations": {"b": "2"}, "finalizers": ["f"],
+            "deletionTimestamp": "2026-01-01T00:00:00Z",
+            "uid": "x", "managedFields": [{"manager": "helm-controller", "fieldsV1": {"f:spec": {}}}],
+            "ownerReferences": [], "resourceVersion": "7"
+        });
+        r["oldObject"]["spec"] = json!({"values": {"deep": [1, {"x": null}]}});
+        let req = decode(&review(r)).unwrap();
+        let m = &req.old_object.as_ref().unwrap().metadata;
+        assert_eq!(m.labels.as_ref().unwrap()["a"], "1");
+        assert_eq!(m.annotations.as_ref().unwrap()["b"], "2");
+        assert_eq!(m.finalizers.as_deref(), Some(&["f".to_string()][..]));
+        assert!(m.deletion_timestamp.is_some());
+        // What the decisions do not read is not built.
+        assert!(m.uid.is_none() && m.managed_fields.is_none() && m.resource_version.is_none());
+    }
+
+    #[test]
+    fn a_read_field_of_the_wrong_type_is_a_malformed_review() {
+        for (field, bad) in [
+            ("labels", json!({"a": 1})),
+            ("annotations", json!(["b"])),
+            ("finalizers", json!("f")),
+            ("name", json!(7)),
+            ("deletionTimestamp", json!("yesterday")),
+        ] {
+            let mut r = minimal_request();
+            r["oldObject"]["metadata"][field] = bad;
+            let e = decode(&review(r)).unwrap_err();
+            assert_eq!(e.uid.as_deref(), Some("u-1"), "{field}");
+            assert!(e.message.contains("malformed"), "{field}: {}", e.message);
+        }
     }
 
     #[test]
