@@ -282,13 +282,21 @@ impl ParentFacts {
     }
 }
 
-/// Whether the decision for `target` needs the namespace read, given the
-/// parent: only when "not in teardown" could lead to an allow.
-pub fn needs_namespace(target: &Target, parent: &ParentFacts) -> bool {
+/// Whether the decision for `target` can need the namespace read (before
+/// the parent is known): the targets for which "not in teardown" can lead
+/// to an allow.
+pub fn may_need_namespace(target: &Target) -> bool {
     matches!(
         target,
         Target::Child { .. } | Target::Guarded { .. } | Target::ReleaseObject { .. }
-    ) && !parent.deleting
+    )
+}
+
+/// Whether the decision for `target` needs the namespace read, given the
+/// parent: only when "not in teardown" could lead to an allow.
+pub fn needs_namespace(target: &Target, parent: &ParentFacts) -> bool {
+    may_need_namespace(target)
+        && !parent.deleting
         && !parent.record.is_done()
         && parent.namespace_deleting.is_none()
 }
