@@ -16,19 +16,20 @@
 //!
 //! Two states, `--rounds` bursts each, alternating with the baseline:
 //! - **live**: nothing is being deleted (an addon toggled off, or the hook's
-//!   step 2 before the parent is marked): a child's decision reads the parent
-//!   and then the namespace (2 reads) and allows; `R-csi` reads the parent
-//!   and is refused (1 read);
+//!   step 2 before the parent is marked; helm-controller deletes): a child's
+//!   decision reads the parent and the namespace at once (2 reads) and
+//!   allows; `R-csi` reads the parent and is refused (1 read);
 //! - **namespace-deleting**: the tenant namespaces are really deleted; the
 //!   namespace controller marks the parents (held by the custody finalizer)
-//!   and removes the children; every decision reads the parent (1 read) and
-//!   refuses.
+//!   and removes the children (its deletes); every decision reads the parent
+//!   (1 read) and refuses.
 //!
 //! Baseline: the same client GETs each child's parent (the metadata GET the
 //! gate makes, `get_metadata_opt`), same count, same concurrency — the floor
 //! for one read. Reported: p50/p99/max per burst, medians over rounds and
 //! their spread, API reads per decision (from the gate's metrics), and the
-//! ratio gate p99 / bare-GET p99 on the last line. No assertion on timings.
+//! ratio gate p99 / bare-GET p99 on the last line, against the target of
+//! at most 1.2 × that in-run floor. No assertion on timings.
 
 #[path = "../common/mod.rs"]
 mod common;
@@ -97,8 +98,8 @@ struct Args {
 struct Child {
     namespace: String,
     parent: String,
-    /// The DELETE AdmissionReview for it.
-    review: Bytes,
+    /// The DELETE AdmissionReview for it, by each [`Requester`].
+    reviews: [Bytes; 2],
     csi: bool,
 }
 
@@ -149,8 +150,30 @@ fn child_object(ns: &str, parent: &str, suffix: &str) -> DynamicObject {
     o
 }
 
-/// A DELETE review as the API server sends it when the namespace controller deletes `obj`.
-fn delete_review(uid: &str, obj: &DynamicObject) -> Bytes {
+/// Who sends the DELETE: helm-controller uninstalling a release (the live
+/// state: an addon switched off, the hook's step 2), or the namespace
+/// controller emptying a namespace being deleted.
+#[derive(Clone, Copy, Debug)]
+enum Requester {
+    HelmController = 0,
+    NamespaceController = 1,
+}
+
+impl Requester {
+    fn user_info(self) -> Value {
+        match self {
+            Requester::HelmController => json!({
+                "username": "system:serviceaccount:cozy-fluxcd:helm-controller",
+                "groups": ["system:serviceaccounts", "system:serviceaccounts:cozy-fluxcd", "system:authenticated"]}),
+            Requester::NamespaceController => json!({
+                "username": "system:serviceaccount:kube-system:namespace-controller",
+                "groups": ["system:serviceaccounts", "system:serviceaccounts:kube-system", "system:authenticated"]}),
+        }
+    }
+}
+
+/// A DELETE review as the API server sends it when `by` deletes `obj`.
+fn delete_review(uid: &str, obj: &DynamicObject, by: Requester) -> Bytes {
     let gvk = json!({"group": "helm.toolkit.fluxcd.io", "version": "v2", "kind": "HelmRelease"});
     let gvr =
         json!({"group": "helm.toolkit.fluxcd.io", "version": "v2", "resource": "helmreleases"});
@@ -161,7 +184,7 @@ fn delete_review(uid: &str, obj: &DynamicObject) -> Bytes {
             "uid": uid,
             "kind": gvk, "resource": gvr, "requestKind": gvk, "requestResource": gvr,
             "name": obj.metadata.name, "namespace": obj.metadata.namespace, "operation": "DELETE",
-            "userInfo": {"username": "system:serviceaccount:kube-system:namespace-controller", "groups": ["system:serviceaccounts", "system:serviceaccounts:kube-system", "system:authenticated"]},
+            "userInfo": by.user_info(),
             "oldObject": obj,
             "dryRun": false,
             "options": {"apiVersion": "meta.k8s.io/v1", "kind": "DeleteOptions", "propagationPolicy": "Background"},
@@ -278,8 +301,8 @@ struct Bench {
 }
 
 impl Bench {
-    async fn gate_burst(&self) -> (Vec<(Duration, Outcome)>, Duration, u64) {
-        self.gate_run(self.children.len(), self.args.concurrency)
+    async fn gate_burst(&self, by: Requester) -> (Vec<(Duration, Outcome)>, Duration, u64) {
+        self.gate_run(self.children.len(), self.args.concurrency, by)
             .await
     }
 
@@ -287,6 +310,7 @@ impl Bench {
         &self,
         n: usize,
         concurrency: usize,
+        by: Requester,
     ) -> (Vec<(Duration, Outcome)>, Duration, u64) {
         let reads_before = self.metrics.api_reads.get();
         let (router, children) = (self.router.clone(), self.children.clone());
@@ -296,7 +320,7 @@ impl Bench {
             async move {
                 let request = Request::post("/validate?timeout=10s")
                     .header(header::CONTENT_TYPE, "application/json")
-                    .body(Body::from(children[i].review.clone()))
+                    .body(Body::from(children[i].reviews[by as usize].clone()))
                     .unwrap();
                 let response = router.oneshot(request).await.expect("infallible");
                 let body = match response.into_body().collect().await {
@@ -361,7 +385,7 @@ impl Bench {
     }
 
     /// Alternating bursts; returns (median gate p99, median GET p99, reads per decision).
-    async fn state(&self, name: &str, expect: &str) -> (f64, f64, f64, f64) {
+    async fn state(&self, name: &str, by: Requester, expect: &str) -> (f64, f64, f64, f64) {
         println!("\nstate {name}: {expect}");
         println!(
             "  {:>5} {:<8} {:>8} {:>8} {:>8} {:>9} {:>10}  outcomes",
@@ -385,7 +409,7 @@ impl Bench {
                 outcomes(&results)
             );
             get_rows.push(s);
-            let (results, wall, reads) = self.gate_burst().await;
+            let (results, wall, reads) = self.gate_burst(by).await;
             let s = stats(&results, wall);
             let rpd = reads as f64 / results.len() as f64;
             println!(
@@ -419,7 +443,7 @@ impl Bench {
         let n = self.args.serial.min(self.children.len());
         if n > 0 {
             let (get, _) = self.get_run(n, 1).await;
-            let (gate, _, reads) = self.gate_run(n, 1).await;
+            let (gate, _, reads) = self.gate_run(n, 1, by).await;
             let (g, b) = (stats(&gate, Duration::ZERO), stats(&get, Duration::ZERO));
             println!(
                 "  one at a time ({n} each): bare-GET p50 {:.2} ms, p99 {:.2} ms | gate p50 {:.2} ms, p99 {:.2} ms, reads/decision {:.2}",
@@ -527,7 +551,8 @@ async fn main() {
                 obj.metadata.labels.as_ref().unwrap()["cozystack.io/target-cluster-name"].clone();
             let csi = obj.metadata.name.as_deref() == Some(&format!("{parent}-csi"));
             Child {
-                review: delete_review(&format!("burst-{i:06}"), obj),
+                reviews: [Requester::HelmController, Requester::NamespaceController]
+                    .map(|by| delete_review(&format!("burst-{i:06}"), obj, by)),
                 namespace: ns,
                 parent,
                 csi,
@@ -535,7 +560,7 @@ async fn main() {
         })
         .collect();
     let csi = children.iter().filter(|c| c.csi).count();
-    let review_sizes: Vec<usize> = children.iter().map(|c| c.review.len()).collect();
+    let review_sizes: Vec<usize> = children.iter().map(|c| c.reviews[0].len()).collect();
     println!(
         "  created {} namespaces + parents (custody finalizer) and {} children ({} of them R-csi) in {:.1}s; reviews {}–{} bytes",
         tenants.len(),
@@ -571,7 +596,7 @@ async fn main() {
         s.max,
         outcomes(&cold_get)
     );
-    let (cold_gate, wall, reads) = bench.gate_burst().await;
+    let (cold_gate, wall, reads) = bench.gate_burst(Requester::HelmController).await;
     let s = stats(&cold_gate, wall);
     println!(
         "  first gate burst (warm pool):            p50 {:.2} ms, p99 {:.2} ms, max {:.2} ms; reads/decision {:.2}; {}",
@@ -585,8 +610,9 @@ async fn main() {
     let live = bench
         .state(
             "live",
+            Requester::HelmController,
             &format!(
-                "parents and namespaces not deleting; expect {} allowed (children: parent + namespace read) and {} denied 403 (R-csi: parent read)",
+                "parents and namespaces not deleting, helm-controller deletes; expect {} allowed (children: parent and namespace read at once) and {} denied 403 (R-csi: parent read)",
                 bench.children.len() - csi,
                 csi
             ),
@@ -640,8 +666,9 @@ async fn main() {
     let nsdel = bench
         .state(
             "namespace-deleting",
+            Requester::NamespaceController,
             &format!(
-                "every decision reads the parent (deleting) and refuses: expect {} denied 403",
+                "the namespace controller deletes; every decision reads the parent (deleting) and refuses: expect {} denied 403",
                 bench.children.len()
             ),
         )
@@ -658,8 +685,8 @@ async fn main() {
     println!("  load average at the end: {}", loadavg());
     let verdict = |(gate_p99, get_p99, rpd, ratio): (f64, f64, f64, f64)| {
         format!(
-            "{ratio:.2} (gate p99 {gate_p99:.2} ms vs bare GET {get_p99:.2} ms; p99 < 10 ms: {}; reads/decision {rpd:.2} <= 2: {})",
-            if gate_p99 < 10.0 { "met" } else { "MISSED" },
+            "{ratio:.2} (gate p99 {gate_p99:.2} ms vs bare GET {get_p99:.2} ms, the floor measured in this run; ratio <= 1.20: {}; reads/decision {rpd:.2} <= 2: {})",
+            if ratio <= 1.2 { "met" } else { "MISSED" },
             if rpd <= 2.0 { "met" } else { "MISSED" }
         )
     };
