@@ -15,53 +15,19 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
-use common::chart::{CHART, helm, install_point_at_local_plugin};
+use common::chart::{
+    CHART, WEBHOOK_CONFIGURATIONS, helm_ok, install_point_at_local_plugin, webhook_configuration,
+    worker_args_of_the_deployment,
+};
 use common::gate::{Gate, binary, free_port, generate_certs, helmrelease_resource};
 use common::tenant::Tenant;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::ServiceAccount;
 use k8s_openapi::api::rbac::v1::{ClusterRole, ClusterRoleBinding};
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
-use kube::core::{ApiResource, GroupVersionKind};
 use volume_gate::record::Phase;
 
 const NS: &str = "volume-gate";
-
-fn helm_ok(what: &str, args: &[&str]) -> String {
-    let out = helm(args);
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "helm {what}: {text}");
-    text
-}
-
-/// The worker's arguments as the chart's Deployment has them, but for the
-/// admin address (loopback here); the role (`worker`) first.
-async fn worker_args_of_the_deployment(client: &kube::Client) -> Vec<String> {
-    let d = Api::<Deployment>::namespaced(client.clone(), NS)
-        .get("volume-gate-worker")
-        .await
-        .expect("the chart's worker Deployment");
-    let args = d.spec.template.spec.unwrap().containers[0]
-        .args
-        .clone()
-        .unwrap();
-    assert_eq!(args[0], "worker");
-    args.into_iter()
-        .skip(1)
-        .filter(|a| !a.starts_with("--admin-listen"))
-        .collect()
-}
-
-fn webhook_configuration(kind: &str, plural: &str) -> ApiResource {
-    ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", kind),
-        plural,
-    )
-}
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
@@ -112,7 +78,7 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
         "install",
         &args.iter().map(String::as_str).collect::<Vec<_>>(),
     );
-    let worker_args = worker_args_of_the_deployment(&client).await;
+    let worker_args = worker_args_of_the_deployment(&client, NS).await;
     assert!(
         worker_args.contains(&"--wait-bound=90s".to_string()),
         "{worker_args:?}"
@@ -193,7 +159,7 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
         replicas(deployments.get("volume-gate-worker").await.unwrap()),
         1
     );
-    let worker_args = worker_args_of_the_deployment(&client).await;
+    let worker_args = worker_args_of_the_deployment(&client, NS).await;
     assert!(
         worker_args.contains(&"--max-concurrent-releases=2".to_string()),
         "{worker_args:?}"
@@ -226,16 +192,7 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
     let c = Tenant::create(cp, &cp.unique("handback")).await;
     c.wait_custody().await;
     gate.kill_worker();
-    for (kind, plural) in [
-        (
-            "ValidatingWebhookConfiguration",
-            "validatingwebhookconfigurations",
-        ),
-        (
-            "MutatingWebhookConfiguration",
-            "mutatingwebhookconfigurations",
-        ),
-    ] {
+    for (kind, plural) in WEBHOOK_CONFIGURATIONS {
         Api::<DynamicObject>::all_with(client.clone(), &webhook_configuration(kind, plural))
             .delete("volume-gate", &DeleteParams::default())
             .await
@@ -265,16 +222,7 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
     );
     gate.webhook.kill(libc::SIGTERM);
 
-    for (kind, plural) in [
-        (
-            "ValidatingWebhookConfiguration",
-            "validatingwebhookconfigurations",
-        ),
-        (
-            "MutatingWebhookConfiguration",
-            "mutatingwebhookconfigurations",
-        ),
-    ] {
+    for (kind, plural) in WEBHOOK_CONFIGURATIONS {
         let left =
             Api::<DynamicObject>::all_with(client.clone(), &webhook_configuration(kind, plural))
                 .list(&ListParams::default())

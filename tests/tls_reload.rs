@@ -3,9 +3,7 @@
 //! traffic, through a Secret-volume symlink swap, without a failed request.
 
 use std::collections::HashSet;
-use std::fs;
 use std::net::SocketAddr;
-use std::path::{Path, PathBuf};
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
@@ -22,6 +20,10 @@ use tokio_rustls::TlsConnector;
 use tokio_rustls::client::TlsStream;
 use tokio_util::sync::CancellationToken;
 use volume_gate::certs::{self, CertBundle, ServingSpec};
+
+#[path = "common/secret_volume.rs"]
+mod secret_volume;
+use secret_volume::SecretVolume;
 use volume_gate::tls::{self, CertReloader};
 
 const DEADLINE: Duration = Duration::from_secs(20);
@@ -38,50 +40,13 @@ fn leaf_der(bundle: &CertBundle) -> Vec<u8> {
         .to_vec()
 }
 
-/// A Secret volume laid out as kubelet does it: `tls.crt -> ..data/tls.crt`,
-/// `..data -> ..<timestamp>`, and an update renames a new `..data` symlink
-/// over the old one, then removes the old directory.
-struct SecretVolume {
-    dir: PathBuf,
-    version: u32,
-}
-
-impl SecretVolume {
-    fn new(dir: &Path, bundle: &CertBundle) -> Self {
-        let mut volume = Self {
-            dir: dir.to_path_buf(),
-            version: 0,
-        };
-        volume.publish(bundle);
-        for name in ["tls.crt", "tls.key", "ca.crt"] {
-            std::os::unix::fs::symlink(Path::new("..data").join(name), dir.join(name)).unwrap();
-        }
-        volume
-    }
-
-    fn publish(&mut self, bundle: &CertBundle) {
-        let previous = format!("..2026_01_01_00_00_{:02}.{}", self.version, self.version);
-        self.version += 1;
-        let current = format!("..2026_01_01_00_00_{:02}.{}", self.version, self.version);
-        let data = self.dir.join(&current);
-        fs::create_dir(&data).unwrap();
-        fs::write(data.join("tls.crt"), &bundle.tls_cert).unwrap();
-        fs::write(data.join("tls.key"), &bundle.tls_key).unwrap();
-        fs::write(data.join("ca.crt"), &bundle.ca.cert).unwrap();
-        std::os::unix::fs::symlink(&current, self.dir.join("..data_tmp")).unwrap();
-        fs::rename(self.dir.join("..data_tmp"), self.dir.join("..data")).unwrap();
-        if self.version > 1 {
-            fs::remove_dir_all(self.dir.join(previous)).unwrap();
-        }
-    }
-
-    fn cert(&self) -> PathBuf {
-        self.dir.join("tls.crt")
-    }
-
-    fn key(&self) -> PathBuf {
-        self.dir.join("tls.key")
-    }
+/// The volume's files for `bundle`, as a `kubernetes.io/tls` Secret has them.
+fn tls_files(bundle: &CertBundle) -> [(&'static str, &[u8]); 3] {
+    [
+        ("tls.crt", bundle.tls_cert.as_bytes()),
+        ("tls.key", bundle.tls_key.as_bytes()),
+        ("ca.crt", bundle.ca.cert.as_bytes()),
+    ]
 }
 
 struct Server {
@@ -93,7 +58,7 @@ struct Server {
 
 impl Server {
     async fn start(volume: &SecretVolume) -> Self {
-        let reloader = CertReloader::load(volume.cert(), volume.key()).unwrap();
+        let reloader = CertReloader::load(volume.path("tls.crt"), volume.path("tls.key")).unwrap();
         let shutdown = CancellationToken::new();
         reloader.spawn_reload(Duration::from_millis(25), shutdown.clone());
         let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
@@ -228,7 +193,7 @@ async fn wait_until(what: &str, mut condition: impl FnMut() -> bool) {
 async fn a_client_trusting_the_generated_ca_gets_answers() {
     let dir = tempfile::tempdir().unwrap();
     let bundle = certs::generate(&spec(), None).unwrap();
-    let volume = SecretVolume::new(dir.path(), &bundle);
+    let volume = SecretVolume::new(dir.path(), &tls_files(&bundle));
     let server = Server::start(&volume).await;
 
     let client = connector(&bundle.ca.cert, rustls::DEFAULT_VERSIONS, &[b"http/1.1"]);
@@ -268,7 +233,7 @@ async fn a_client_trusting_the_generated_ca_gets_answers() {
 async fn tls_1_2_and_1_3_are_spoken_and_older_versions_refused() {
     let dir = tempfile::tempdir().unwrap();
     let bundle = certs::generate(&spec(), None).unwrap();
-    let volume = SecretVolume::new(dir.path(), &bundle);
+    let volume = SecretVolume::new(dir.path(), &tls_files(&bundle));
     let server = Server::start(&volume).await;
 
     for (version, expected) in [
@@ -410,7 +375,7 @@ async fn kept_alive_connection(
 async fn certificate_rotates_under_traffic_without_a_failed_request() {
     let dir = tempfile::tempdir().unwrap();
     let first = certs::generate(&spec(), None).unwrap();
-    let mut volume = SecretVolume::new(dir.path(), &first);
+    let mut volume = SecretVolume::new(dir.path(), &tls_files(&first));
     let server = Server::start(&volume).await;
     let (first_leaf, generation_before) = (leaf_der(&first), server.reloader.generation());
 
@@ -445,7 +410,7 @@ async fn certificate_rotates_under_traffic_without_a_failed_request() {
     assert!(second.ca_reused);
     let second_leaf = leaf_der(&second);
     assert_ne!(second_leaf, first_leaf);
-    volume.publish(&second);
+    volume.publish(&tls_files(&second));
 
     wait_until("the reloader to swap", || {
         server.reloader.generation() > generation_before
@@ -486,7 +451,7 @@ async fn certificate_rotates_under_traffic_without_a_failed_request() {
 async fn shutdown_closes_idle_keep_alive_connections_promptly() {
     let dir = tempfile::tempdir().unwrap();
     let bundle = certs::generate(&spec(), None).unwrap();
-    let volume = SecretVolume::new(dir.path(), &bundle);
+    let volume = SecretVolume::new(dir.path(), &tls_files(&bundle));
     let server = Server::start(&volume).await;
     let client = connector(&bundle.ca.cert, rustls::DEFAULT_VERSIONS, &[b"http/1.1"]);
     let mut stream = connect(&client, server.addr).await.unwrap();

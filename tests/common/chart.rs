@@ -102,8 +102,9 @@ fn helm_home() -> PathBuf {
 /// chart's rendering what `manifests::point_at_local` does to the kustomize
 /// base's: each webhook's `clientConfig.service` becomes a `url` on the
 /// loopback address given as its argument (the API server here reaches no
-/// Service: no ClusterIP routing, no cluster DNS). Everything else is the
-/// chart's.
+/// Service: no ClusterIP routing, no cluster DNS), and in cert-manager mode
+/// the serving Certificate also names `127.0.0.1`, so the API server can
+/// verify it at that address. Everything else is the chart's.
 pub fn install_point_at_local_plugin() -> &'static str {
     const NAME: &str = "point-at-local";
     let dir = helm_home().join("data/plugins").join(NAME);
@@ -124,7 +125,8 @@ pub fn install_point_at_local_plugin() -> &'static str {
 set -euo pipefail
 base="${1:?base URL}"
 # A `service:` block (name, namespace, path, port, one per line, deeper
-# than `service:`) becomes `url:` at the same indentation.
+# than `service:`) becomes `url:` at the same indentation; a certificate
+# with `dnsNames` also names 127.0.0.1, the address the API server calls.
 awk -v base="$base" '
   function indent(line) { match(line, /^ */); return RLENGTH }
   in_service && indent($0) > depth {
@@ -136,6 +138,7 @@ awk -v base="$base" '
     in_service = 0
   }
   /^ *service:$/ { in_service = 1; depth = indent($0); path = ""; next }
+  /^ *dnsNames:$/ { printf "%*sipAddresses: [\"127.0.0.1\"]\n", indent($0), "" }
   { print }
   END { if (in_service) printf "%*surl: \"%s%s\"\n", depth, "", base, path }
 '
@@ -146,3 +149,54 @@ awk -v base="$base" '
     std::fs::set_permissions(&script, std::fs::Permissions::from_mode(0o755)).unwrap();
     NAME
 }
+
+/// Runs `helm ARGS`, which must succeed; its output.
+pub fn helm_ok(what: &str, args: &[&str]) -> String {
+    let out = helm(args);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "helm {what}: {text}");
+    text
+}
+
+/// The worker's arguments as the chart's Deployment in `namespace` has
+/// them, but for the admin address (loopback here); without the role.
+pub async fn worker_args_of_the_deployment(client: &kube::Client, namespace: &str) -> Vec<String> {
+    use k8s_openapi::api::apps::v1::Deployment;
+    let d = kube::Api::<Deployment>::namespaced(client.clone(), namespace)
+        .get("volume-gate-worker")
+        .await
+        .expect("the chart's worker Deployment");
+    let args = d.spec.template.spec.unwrap().containers[0]
+        .args
+        .clone()
+        .unwrap();
+    assert_eq!(args[0], "worker");
+    args.into_iter()
+        .skip(1)
+        .filter(|a| !a.starts_with("--admin-listen"))
+        .collect()
+}
+
+/// `ValidatingWebhookConfiguration` or `MutatingWebhookConfiguration`.
+pub fn webhook_configuration(kind: &str, plural: &str) -> kube::core::ApiResource {
+    kube::core::ApiResource::from_gvk_with_plural(
+        &kube::core::GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", kind),
+        plural,
+    )
+}
+
+/// Both webhook configuration resources, `(kind, resource)`.
+pub const WEBHOOK_CONFIGURATIONS: [(&str, &str); 2] = [
+    (
+        "ValidatingWebhookConfiguration",
+        "validatingwebhookconfigurations",
+    ),
+    (
+        "MutatingWebhookConfiguration",
+        "mutatingwebhookconfigurations",
+    ),
+];

@@ -352,7 +352,7 @@ async fn wait_ready(admin_port: u16, process: &Process) {
 
 /// The API server's webhook configuration cache lags the objects: probe it
 /// with dry-run requests until both webhooks answer.
-async fn wait_webhooks_active(cp: &ControlPlane) {
+pub async fn wait_webhooks_active(cp: &ControlPlane) {
     let client = cp.management_client().await;
     cp.namespace("volume-gate-probe").await;
     let api: Api<DynamicObject> =

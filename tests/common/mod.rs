@@ -2,6 +2,7 @@
 //! `manifests/`, the simulator, and Cozystack tenants.
 #![allow(dead_code)]
 
+pub mod certmanager;
 pub mod chart;
 pub mod cluster;
 pub mod flux;
@@ -9,6 +10,7 @@ pub mod gate;
 pub mod history;
 pub mod manifests;
 pub mod process;
+pub mod secret_volume;
 pub mod sim;
 pub mod tenant;
 pub mod wait;
