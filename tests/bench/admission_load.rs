@@ -30,21 +30,19 @@
 //! scenario the medians over rounds, their spread and the ratios gate/null.
 //! The last line is the ratio line. No assertion is made on any figure.
 
-use std::borrow::Cow;
+#[path = "null_webhook.rs"]
+mod null_webhook;
+
 use std::collections::HashMap;
 use std::net::SocketAddr;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
-use axum::Router;
-use axum::body::Body;
 use axum::http::{StatusCode, header};
-use axum::response::{IntoResponse, Response};
-use axum::routing::post;
 use bytes::Bytes;
 use clap::{Parser, ValueEnum};
 use http::{Method, Request};
-use http_body_util::{BodyExt, Full, Limited};
+use http_body_util::{BodyExt, Full};
 use hyper::client::conn::{http1, http2};
 use hyper_util::rt::{TokioExecutor, TokioIo};
 use rustls::pki_types::pem::PemObject;
@@ -258,7 +256,7 @@ async fn start_gate(reloader: Arc<CertReloader>, shutdown: CancellationToken) ->
 }
 
 async fn start_null(reloader: Arc<CertReloader>, shutdown: CancellationToken) -> Server {
-    let app = Router::new().route("/validate", post(null_validate));
+    let app = null_webhook::router(Default::default());
     let listener = TcpListener::bind("127.0.0.1:0").await.unwrap();
     let addr = listener.local_addr().unwrap();
     tokio::spawn(tls::serve(
@@ -272,35 +270,6 @@ async fn start_null(reloader: Arc<CertReloader>, shutdown: CancellationToken) ->
         addr,
         metrics: None,
     }
-}
-
-#[derive(Deserialize)]
-struct UidOnly<'a> {
-    #[serde(borrow)]
-    request: UidRequest<'a>,
-}
-
-#[derive(Deserialize)]
-struct UidRequest<'a> {
-    #[serde(borrow)]
-    uid: Cow<'a, str>,
-}
-
-/// The null webhook: read the body, find the uid (serde skims the rest of
-/// the document without building it), allow.
-async fn null_validate(body: Body) -> Response {
-    let bytes = match Limited::new(body, DEFAULT_MAX_BODY_BYTES).collect().await {
-        Ok(c) => c.to_bytes(),
-        Err(_) => return StatusCode::BAD_REQUEST.into_response(),
-    };
-    let uid = match serde_json::from_slice::<UidOnly>(&bytes) {
-        Ok(r) => serde_json::to_string(&r.request.uid).unwrap(),
-        Err(_) => return StatusCode::BAD_REQUEST.into_response(),
-    };
-    let out = format!(
-        r#"{{"apiVersion":"admission.k8s.io/v1","kind":"AdmissionReview","response":{{"uid":{uid},"allowed":true}}}}"#
-    );
-    ([(header::CONTENT_TYPE, "application/json")], out).into_response()
 }
 
 impl Server {
@@ -990,7 +959,7 @@ fn cost_table(seconds: f64, scenarios: &[Scenario], logs: Logs) {
     );
     for sc in scenarios {
         let skim = per_call_us(seconds, &sc.bodies, |b| {
-            serde_json::from_slice::<UidOnly>(b).is_ok()
+            serde_json::from_slice::<null_webhook::UidOnly>(b).is_ok()
         });
         let product = per_call_us(seconds, &sc.bodies, |b| {
             volume_gate::admission::review::decode(b).is_ok()
