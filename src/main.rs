@@ -53,13 +53,13 @@ fn main() -> ExitCode {
     let result: Result<(), String> = runtime.block_on(async move {
         match cli.command {
             Command::Webhook(args) => {
-                volume_gate::telemetry::init_json_logs();
+                let _logs = volume_gate::telemetry::init_json_logs();
                 volume_gate::admission::server::run(args)
                     .await
                     .map_err(|e| e.to_string())
             }
             Command::Worker(args) => {
-                volume_gate::telemetry::init_json_logs();
+                let _logs = volume_gate::telemetry::init_json_logs();
                 volume_gate::worker::run(args)
                     .await
                     .map_err(|e| e.to_string())

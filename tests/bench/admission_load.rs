@@ -79,7 +79,8 @@ enum Proto {
 #[derive(Copy, Clone, Debug, PartialEq, Eq, ValueEnum)]
 enum Logs {
     /// As in production (`telemetry::init_json_logs`: JSON, RUST_LOG or
-    /// info), one write(2) per line, to /dev/null instead of stderr.
+    /// info, written by its writer thread, which runs on the server's CPU and
+    /// counts as the server's), to /dev/null instead of stderr.
     Json,
     /// No subscriber: log macros cost next to nothing.
     Off,
@@ -143,6 +144,15 @@ struct Args {
 // ---------------------------------------------------------------------------
 // Threads: pinning and CPU time
 // ---------------------------------------------------------------------------
+
+/// The TID of this process's thread named `name` (`/proc/self/task/*/comm`).
+fn thread_named(name: &str) -> Option<i32> {
+    std::fs::read_dir("/proc/self/task").ok()?.find_map(|e| {
+        let e = e.ok()?;
+        let comm = std::fs::read_to_string(e.path().join("comm")).ok()?;
+        (comm.trim() == name).then(|| e.file_name().to_str()?.parse().ok())?
+    })
+}
 
 fn pin_to(cpu: usize) {
     // SAFETY: cpu_set_t is plain data; sched_setaffinity(0, …) affects the calling thread.
@@ -941,6 +951,45 @@ fn per_call_us(seconds: f64, bodies: &[(Bytes, String)], f: impl Fn(&[u8]) -> bo
     (thread_cpu() - started) * 1e6 / calls as f64
 }
 
+/// The product's log format (`volume_gate::telemetry`) writing to `w`.
+fn json_subscriber<W>(w: W) -> impl tracing::Subscriber + Send + Sync
+where
+    W: for<'a> tracing_subscriber::fmt::MakeWriter<'a> + Send + Sync + 'static,
+{
+    tracing_subscriber::fmt()
+        .json()
+        .flatten_event(true)
+        .with_current_span(false)
+        .with_target(false)
+        .with_writer(w)
+        .finish()
+}
+
+/// This thread's mean CPU µs per decision log line, over `n` lines.
+fn log_line_us(n: u64) -> f64 {
+    let started = thread_cpu();
+    for i in 0..n {
+        tracing::info!(
+            endpoint = "validate",
+            uid = %format_args!("b3nc4000-0000-4a00-8000-{i:012x}"),
+            operation = "UPDATE",
+            kind = %"helm.toolkit.fluxcd.io/HelmRelease",
+            namespace = NAMESPACE,
+            name = %TENANT,
+            user = "system:serviceaccount:cozy-system:cozystack-api",
+            dry_run = false,
+            target = "parent",
+            verdict = "allowed",
+            reason = "guards-passed",
+            patched = false,
+            message = "",
+            micros = 12u64,
+            "admission decision"
+        );
+    }
+    (thread_cpu() - started) * 1e6 / n as f64
+}
+
 fn cost_table(seconds: f64, scenarios: &[Scenario], logs: Logs) {
     use kube::core::DynamicObject;
     use kube::core::admission::AdmissionReview;
@@ -984,30 +1033,32 @@ fn cost_table(seconds: f64, scenarios: &[Scenario], logs: Logs) {
             sc.name
         );
     }
-    // The log line of every decision, with the fields the gate writes.
-    let log_us = {
-        let n = 20_000u64;
-        let started = thread_cpu();
-        for i in 0..n {
-            tracing::info!(
-                endpoint = "validate",
-                uid = %format_args!("b3nc4000-0000-4a00-8000-{i:012x}"),
-                operation = "UPDATE",
-                kind = %"helm.toolkit.fluxcd.io/HelmRelease",
-                namespace = NAMESPACE,
-                name = %TENANT,
-                user = "system:serviceaccount:cozy-system:cozystack-api",
-                dry_run = false,
-                target = "parent",
-                verdict = "allowed",
-                reason = "guards-passed",
-                patched = false,
-                message = "",
-                micros = 12u64,
-                "admission decision"
-            );
-        }
-        (thread_cpu() - started) * 1e6 / n as f64
+    // The log line of every decision, with the fields the gate writes: as
+    // this run's subscriber writes it, and as the product's writes it in a
+    // container (stderr is a pipe) with a blocking and a non-blocking writer.
+    let log_us = log_line_us(20_000);
+    let (pipe_blocking_us, pipe_nonblocking_us) = {
+        let (reader, writer) = std::io::pipe().expect("pipe");
+        let drain = std::thread::spawn(move || {
+            use std::io::Read;
+            let mut reader = reader;
+            let mut buf = vec![0u8; 1 << 16];
+            while reader.read(&mut buf).is_ok_and(|n| n > 0) {}
+        });
+        let writer = Arc::new(writer);
+        let blocking = tracing::subscriber::with_default(json_subscriber(writer.clone()), || {
+            log_line_us(20_000)
+        });
+        let (non_blocking, guard) = tracing_appender::non_blocking::NonBlockingBuilder::default()
+            .lossy(false)
+            .finish(writer.try_clone().expect("dup pipe"));
+        let nb = tracing::subscriber::with_default(json_subscriber(non_blocking), || {
+            log_line_us(20_000)
+        });
+        drop(guard); // flushes, then the writer thread ends
+        drop(writer);
+        drain.join().unwrap();
+        (blocking, nb)
     };
     // The metrics of every decision: a labelled counter and a histogram.
     let metrics_us = {
@@ -1033,6 +1084,9 @@ fn cost_table(seconds: f64, scenarios: &[Scenario], logs: Logs) {
     };
     println!(
         "  one decision's log line ({logs:?} logs): {log_us:.1} µs; its metrics (counter + histogram): {metrics_us:.2} µs"
+    );
+    println!(
+        "  the log line into a pipe (stderr in a container), request thread's CPU: blocking writer {pipe_blocking_us:.1} µs, non-blocking writer (the product's) {pipe_nonblocking_us:.1} µs"
     );
     println!(
         "  null skim: the null webhook's uid parse. review::decode: the gate's. typed from_slice: AdmissionReview<DynamicObject>."
@@ -1062,27 +1116,31 @@ fn main() {
     if let Some(c) = client_cpu {
         pin_to(c);
     }
-    if args.logs == Logs::Json {
-        use tracing_subscriber::{EnvFilter, fmt};
-        let devnull = Arc::new(
+    // The product's logging (`telemetry::init_json_logs`: JSON, RUST_LOG or
+    // info, a non-blocking writer thread), to /dev/null instead of stderr.
+    let _logs = (args.logs == Logs::Json).then(|| {
+        volume_gate::telemetry::init_json_logs_to(
             std::fs::OpenOptions::new()
                 .write(true)
                 .open("/dev/null")
                 .expect("/dev/null"),
-        );
-        let filter = EnvFilter::try_from_default_env().unwrap_or_else(|_| EnvFilter::new("info"));
-        fmt()
-            .json()
-            .flatten_event(true)
-            .with_current_span(false)
-            .with_target(false)
-            .with_env_filter(filter)
-            .with_writer(devnull)
-            .init();
-    }
+        )
+    });
 
     let server_threads = Threads::default();
     let client_threads = Threads::default();
+    // The log writer thread is the server's: its CPU and its time count.
+    if let Some(tid) = thread_named("volume-gate-log") {
+        if let Some(c) = server_cpu {
+            // SAFETY: plain data; sched_setaffinity on a thread of this process.
+            unsafe {
+                let mut set: libc::cpu_set_t = std::mem::zeroed();
+                libc::CPU_SET(c, &mut set);
+                libc::sched_setaffinity(tid, std::mem::size_of::<libc::cpu_set_t>(), &set);
+            }
+        }
+        server_threads.0.lock().unwrap().push(tid);
+    }
     let server_rt = runtime(
         "bench-server",
         args.server_threads,
