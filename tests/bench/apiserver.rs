@@ -28,7 +28,9 @@
 //!   to the gate, allowed from the request alone: the worker's record write);
 //! - `parent-update-spec`: a merge patch of the parent's `spec.values`
 //!   (Flux's and the platform's everyday write: the matchConditions keep it
-//!   from the webhooks).
+//!   from the webhooks);
+//! - `bare-get`: a metadata GET of the parent, the read the gate makes for
+//!   the two deletes (no admission at all): what a fresh read costs here.
 //!
 //! The bench client's own identity is given to the in-process gate as the
 //! worker's (`--worker-identity`), so its record writes are the worker's.
@@ -106,14 +108,16 @@ enum Op {
     DeleteAllowed,
     ParentUpdateRecord,
     ParentUpdateSpec,
+    BareGet,
 }
 
 impl Op {
-    const ALL: [Op; 4] = [
+    const ALL: [Op; 5] = [
         Op::DeleteRefused,
         Op::DeleteAllowed,
         Op::ParentUpdateRecord,
         Op::ParentUpdateSpec,
+        Op::BareGet,
     ];
     fn name(self) -> &'static str {
         match self {
@@ -121,6 +125,7 @@ impl Op {
             Op::DeleteAllowed => "delete-allowed",
             Op::ParentUpdateRecord => "parent-update-record",
             Op::ParentUpdateSpec => "parent-update-spec",
+            Op::BareGet => "bare-get",
         }
     }
 }
@@ -176,6 +181,8 @@ impl Bench {
                 )
                 .await
                 .map(drop),
+            // The gate's own fresh read, as a client makes it.
+            Op::BareGet => api.get_metadata(parent).await.map(drop),
         };
         let elapsed = started.elapsed();
         (
