@@ -990,6 +990,98 @@ fn log_line_us(n: u64) -> f64 {
     (thread_cpu() - started) * 1e6 / n as f64
 }
 
+/// The gate's handler in-process, on one thread, against the null's: the
+/// whole router (axum, no TLS or HTTP framing) and its parts, mean CPU µs
+/// per review. What the gate adds per request, item by item.
+fn handler_table(seconds: f64, scenarios: &[Scenario]) {
+    use futures::FutureExt;
+    use tower::ServiceExt;
+    let rt = tokio::runtime::Builder::new_current_thread()
+        .enable_all()
+        .build()
+        .unwrap();
+    let (gate, gate_router) = rt.block_on(async {
+        let client = kube::Client::try_from(kube::Config::new(UNREACHABLE_API.parse().unwrap()))
+            .expect("kube client");
+        let gate = Arc::new(Gate::new(
+            Profile::cozystack(),
+            DEFAULT_WORKER_IDENTITY.to_string(),
+            client,
+            Metrics::new(),
+        ));
+        (gate.clone(), router(gate, DEFAULT_MAX_BODY_BYTES))
+    });
+    let null_router = null_webhook::router(Default::default());
+    // The body is copied for both routers alike (the copy is in both columns).
+    let through = |app: &axum::Router, body: &[u8]| -> bool {
+        let request = http::Request::post("/validate")
+            .header(http::header::CONTENT_TYPE, "application/json")
+            .body(axum::body::Body::from(Bytes::copy_from_slice(body)))
+            .unwrap();
+        rt.block_on(async {
+            let response = app.clone().oneshot(request).await.expect("infallible");
+            let ok = response.status() == http::StatusCode::OK;
+            ok && response.into_body().collect().await.is_ok()
+        })
+    };
+    println!(
+        "\nthe handler in-process (one thread, mean CPU µs per review; axum router, no TLS or HTTP framing):"
+    );
+    println!(
+        "  {:<12} {:>11} {:>11} {:>9} | {:>13} {:>9} {:>9}",
+        "scenario", "null router", "gate router", "gate−null", "decode−skim", "decision", "respond"
+    );
+    for sc in scenarios {
+        let null = per_call_us(seconds, &sc.bodies, |b| through(&null_router, b));
+        let full = per_call_us(seconds, &sc.bodies, |b| through(&gate_router, b));
+        let skim = per_call_us(seconds, &sc.bodies, |b| {
+            serde_json::from_slice::<null_webhook::UidOnly>(b).is_ok()
+        });
+        let decode = per_call_us(seconds, &sc.bodies, |b| {
+            volume_gate::admission::review::decode(b).is_ok()
+        });
+        let requests: Vec<_> = sc
+            .bodies
+            .iter()
+            .map(|(b, _)| volume_gate::admission::review::decode(b).unwrap())
+            .collect();
+        // The decisions of these scenarios make no read: they finish at once.
+        let decision = {
+            let started = thread_cpu();
+            let mut calls = 0u64;
+            while thread_cpu() - started < seconds {
+                for req in &requests {
+                    let done = gate.validate(req).now_or_never().is_some();
+                    assert!(done, "a decision of this scenario waited");
+                    calls += 1;
+                }
+            }
+            (thread_cpu() - started) * 1e6 / calls as f64
+        };
+        let verdict = volume_gate::admission::decide::Verdict::allow("guards-passed");
+        let respond = per_call_us(seconds, &sc.bodies, |_| {
+            !volume_gate::admission::review::respond(
+                "b3nc4000-0000-4a00-8000-000000000000",
+                &verdict,
+                None,
+            )
+            .is_empty()
+        });
+        println!(
+            "  {:<12} {null:>11.1} {full:>11.1} {:>9.1} | {:>13.1} {decision:>9.1} {respond:>9.1}",
+            sc.name,
+            full - null,
+            decode - skim
+        );
+    }
+    println!(
+        "  gate−null: what the gate's handler adds in-process (the log line and metrics are in it, with this run's subscriber); decode−skim: its decode"
+    );
+    println!(
+        "  beyond the null's uid skim; decision: Gate::validate on the decoded review; respond: its answer serialized."
+    );
+}
+
 fn cost_table(seconds: f64, scenarios: &[Scenario], logs: Logs) {
     use kube::core::DynamicObject;
     use kube::core::admission::AdmissionReview;
@@ -1033,6 +1125,7 @@ fn cost_table(seconds: f64, scenarios: &[Scenario], logs: Logs) {
             sc.name
         );
     }
+    handler_table(seconds, scenarios);
     // The log line of every decision, with the fields the gate writes: as
     // this run's subscriber writes it, and as the product's writes it in a
     // container (stderr is a pipe) with a blocking and a non-blocking writer.
