@@ -25,8 +25,7 @@ use std::time::Duration;
 
 use base64::Engine;
 use common::chart::{
-    CHART, WEBHOOK_CONFIGURATIONS, helm_ok, install_point_at_local_plugin, webhook_configuration,
-    worker_args_of_the_deployment,
+    WEBHOOK_CONFIGURATIONS, helm_local, webhook_configuration, worker_args_of_the_deployment,
 };
 use common::gate::{Gate, free_port, wait_webhooks_active};
 use common::secret_volume::SecretVolume;
@@ -149,36 +148,14 @@ async fn cert_manager_issues_and_injects_and_the_webhook_serves_a_renewal_withou
     let env = common::ungated();
     let cp = env.cp;
     let client = cp.management_client().await;
-    let kubeconfig = cp.management.kubeconfig.to_str().unwrap().to_string();
     cp.namespace(NS).await;
     let _cert_manager = common::certmanager::start(cp, NS).await;
 
     // Install with the default values: cert-manager mode.
     let port = free_port();
-    let plugin = install_point_at_local_plugin();
     let base = format!("https://127.0.0.1:{port}");
-    let args = |verb: &'static str| -> Vec<String> {
-        [
-            verb,
-            "volume-gate",
-            CHART,
-            "--namespace",
-            NS,
-            "--kubeconfig",
-            &kubeconfig,
-            "--post-renderer",
-            plugin,
-            "--post-renderer-args",
-            &base,
-        ]
-        .map(String::from)
-        .to_vec()
-    };
-    let install = args("install");
-    helm_ok(
-        "install",
-        &install.iter().map(String::as_str).collect::<Vec<_>>(),
-    );
+    let kubeconfig = &cp.management.kubeconfig;
+    helm_local("install", NS, kubeconfig, &base, &[]);
 
     // cert-manager issues the CA and the serving certificate.
     let certs: Api<DynamicObject> = Api::namespaced_with(client.clone(), NS, &certificates());
@@ -295,11 +272,12 @@ async fn cert_manager_issues_and_injects_and_the_webhook_serves_a_renewal_withou
     // An upgrade re-renders the configurations without a caBundle: the
     // injected one survives it (or is written again), and the API server
     // keeps calling the gate.
-    let mut upgrade = args("upgrade");
-    upgrade.extend(["--set", "webhook.replicas=3"].map(String::from));
-    helm_ok(
+    helm_local(
         "upgrade",
-        &upgrade.iter().map(String::as_str).collect::<Vec<_>>(),
+        NS,
+        kubeconfig,
+        &base,
+        &["--set", "webhook.replicas=3"],
     );
     wait_ca_injected(&client, &ca_pem, "after helm upgrade").await;
     wait_webhooks_active(cp).await;

@@ -16,7 +16,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::chart::{
-    CHART, WEBHOOK_CONFIGURATIONS, helm_ok, install_point_at_local_plugin, webhook_configuration,
+    WEBHOOK_CONFIGURATIONS, helm_local, helm_ok, webhook_configuration,
     worker_args_of_the_deployment,
 };
 use common::gate::{Gate, binary, free_port, generate_certs, helmrelease_resource};
@@ -29,55 +29,47 @@ use volume_gate::record::Phase;
 
 const NS: &str = "volume-gate";
 
+/// `t`, being deleted, ends `Released` and gone, with no volume left.
+async fn released_with_no_volume_left(env: &common::Env, t: &Tenant) {
+    t.wait_phase(Phase::Released, Duration::from_secs(180))
+        .await;
+    t.wait_parent_gone(Duration::from_secs(180)).await;
+    assert!(
+        env.sim.volumes_of(&t.namespace, &t.name).is_empty(),
+        "0 volumes left"
+    );
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
     let env = common::ungated();
     let cp = env.cp;
     let client = cp.management_client().await;
-    let kubeconfig = cp.management.kubeconfig.to_str().unwrap().to_string();
     cp.namespace(NS).await;
     let certs = cp.state.join("helm-gate-certs");
     let ca = generate_certs(&certs);
     let port = free_port();
-    let plugin = install_point_at_local_plugin();
     let base = format!("https://127.0.0.1:{port}");
-    let common_args = |verb: &'static str| -> Vec<String> {
-        [
-            verb,
-            "volume-gate",
-            CHART,
-            "--namespace",
-            NS,
-            "--kubeconfig",
-            &kubeconfig,
-            "--post-renderer",
-            plugin,
-            "--post-renderer-args",
-            &base,
-            "--set",
-            "certificates.mode=secret",
-            "--set",
-            &format!("certificates.caBundle={ca}"),
-            // The test suite's short bounds, through the chart's values.
-            "--set",
-            "worker.waitBound=90s",
-            "--set",
-            "worker.retryBase=1s",
-            "--set",
-            "worker.retryMax=5s",
-            "--set",
-            "worker.probeTimeout=3s",
-        ]
-        .map(String::from)
-        .to_vec()
-    };
+    let ca_value = format!("certificates.caBundle={ca}");
+    let values = [
+        "--set",
+        "certificates.mode=secret",
+        "--set",
+        &ca_value,
+        // The test suite's short bounds, through the chart's values.
+        "--set",
+        "worker.waitBound=90s",
+        "--set",
+        "worker.retryBase=1s",
+        "--set",
+        "worker.retryMax=5s",
+        "--set",
+        "worker.probeTimeout=3s",
+    ];
+    let kubeconfig = &cp.management.kubeconfig;
 
     // Install.
-    let args = common_args("install");
-    helm_ok(
-        "install",
-        &args.iter().map(String::as_str).collect::<Vec<_>>(),
-    );
+    helm_local("install", NS, kubeconfig, &base, &values);
     let worker_args = worker_args_of_the_deployment(&client, NS).await;
     assert!(
         worker_args.contains(&"--wait-bound=90s".to_string()),
@@ -91,13 +83,7 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
     a.wait_custody().await;
     a.incident_workload().await;
     a.delete_parent().await;
-    a.wait_phase(Phase::Released, Duration::from_secs(180))
-        .await;
-    a.wait_parent_gone(Duration::from_secs(180)).await;
-    assert!(
-        env.sim.volumes_of(&a.namespace, &a.name).is_empty(),
-        "0 volumes left"
-    );
+    released_with_no_volume_left(env, &a).await;
 
     // A tenant held in teardown (its driver stopped), and an upgrade that
     // changes replicas and flags meanwhile: a guarded delete is tried all
@@ -131,22 +117,16 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
             }
         })
     };
-    let mut args = common_args("upgrade");
-    args.extend(
-        [
-            "--set",
-            "webhook.replicas=3",
-            "--set",
-            "worker.replicas=1",
-            "--set",
-            "worker.maxConcurrentReleases=2",
-        ]
-        .map(String::from),
-    );
-    helm_ok(
-        "upgrade",
-        &args.iter().map(String::as_str).collect::<Vec<_>>(),
-    );
+    let mut upgrade = values.to_vec();
+    upgrade.extend([
+        "--set",
+        "webhook.replicas=3",
+        "--set",
+        "worker.replicas=1",
+        "--set",
+        "worker.maxConcurrentReleases=2",
+    ]);
+    helm_local("upgrade", NS, kubeconfig, &base, &upgrade);
     // The rollout, as the kubelet would do it: the old replicas go, new
     // ones start with the upgraded Deployment's arguments.
     let deployments = Api::<Deployment>::namespaced(client.clone(), NS);
@@ -179,13 +159,7 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
     );
     assert_ne!(b.record().await.phase, Some(Phase::Released));
     b.set_driver(&env.sim, true).await;
-    b.wait_phase(Phase::Released, Duration::from_secs(180))
-        .await;
-    b.wait_parent_gone(Duration::from_secs(180)).await;
-    assert!(
-        env.sim.volumes_of(&b.namespace, &b.name).is_empty(),
-        "0 volumes left"
-    );
+    released_with_no_volume_left(env, &b).await;
 
     // Uninstall after the README's custody hand-back: a live tenant keeps
     // nothing of the gate.
@@ -216,7 +190,7 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
             "--namespace",
             NS,
             "--kubeconfig",
-            &kubeconfig,
+            kubeconfig.to_str().unwrap(),
             "--wait",
         ],
     );

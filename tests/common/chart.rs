@@ -200,3 +200,32 @@ pub const WEBHOOK_CONFIGURATIONS: [(&str, &str); 2] = [
         "mutatingwebhookconfigurations",
     ),
 ];
+
+/// `helm VERB volume-gate CHART` into `namespace` of the management cluster
+/// of `kubeconfig`, through the `point-at-local` post-renderer aimed at
+/// `base` (`https://127.0.0.1:PORT`), then `extra`; must succeed.
+pub fn helm_local(
+    verb: &str,
+    namespace: &str,
+    kubeconfig: &std::path::Path,
+    base: &str,
+    extra: &[&str],
+) -> String {
+    let plugin = install_point_at_local_plugin();
+    let kubeconfig = kubeconfig.to_str().expect("a UTF-8 kubeconfig path");
+    let mut args = vec![
+        verb,
+        "volume-gate",
+        CHART,
+        "--namespace",
+        namespace,
+        "--kubeconfig",
+        kubeconfig,
+        "--post-renderer",
+        plugin,
+        "--post-renderer-args",
+        base,
+    ];
+    args.extend_from_slice(extra);
+    helm_ok(verb, &args)
+}
