@@ -299,9 +299,8 @@ fn values_reach_the_objects_and_every_argument_is_a_flag_the_binary_has() {
         }
     }
     // The profile the chart ships is one the binary accepts.
-    let dir = std::env::temp_dir().join(format!("volume-gate-chart-{}", std::process::id()));
-    std::fs::create_dir_all(&dir).unwrap();
-    let file = dir.join("profile.yaml");
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("profile.yaml");
     std::fs::write(&file, "name: acme\n").unwrap();
     let out = Command::new(binary())
         .args(["profile", "--profile"])

@@ -95,7 +95,7 @@ pub fn kustomize(dir: &str) -> BTreeMap<Key, Value> {
 
 /// The Helm home the tests use (see [`helm`]).
 fn helm_home() -> PathBuf {
-    std::env::temp_dir().join(format!("volume-gate-helm-{}", std::process::id()))
+    super::scratch::dir("helm")
 }
 
 /// A Helm 4 post-renderer plugin, `point-at-local`, that does to the

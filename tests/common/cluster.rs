@@ -69,6 +69,9 @@ pub fn control_plane() -> &'static ControlPlane {
         let harness = harness_binary();
         let state = std::env::temp_dir().join(format!("volume-gate-cp-{}", std::process::id()));
         std::fs::create_dir_all(&state).expect("state dir");
+        // The supervisor removes the state directory once this process is
+        // gone and it has stopped the clusters, unless a panic marked it.
+        super::scratch::keep_on_failure(&state);
         let started = std::time::Instant::now();
         let out = Command::new(&harness)
             .args(["up", "--state"])
@@ -76,6 +79,7 @@ pub fn control_plane() -> &'static ControlPlane {
             .args([
                 "--owner-pid",
                 &std::process::id().to_string(),
+                "--remove-state",
                 "--tenant",
                 "t0",
             ])

@@ -10,6 +10,7 @@ pub mod gate;
 pub mod history;
 pub mod manifests;
 pub mod process;
+pub mod scratch;
 pub mod secret_volume;
 pub mod sim;
 pub mod tenant;

@@ -52,7 +52,11 @@ impl Simulator {
                 "--probe-interval",
                 "1s",
                 "--run-jobs",
-            ]);
+            ])
+            // In the state directory, which the harness removes: the
+            // simulator is killed with its owner, before it could.
+            .arg("--jobs-dir")
+            .arg(cp.state.join(cp.unique("jobs")));
         let log = cp
             .state
             .join("logs")

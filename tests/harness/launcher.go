@@ -33,6 +33,7 @@ func cmdUp(args []string) error {
 	state := fs.String("state", "", "state directory (required)")
 	owner := fs.Int("owner-pid", 0, "stop everything once this process is gone")
 	timeout := fs.Duration("timeout", defaultTimeout, "how long to wait for each cluster")
+	removeState := fs.Bool("remove-state", false, "once the supervisor has stopped everything, remove DIR, unless DIR/"+keepStateFile+" or DIR/failed exists or "+keepStateEnv+" is set (a test run that passed leaves nothing behind)")
 	var tenants names
 	fs.Var(&tenants, "tenant", "tenant cluster to run besides management (repeatable; default: tenant)")
 	if _, err := parseArgs(fs, args, 0); err != nil {
@@ -70,7 +71,7 @@ func cmdUp(args []string) error {
 		for _, f := range []string{"ready", "failed", "control.addr"} {
 			os.Remove(filepath.Join(dir, f))
 		}
-		if started, err = startSupervisor(dir, *owner, *timeout, clusters); err != nil {
+		if started, err = startSupervisor(dir, *owner, *timeout, *removeState, clusters); err != nil {
 			return err
 		}
 		pid = started.Pid()
@@ -87,7 +88,7 @@ func cmdUp(args []string) error {
 	return printEnv(os.Stdout, dir)
 }
 
-func startSupervisor(dir string, owner int, timeout time.Duration, clusters []string) (*liveness.Child, error) {
+func startSupervisor(dir string, owner int, timeout time.Duration, removeState bool, clusters []string) (*liveness.Child, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -112,6 +113,9 @@ func startSupervisor(dir string, owner int, timeout time.Duration, clusters []st
 		defer pidfd.Close()
 		cmd.ExtraFiles = []*os.File{pidfd}
 		args = append(args, "--owner-pid", strconv.Itoa(owner), "--owner-pidfd", "3")
+	}
+	if removeState {
+		args = append(args, "--remove-state")
 	}
 	for _, name := range clusters {
 		args = append(args, "--cluster", name)

@@ -74,7 +74,8 @@ var (
 
 type simConfig struct {
 	profile       string
-	runJobs       bool // run the Pods of Jobs in the management cluster (the real hook, under real Flux)
+	runJobs       bool   // run the Pods of Jobs in the management cluster (the real hook, under real Flux)
+	jobsDir       string // where those Pods' scripts run; default a new temporary directory
 	management    string
 	storage       string
 	control       string
@@ -113,6 +114,7 @@ func parseSimFlags(args []string) (simConfig, error) {
 	var nss names
 	fs.StringVar(&cfg.profile, "profile", "", "volume-gate's profile as JSON (`volume-gate profile` prints it): the platform's names (required)")
 	fs.BoolVar(&cfg.runJobs, "run-jobs", false, "run the Pods of Jobs in the management cluster (a chart's hooks) as local shell processes on node "+jobsNodeName)
+	fs.StringVar(&cfg.jobsDir, "jobs-dir", "", "directory (created if missing) where --run-jobs runs the Pods' scripts; default a new temporary directory, removed when the simulator stops")
 	fs.StringVar(&cfg.management, "management", "", "kubeconfig of the management cluster (required)")
 	fs.StringVar(&cfg.storage, "storage", "", "directory of the storage ledger: one file per volume (required)")
 	fs.StringVar(&cfg.control, "control", "", "URL of the harness control API, to stop a tenant API server when its TenantControlPlane is deleted (required)")

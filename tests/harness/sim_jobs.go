@@ -71,8 +71,12 @@ func newJobs(s *sim) (*jobs, error) {
 	if err != nil {
 		return nil, fmt.Errorf("find the harness binary for kubectl: %w", err)
 	}
-	root, err := os.MkdirTemp("", "volume-gate-sim-jobs-")
-	if err != nil {
+	root := s.cfg.jobsDir
+	if root == "" {
+		if root, err = os.MkdirTemp("", "volume-gate-sim-jobs-"); err != nil {
+			return nil, err
+		}
+	} else if err := os.MkdirAll(root, 0o700); err != nil {
 		return nil, err
 	}
 	j := &jobs{s: s, bin: filepath.Join(root, "bin"), work: filepath.Join(root, "pods"), running: map[types.UID]*jobProcess{}}

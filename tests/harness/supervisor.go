@@ -116,6 +116,7 @@ func cmdSupervise(args []string) error {
 	owner := fs.Int("owner-pid", 0, "stop everything once this process is gone")
 	ownerFD := fs.Int("owner-pidfd", 0, "inherited pidfd of --owner-pid, opened by up while the owner was alive")
 	timeout := fs.Duration("timeout", defaultTimeout, "deadline for starting one cluster")
+	removeState := fs.Bool("remove-state", false, "once stopped, remove the state directory unless it is to be kept (see keepState)")
 	var clusters names
 	fs.Var(&clusters, "cluster", "cluster to start (repeatable)")
 	if _, err := parseArgs(fs, args, 0); err != nil {
@@ -145,7 +146,53 @@ func cmdSupervise(args []string) error {
 			return fmt.Errorf("--owner-pid %d: %w", *owner, err)
 		}
 	}
-	return s.run(ownerHandle, *owner, clusters)
+	err = s.run(ownerHandle, *owner, clusters)
+	if *removeState && err == nil {
+		if why := keepState(dir); why != "" {
+			log.Printf("state directory %s kept: %s", dir, why)
+		} else if rmErr := removeStateDir(dir); rmErr != nil {
+			log.Printf("remove state directory %s: %v", dir, rmErr)
+		}
+	}
+	return err
+}
+
+const (
+	// keepStateFile, created in the state directory by whoever used the
+	// clusters (a test that failed), keeps the directory and its logs.
+	keepStateFile = "keep"
+	// keepStateEnv, set to anything but "" or "0", keeps every state directory.
+	keepStateEnv = "VOLUME_GATE_KEEP_STATE"
+)
+
+// keepState says why the state directory must outlive the supervisor, or ""
+// if it may go: a failed start, a user of the clusters that asked for it
+// (DIR/keep), or VOLUME_GATE_KEEP_STATE.
+func keepState(dir string) string {
+	for _, f := range []string{keepStateFile, "failed"} {
+		if _, err := os.Stat(filepath.Join(dir, f)); err == nil {
+			return filepath.Join(dir, f) + " exists"
+		}
+	}
+	if v := os.Getenv(keepStateEnv); v != "" && v != "0" {
+		return keepStateEnv + "=" + v
+	}
+	return ""
+}
+
+// removeStateDir removes the state directory once every process the
+// supervisor started has exited. A process started by the directory's user
+// (the simulator, killed with its owner) may still be writing in it for a
+// moment, so a removal that finds a directory refilled is tried again.
+func removeStateDir(dir string) error {
+	var err error
+	for attempt := 0; attempt < 10; attempt++ {
+		if err = os.RemoveAll(dir); err == nil {
+			return nil
+		}
+		time.Sleep(200 * time.Millisecond)
+	}
+	return err
 }
 
 func (s *supervisor) run(owner *liveness.Handle, ownerPID int, clusters []string) error {
