@@ -3,9 +3,10 @@
 //! with `go test`: they once declared a live process gone, and the control
 //! plane never came up. They build without Kubernetes, in seconds.
 //!
-//! And what a control plane leaves behind once its owner is gone: nothing
-//! after a run that passed (`up --remove-state`), its logs after one that
-//! failed (the `keep` mark a test binary's panic hook writes).
+//! And what a control plane leaves behind once its owner is gone (these two
+//! start a real one, from the cached harness): nothing after a run that
+//! passed (`up --remove-state`), its logs after one that failed (the `keep`
+//! mark a test binary's panic hook writes).
 
 mod common;
 

@@ -51,7 +51,7 @@ pub fn keep_on_failure(dir: &Path) {
 }
 
 /// Whether anything in this process has panicked so far.
-pub fn failed() -> bool {
+fn failed() -> bool {
     PANICKED.load(Ordering::SeqCst)
 }
 
