@@ -61,10 +61,22 @@ pub struct ParentSpec {
     /// Flux's backoff (up to 15 minutes). Empty: never written.
     #[serde(default = "flux_reconcile_request")]
     pub reconcile_request_annotation: String,
+    /// The usernames of the controller that reconciles these releases and
+    /// alone writes their status (Flux's helm-controller). It trusts that
+    /// status: a current release rewritten there by anyone else makes it
+    /// uninstall (`decide::flux`), so such a write is judged like the
+    /// release's delete.
+    #[serde(default = "flux_helm_controller")]
+    pub controllers: Vec<String>,
 }
 
 fn flux_reconcile_request() -> String {
     "reconcile.fluxcd.io/requestedAt".into()
+}
+
+/// Cozystack runs Flux in `cozy-fluxcd`.
+fn flux_helm_controller() -> Vec<String> {
+    vec!["system:serviceaccount:cozy-fluxcd:helm-controller".into()]
 }
 
 /// How a guarded dependency names the tenant it belongs to.
@@ -200,14 +212,7 @@ impl InfraSpec {
     pub fn object_of(&self, handle: &str) -> Option<String> {
         let (prefix, suffix) = self.handle.split_once(NAME_PLACEHOLDER)?;
         let name = handle.strip_prefix(prefix)?.strip_suffix(suffix)?;
-        let valid = !name.is_empty()
-            && name.len() <= 253
-            && name
-                .bytes()
-                .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
-            && name.as_bytes()[0].is_ascii_alphanumeric()
-            && name.as_bytes()[name.len() - 1].is_ascii_alphanumeric();
-        valid.then(|| name.to_string())
+        is_object_name(name).then(|| name.to_string())
     }
 
     fn validate(&self) -> Result<(), String> {
@@ -291,6 +296,7 @@ impl Profile {
                 }
             };
         const CAPI_LABEL: &str = "cluster.x-k8s.io/cluster-name";
+        const KCSI: &str = "{tenant}-kcsi";
         Self {
             name: "cozystack".into(),
             annotation_prefix: "volumes.cozystack.io/".into(),
@@ -313,6 +319,7 @@ impl Profile {
                 ]),
                 name_prefix: "kubernetes-".into(),
                 reconcile_request_annotation: flux_reconcile_request(),
+                controllers: flux_helm_controller(),
             },
             child_label: "cozystack.io/target-cluster-name".into(),
             csi_release: "{tenant}-csi".into(),
@@ -375,6 +382,29 @@ impl Profile {
                     "apps",
                     "Deployment",
                     Some("{tenant}-kcsi-controller"),
+                    None,
+                ),
+                // Its identity, by name too: Helm's markers on them can be
+                // removed before the teardown, a name cannot.
+                guarded(
+                    "the identity the tenant's CSI controller frees disks with",
+                    "",
+                    "ServiceAccount",
+                    Some(KCSI),
+                    None,
+                ),
+                guarded(
+                    "the identity the tenant's CSI controller frees disks with",
+                    "rbac.authorization.k8s.io",
+                    "Role",
+                    Some(KCSI),
+                    None,
+                ),
+                guarded(
+                    "the identity the tenant's CSI controller frees disks with",
+                    "rbac.authorization.k8s.io",
+                    "RoleBinding",
+                    Some(KCSI),
                     None,
                 ),
             ],
@@ -557,6 +587,26 @@ impl Profile {
             self.parent.plural, self.parent.group, self.annotation_prefix
         )
     }
+}
+
+/// Whether `s` is a DNS-1123 subdomain: what Kubernetes allows as the name
+/// of a namespace or of most objects (a HelmRelease among them), and so
+/// safe in a URL path. A tenant marker that is not one names no tenant
+/// that can exist.
+pub fn is_object_name(s: &str) -> bool {
+    let b = s.as_bytes();
+    !b.is_empty()
+        && b.len() <= 253
+        && b[0].is_ascii_alphanumeric()
+        && b[b.len() - 1].is_ascii_alphanumeric()
+        && s.split('.').all(|label| {
+            !label.is_empty()
+                && label
+                    .bytes()
+                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
+                && !label.starts_with('-')
+                && !label.ends_with('-')
+        })
 }
 
 /// Extracts the tenant from a name matching `pattern` (one `{tenant}`).

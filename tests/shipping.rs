@@ -389,7 +389,14 @@ fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
         .filter_map(|g| g.name.as_deref())
         .find(|n| n.ends_with("-kcsi-controller"))
         .expect("kcsi entry");
+    let kcsi_identity = p
+        .guarded
+        .iter()
+        .find(|g| g.kind == "ServiceAccount")
+        .and_then(|g| g.name.as_deref())
+        .expect("the kcsi identity entry");
     let mut profile_names: Vec<String> = vec![
+        suffix(kcsi_identity),
         p.custody_finalizer.clone(),
         p.annotation_prefix.clone(),
         format!("{}override", p.annotation_prefix),
@@ -400,6 +407,11 @@ fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
     ];
     profile_names.extend(p.parent.match_labels.keys().cloned());
     profile_names.push(p.parent.name_prefix.clone());
+    profile_names.extend(p.parent.controllers.iter().cloned());
+    // Flux's own field names, which the gate judges (decide::flux).
+    profile_names.extend(
+        volume_gate::admission::decide::flux::TOP_LEVEL_FIELDS.map(str::to_string),
+    );
     profile_names.extend(volume_gate::admission::decide::release_keys(&p).map(str::to_string));
     profile_names.extend(p.guarded.iter().filter_map(|g| g.label.clone()));
     profile_names.extend(p.infra.iter().flat_map(|i| i.labels.keys().cloned()));

@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::profile::{GroupKind, Profile, tenant_from_name};
+use crate::profile::{GroupKind, Profile, is_object_name, tenant_from_name};
 use crate::record::{Keys, Record};
 
 /// What an admitted object is to the gate.
@@ -75,6 +75,10 @@ pub fn identities(
 ) -> Vec<Target> {
     let mut out: Vec<Target> = Vec::new();
     let mut push = |t: Target| {
+        // A marker that names no tenant that can exist protects nothing.
+        if !t.tenant().is_some_and(is_object_name) {
+            return;
+        }
         // One identity per tenant: the first (the strictest) stands for it,
         // except that a parent is its own tenant and is always kept.
         let dup = out
@@ -195,10 +199,11 @@ pub fn release_of(
     annotations: &BTreeMap<String, String>,
 ) -> Option<(String, String)> {
     let r = &profile.release;
+    // A name or namespace that cannot exist names no release to protect.
     let by = |name: Option<&String>, namespace: Option<&String>| {
-        let name = name.filter(|n| !n.is_empty())?;
+        let name = name.filter(|n| is_object_name(n))?;
         let namespace = if request_namespace.is_empty() {
-            namespace.filter(|n| !n.is_empty())?.clone()
+            namespace.filter(|n| is_object_name(n))?.clone()
         } else {
             request_namespace.to_string()
         };
@@ -229,6 +234,62 @@ pub fn with_release_identity(
         }
     }
     ids
+}
+
+/// The markers on an object that would name its tenant but name none that
+/// can exist (not a DNS-1123 subdomain): `(key, value)`. Such an object
+/// protects no volume; the gate allows what it asks and says so in a
+/// warning, rather than refusing everyone, the namespace controller
+/// included, on a value no one can judge (one such ConfigMap once kept a
+/// namespace Terminating).
+pub fn impossible_markers(
+    profile: &Profile,
+    kind: &GroupKind,
+    labels: &BTreeMap<String, String>,
+    annotations: &BTreeMap<String, String>,
+) -> Vec<(String, String)> {
+    let mut keys: Vec<&str> = identity_labels(profile, kind)
+        .into_iter()
+        .filter(|k| !profile.parent.match_labels.contains_key(*k))
+        .collect();
+    let r = &profile.release;
+    keys.extend([r.name_label.as_str(), r.namespace_label.as_str()]);
+    let infra = profile.infra.as_ref().filter(|_| is_infra_kind(profile, kind));
+    let mut out: Vec<(String, String)> = keys
+        .into_iter()
+        .filter_map(|k| labels.get_key_value(k))
+        .filter(|(k, v)| {
+            // An infra label's value is the tenant within its template.
+            let tenant = match infra.and_then(|i| i.labels.get(*k)) {
+                Some(template) => tenant_from_name(template, v),
+                None => Some(v.to_string()),
+            };
+            !tenant.is_some_and(|t| is_object_name(&t))
+        })
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    out.extend(
+        [&r.name_annotation, &r.namespace_annotation]
+            .into_iter()
+            .filter_map(|k| annotations.get_key_value(k))
+            .filter(|(_, v)| !is_object_name(v))
+            .map(|(k, v)| (k.clone(), v.clone())),
+    );
+    out
+}
+
+/// The warning an allow carries for each marker that names no tenant.
+pub fn impossible_marker_warnings(markers: &[(String, String)]) -> Vec<String> {
+    markers
+        .iter()
+        .map(|(k, v)| {
+            format!(
+                "volume-gate: {k}={:?} names no tenant that can exist (not a DNS-1123 name), so this object protects \
+                 no volume and is not held",
+                crate::record::bounded(v, 80)
+            )
+        })
+        .collect()
 }
 
 /// The label and annotation keys that make an object part of a release.
@@ -360,10 +421,39 @@ pub struct Subject<'a> {
     pub kind: &'a GroupKind,
     pub namespace: &'a str,
     pub name: &'a str,
-    /// What is refused: "delete", or "relabel" for an update that would
-    /// move the object away from its tenant.
-    pub action: &'static str,
+    /// What is refused: "delete", "relabel" for an update that would move
+    /// the object away from its tenant, or the change of a release that
+    /// makes its controller remove what it installed.
+    pub action: &'a str,
 }
+
+impl<'a> Subject<'a> {
+    pub fn delete(kind: &'a GroupKind, namespace: &'a str, name: &'a str) -> Self {
+        Subject {
+            kind,
+            namespace,
+            name,
+            action: "delete",
+        }
+    }
+
+    pub fn with_action(self, action: &'a str) -> Self {
+        Subject { action, ..self }
+    }
+}
+
+/// The action of a release change that makes helm-controller remove what
+/// it installed (`flux::removals`), for a refusal: "change its chart of".
+pub fn removal_action(removals: &[&str]) -> String {
+    format!(
+        "change {} (helm-controller then uninstalls what the release installed) of",
+        removals.join(" and ")
+    )
+}
+
+/// The action of a status write by anyone but the release's controller.
+pub const STATUS_ACTION: &str = "rewrite the status (helm-controller uninstalls a release whose recorded current \
+     release or storage namespace no longer matches its spec) of";
 
 impl std::fmt::Display for Subject<'_> {
     fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
@@ -394,6 +484,50 @@ pub fn decide_parent_delete(
              would free its volumes before the CSI driver is removed. The volume-gate worker adds it within seconds; \
              retry shortly. If this persists, check that the volume-gate worker is running.",
             subject.action, parent.name, profile.custody_finalizer
+        ),
+    )
+}
+
+/// A change of the parent release that makes helm-controller uninstall it
+/// while the object stays (`flux::removals`, or its status rewritten): the
+/// pre-delete hook and the uninstall then take away the CSI driver and the
+/// control plane with no deletionTimestamp, so the volume-release phase,
+/// which only a deletionTimestamp starts, would never run. Held until done.
+pub fn decide_parent_removal(profile: &Profile, subject: Subject<'_>, parent: &ParentFacts) -> Verdict {
+    if parent.record.is_done() {
+        return Verdict::allow("done");
+    }
+    forbid(
+        "parent-removal-held",
+        format!(
+            "refusing to {} {subject}: tenant {} would be uninstalled, its pre-delete hook included, while its \
+             HelmRelease stays, and the volume-release phase starts only when the HelmRelease is deleted; its \
+             volumes are not released yet: {}. To delete the tenant, delete the HelmRelease: its volumes are then \
+             released first. To abandon them, an authorized person records an override: {}",
+            subject.action,
+            parent.name,
+            parent.record.summary(),
+            profile.override_command(&parent.namespace, &parent.name)
+        ),
+    )
+}
+
+/// A write of a release's status by `username`. helm-controller trusts the
+/// status it finds: a current release or storage namespace there that no
+/// longer matches the spec makes it uninstall the release the status names
+/// (`decide::flux`), which can be another release in the same storage
+/// namespace, another tenant's parent included. Only the controller writes
+/// a status; anyone else is refused, whatever the release.
+pub fn decide_status_write(profile: &Profile, subject: Subject<'_>, username: &str) -> Verdict {
+    if profile.parent.controllers.iter().any(|c| c == username) {
+        return Verdict::allow("controller");
+    }
+    forbid(
+        "status-forged",
+        format!(
+            "{username} may not {} {subject}: only its controller ({}) writes a release's status",
+            subject.action,
+            profile.parent.controllers.join(", ")
         ),
     )
 }
@@ -541,6 +675,7 @@ pub fn strictest(verdicts: Vec<Verdict>) -> Verdict {
     }
 }
 
+pub mod flux;
 mod update;
 pub use update::{
     Change, Mutation, ObjectMetaView, Requester, UpdateVerdict, guard_update, mutate,

@@ -13,13 +13,14 @@ use kube::api::{Api, ApiResource, PostParams};
 use kube::core::admission::Operation;
 use kube::core::{DynamicObject, PartialObjectMeta};
 
+use super::decide::flux::{self, Release};
 use super::decide::{
     self, Change, ObjectMetaView, ParentFacts, Requester, Subject, Target, UpdateVerdict, Verdict,
     cannot_judge, classify,
 };
 use super::review;
 use crate::metrics::Metrics;
-use crate::profile::Profile;
+use crate::profile::{Profile, is_object_name};
 use crate::record::Keys;
 
 /// Who deletes a namespace's contents once it is being deleted.
@@ -137,12 +138,7 @@ impl Gate {
                 // verdict rests on.
                 let from_ns_controller =
                     req.user_info.username.as_deref() == Some(NAMESPACE_CONTROLLER);
-                let subject = Subject {
-                    kind: &kind,
-                    namespace,
-                    name,
-                    action: "delete",
-                };
+                let subject = Subject::delete(&kind, namespace, name);
                 let mut judged = Vec::new();
                 let ids = decide::identities(&self.profile, &kind, name, &labels);
                 for target in decide::with_release_identity(
@@ -196,7 +192,22 @@ impl Gate {
                     };
                     judged.push((target, verdict));
                 }
-                strictest_of(judged)
+                self.warn_impossible_markers(&kind, &[req.old_object.as_ref()], strictest_of(judged))
+            }
+            // helm-controller trusts a release's status: only it writes one.
+            Operation::Update if req.sub_resource.as_deref() == Some("status") => {
+                if kind != self.profile.parent_kind() {
+                    return (Target::Unrelated, Verdict::allow("unrelated"));
+                }
+                let labels = review::labels_of(req.old_object.as_ref());
+                (
+                    classify(&self.profile, &kind, name, &labels),
+                    decide::decide_status_write(
+                        &self.profile,
+                        Subject::delete(&kind, namespace, name).with_action(decide::STATUS_ACTION),
+                        self.requester(req).username,
+                    ),
+                )
             }
             Operation::Create | Operation::Update => {
                 let mut judged = Vec::new();
@@ -204,12 +215,7 @@ impl Gate {
                 if req.operation == Operation::Update {
                     let old = review::labels_of(req.old_object.as_ref());
                     let new = review::labels_of(req.object.as_ref());
-                    let subject = Subject {
-                        kind: &kind,
-                        namespace,
-                        name,
-                        action: "relabel",
-                    };
+                    let subject = Subject::delete(&kind, namespace, name).with_action("relabel");
                     for target in decide::relabel_targets(&self.profile, &kind, name, &old, &new) {
                         let tenant = target
                             .tenant()
@@ -246,12 +252,101 @@ impl Gate {
                     }
                 }
                 if kind == self.profile.parent_kind() {
+                    if let (Some(old), Some(new)) = (req.old_object.as_ref(), req.object.as_ref()) {
+                        judged.extend(self.judge_removal(&kind, namespace, name, old, new).await);
+                    }
                     judged.push(self.guard_release(req, &kind, namespace, name).await);
                 }
-                strictest_of(judged)
+                let objects = [req.old_object.as_ref(), req.object.as_ref()];
+                self.warn_impossible_markers(&kind, &objects, strictest_of(judged))
             }
             _ => (Target::Unrelated, Verdict::allow("unrelated")),
         }
+    }
+
+    /// An UPDATE of a release that makes helm-controller remove what it
+    /// installed while the object stays (`decide::flux`), judged like the
+    /// delete it amounts to under each identity the release has before or
+    /// after: the parent and the CSI release until done, another child
+    /// during teardown.
+    async fn judge_removal(
+        &self,
+        kind: &crate::profile::GroupKind,
+        namespace: &str,
+        name: &str,
+        old: &review::Object,
+        new: &review::Object,
+    ) -> Vec<(Target, Verdict)> {
+        let removals = flux::removals(
+            Release {
+                name,
+                namespace,
+                spec: &old.spec,
+            },
+            Release {
+                name,
+                namespace,
+                spec: &new.spec,
+            },
+        );
+        if removals.is_empty() {
+            return Vec::new();
+        }
+        let action = decide::removal_action(&removals);
+        let subject = Subject::delete(kind, namespace, name).with_action(&action);
+        let mut targets = decide::identities(&self.profile, kind, name, &review::labels_of(Some(old)));
+        for t in decide::identities(&self.profile, kind, name, &review::labels_of(Some(new))) {
+            if !targets.contains(&t) {
+                targets.push(t);
+            }
+        }
+        let mut judged = Vec::new();
+        for target in targets {
+            let verdict = match &target {
+                Target::Parent { tenant } => {
+                    let view = review::meta_view(old, namespace, name);
+                    let facts =
+                        ParentFacts::of(&self.profile, &self.keys, namespace, tenant, &view);
+                    decide::decide_parent_removal(&self.profile, subject, &facts)
+                }
+                Target::CsiRelease { tenant } | Target::Child { tenant } => {
+                    let tenant = tenant.clone();
+                    self.decide_dependent(&target, subject, namespace, &tenant, false)
+                        .await
+                }
+                _ => continue,
+            };
+            judged.push((target, verdict));
+        }
+        judged
+    }
+
+    /// An allow of an object whose tenant markers name no tenant that can
+    /// exist says so (`decide::impossible_markers`).
+    fn warn_impossible_markers(
+        &self,
+        kind: &crate::profile::GroupKind,
+        objects: &[Option<&review::Object>],
+        (target, verdict): (Target, Verdict),
+    ) -> (Target, Verdict) {
+        let Verdict::Allow { reason, mut warnings } = verdict else {
+            return (target, verdict);
+        };
+        for o in objects.iter().flatten() {
+            let m = &o.metadata;
+            let markers = decide::impossible_markers(
+                &self.profile,
+                kind,
+                m.labels.as_ref().unwrap_or(&Default::default()),
+                m.annotations.as_ref().unwrap_or(&Default::default()),
+            );
+            for w in decide::impossible_marker_warnings(&markers) {
+                if !warnings.contains(&w) {
+                    warnings.push(w);
+                }
+            }
+        }
+        (target, Verdict::Allow { reason, warnings })
     }
 
     /// The parent release `obj` belongs to, `(namespace, release)`, unless
@@ -486,14 +581,6 @@ fn strictest_of(judged: Vec<(Target, Verdict)>) -> (Target, Verdict) {
     )
 }
 
-/// A DNS-1123 subdomain, what Kubernetes allows as a namespace or object
-/// name (and so safe in a URL path).
-fn is_object_name(s: &str) -> bool {
-    !s.is_empty()
-        && s.len() <= 253
-        && s.bytes()
-            .all(|b| b.is_ascii_lowercase() || b.is_ascii_digit() || b == b'-' || b == b'.')
-}
 
 /// The gate's read paths against a scripted API server: what it reads, and
 /// that every failed read is a refusal.
@@ -698,8 +785,26 @@ mod tests {
             PARENT,
             parent(true, json!({"volumes.cozystack.io/phase": "Releasing"})),
         );
-        let (target, verdict) = gate(&api)
+        // The CSI controller's own ServiceAccount is held by its name, with
+        // or without the release's markers.
+        let held = FakeApi::new();
+        held.get(
+            PARENT,
+            parent(true, json!({"volumes.cozystack.io/phase": "Releasing"})),
+        );
+        let (target, verdict) = gate(&held)
             .validate(&release_sa_delete("kubernetes-a-kcsi"))
+            .await;
+        assert_eq!(
+            target,
+            Target::Guarded {
+                tenant: "kubernetes-a".into(),
+                role: "the identity the tenant's CSI controller frees disks with".into(),
+            }
+        );
+        assert_eq!(verdict.reason(), "teardown-held");
+        let (target, verdict) = gate(&api)
+            .validate(&release_sa_delete("kubernetes-a-metrics"))
             .await;
         assert_eq!(
             target,
@@ -866,5 +971,105 @@ mod tests {
             );
             assert_eq!(calls[0].body["spec"]["user"], "alice");
         }
+    }
+
+    fn csi_release(spec: Value) -> Value {
+        let mut r = release(
+            "kubernetes-a-csi",
+            json!({"cozystack.io/target-cluster-name": "kubernetes-a"}),
+            json!({}),
+        );
+        r["spec"] = spec;
+        r
+    }
+
+    fn spec(release_name: &str) -> Value {
+        json!({"releaseName": release_name, "targetNamespace": "kube-system", "storageNamespace": "kube-system",
+               "chartRef": {"kind": "ExternalArtifact", "name": "chart-csi"}, "values": {"big": "x"}})
+    }
+
+    #[tokio::test]
+    async fn a_spec_change_that_uninstalls_the_csi_release_is_refused_and_an_upgrade_is_not_even_read() {
+        let api = FakeApi::new();
+        api.get(PARENT, parent(false, json!({})));
+        api.get(NAMESPACE, partial_metadata(json!({"name": NS})));
+        let retarget = review(
+            "UPDATE",
+            Some(csi_release(spec("other"))),
+            Some(csi_release(spec("csi"))),
+            "kubernetes-a-csi",
+            "mallory",
+        );
+        let (target, verdict) = gate(&api).validate(&retarget).await;
+        assert_eq!(target, Target::CsiRelease { tenant: "kubernetes-a".into() });
+        let Verdict::Deny { reason, message, .. } = verdict else {
+            panic!("a retarget of the CSI release was allowed")
+        };
+        assert_eq!(reason, "csi-release-held");
+        assert!(message.contains("change its Helm release name"), "{message}");
+        // New values, the same chart and target: nothing to judge, nothing read.
+        let api = FakeApi::new();
+        let mut values = spec("csi");
+        values["values"] = json!({"big": "y"});
+        let upgrade = review(
+            "UPDATE",
+            Some(csi_release(values)),
+            Some(csi_release(spec("csi"))),
+            "kubernetes-a-csi",
+            "mallory",
+        );
+        let (_, verdict) = gate(&api).validate(&upgrade).await;
+        assert!(verdict.allowed(), "{verdict:?}");
+        assert!(api.calls().is_empty(), "{:?}", reads(&api));
+    }
+
+    #[tokio::test]
+    async fn a_parent_retarget_is_refused_from_the_review_alone() {
+        let api = FakeApi::new();
+        let mut old = release("kubernetes-a", parent_labels(), json!({}));
+        old["spec"] = json!({"chartRef": {"kind": "ExternalArtifact", "name": "kubernetes"}});
+        let mut new = old.clone();
+        new["spec"]["chartRef"]["name"] = json!("empty");
+        let (target, verdict) = gate(&api)
+            .validate(&review("UPDATE", Some(new), Some(old), "kubernetes-a", "mallory"))
+            .await;
+        assert_eq!(target, Target::Parent { tenant: "kubernetes-a".into() });
+        assert_eq!(verdict.reason(), "parent-removal-held");
+        assert!(api.calls().is_empty(), "{:?}", reads(&api));
+    }
+
+    #[tokio::test]
+    async fn a_status_write_by_anyone_but_the_controller_is_refused_without_a_read() {
+        let api = FakeApi::new();
+        let obj = csi_release(spec("csi"));
+        let mut req = review("UPDATE", Some(obj.clone()), Some(obj), "kubernetes-a-csi", "mallory");
+        req.sub_resource = Some("status".into());
+        let (_, verdict) = gate(&api).validate(&req).await;
+        assert_eq!(verdict.reason(), "status-forged");
+        req.user_info.username = Some("system:serviceaccount:cozy-fluxcd:helm-controller".into());
+        let (_, verdict) = gate(&api).validate(&req).await;
+        assert!(verdict.allowed(), "{verdict:?}");
+        assert!(api.calls().is_empty(), "{:?}", reads(&api));
+    }
+
+    #[tokio::test]
+    async fn a_delete_whose_marker_names_no_tenant_is_allowed_with_a_warning_and_nothing_read() {
+        let api = FakeApi::new();
+        let old = json!({"apiVersion": "v1", "kind": "ConfigMap", "metadata": {"name": "cm", "namespace": NS,
+            "annotations": {"meta.helm.sh/release-name": "kubernetes-a/b", "meta.helm.sh/release-namespace": NS}}});
+        let body = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+            "uid": "u-1", "kind": {"group": "", "version": "v1", "kind": "ConfigMap"},
+            "resource": {"group": "", "version": "v1", "resource": "configmaps"},
+            "name": "cm", "namespace": NS, "operation": "DELETE",
+            "userInfo": {"username": "system:serviceaccount:kube-system:namespace-controller"},
+            "oldObject": old, "dryRun": false}});
+        let req = review::decode(&serde_json::to_vec(&body).unwrap()).unwrap();
+        let (_, verdict) = gate(&api).validate(&req).await;
+        let Verdict::Allow { warnings, .. } = verdict else {
+            panic!("refused: {verdict:?}")
+        };
+        assert_eq!(warnings.len(), 1, "{warnings:?}");
+        assert!(warnings[0].contains("meta.helm.sh/release-name"), "{warnings:?}");
+        assert!(api.calls().is_empty(), "{:?}", reads(&api));
     }
 }

@@ -19,7 +19,8 @@ pub const KIND: &str = "AdmissionReview";
 
 /// An object of a review as the decisions see it: the metadata fields they
 /// read (name, namespace, labels, annotations, finalizers, whether it is
-/// being deleted), nothing else. The API server sends whole objects (spec,
+/// being deleted) and a release's placement fields ([`SpecView`]), nothing
+/// else. The API server sends whole objects (spec,
 /// status, values, managedFields: up to megabytes); serde skips every other
 /// key as [`serde::de::IgnoredAny`], which still checks that what it skips
 /// is well-formed JSON, so a malformed review is refused as before
@@ -27,18 +28,117 @@ pub const KIND: &str = "AdmissionReview";
 #[derive(Clone, Debug, Default, Serialize)]
 pub struct Object {
     pub metadata: ObjectMeta,
+    /// The spec fields that decide where a Flux HelmRelease installs and
+    /// when its controller uninstalls it (`decide::flux`); empty for other
+    /// kinds.
+    #[serde(skip_serializing_if = "SpecView::is_empty")]
+    pub spec: SpecView,
+}
+
+/// The spec fields of a Flux HelmRelease that `decide::flux` judges, as
+/// sent; every other key (values above all, up to megabytes) is skipped
+/// unread. Any JSON is accepted: a `spec` that is not an object (another
+/// kind's) has none of them.
+#[derive(Clone, Debug, Default, PartialEq, Serialize)]
+#[serde(rename_all = "camelCase")]
+pub struct SpecView {
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub release_name: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub target_namespace: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub storage_namespace: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chart: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub chart_ref: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub kube_config: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub install: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub upgrade: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub test: Option<Value>,
+}
+
+impl SpecView {
+    pub fn is_empty(&self) -> bool {
+        *self == SpecView::default()
+    }
+}
+
+impl<'de> Deserialize<'de> for SpecView {
+    fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
+        use serde::de::{IgnoredAny, MapAccess, SeqAccess, Visitor};
+
+        struct Fields;
+        impl<'de> Visitor<'de> for Fields {
+            type Value = SpecView;
+            fn expecting(&self, f: &mut std::fmt::Formatter) -> std::fmt::Result {
+                f.write_str("any JSON value")
+            }
+            fn visit_map<A: MapAccess<'de>>(self, mut map: A) -> Result<SpecView, A::Error> {
+                let mut s = SpecView::default();
+                while let Some(key) = map.next_key::<Cow<'de, str>>()? {
+                    let slot = match key.as_ref() {
+                        "releaseName" => &mut s.release_name,
+                        "targetNamespace" => &mut s.target_namespace,
+                        "storageNamespace" => &mut s.storage_namespace,
+                        "chart" => &mut s.chart,
+                        "chartRef" => &mut s.chart_ref,
+                        "kubeConfig" => &mut s.kube_config,
+                        "install" => &mut s.install,
+                        "upgrade" => &mut s.upgrade,
+                        "test" => &mut s.test,
+                        _ => {
+                            map.next_value::<IgnoredAny>()?;
+                            continue;
+                        }
+                    };
+                    *slot = Some(map.next_value()?);
+                }
+                Ok(s)
+            }
+            fn visit_seq<A: SeqAccess<'de>>(self, mut seq: A) -> Result<SpecView, A::Error> {
+                while seq.next_element::<IgnoredAny>()?.is_some() {}
+                Ok(SpecView::default())
+            }
+            fn visit_bool<E>(self, _: bool) -> Result<SpecView, E> {
+                Ok(SpecView::default())
+            }
+            fn visit_i64<E>(self, _: i64) -> Result<SpecView, E> {
+                Ok(SpecView::default())
+            }
+            fn visit_u64<E>(self, _: u64) -> Result<SpecView, E> {
+                Ok(SpecView::default())
+            }
+            fn visit_f64<E>(self, _: f64) -> Result<SpecView, E> {
+                Ok(SpecView::default())
+            }
+            fn visit_str<E>(self, _: &str) -> Result<SpecView, E> {
+                Ok(SpecView::default())
+            }
+            fn visit_unit<E>(self) -> Result<SpecView, E> {
+                Ok(SpecView::default())
+            }
+        }
+        d.deserialize_any(Fields)
+    }
 }
 
 impl<'de> Deserialize<'de> for Object {
     fn deserialize<D: serde::Deserializer<'de>>(d: D) -> Result<Self, D::Error> {
         use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
-        // Keys not named here (apiVersion, kind, spec, status, and in the
-        // metadata uid, managedFields, ownerReferences, ...) are skipped.
+        // Keys not named here (apiVersion, kind, status, most of spec, and
+        // in the metadata uid, managedFields, ownerReferences, ...) are skipped.
         #[derive(Deserialize)]
         struct Wire {
             #[serde(default)]
             metadata: Meta,
+            #[serde(default)]
+            spec: SpecView,
         }
         #[derive(Default, Deserialize)]
         #[serde(rename_all = "camelCase")]
@@ -57,7 +157,7 @@ impl<'de> Deserialize<'de> for Object {
             #[serde(default)]
             deletion_timestamp: Option<Time>,
         }
-        let Wire { metadata: m } = Wire::deserialize(d)?;
+        let Wire { metadata: m, spec } = Wire::deserialize(d)?;
         Ok(Object {
             metadata: ObjectMeta {
                 name: m.name,
@@ -68,6 +168,7 @@ impl<'de> Deserialize<'de> for Object {
                 deletion_timestamp: m.deletion_timestamp,
                 ..ObjectMeta::default()
             },
+            spec,
         })
     }
 }

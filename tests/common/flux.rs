@@ -87,6 +87,30 @@ pub const MAX_RETRY_DELAY: &str = "15m";
 /// children need, and tenants built a few at a time queue for minutes.
 pub const CONCURRENT: u32 = 10;
 
+/// helm-controller runs as Cozystack runs it: ServiceAccount
+/// `cozy-fluxcd/helm-controller`, bound to cluster-admin (Flux's own
+/// install binds it so). The gate knows it by that name: it alone writes a
+/// HelmRelease's status (the profile's `parent.controllers`).
+async fn controller_identity(cp: &ControlPlane, client: &kube::Client) -> PathBuf {
+    let (namespace, name) = ("cozy-fluxcd", "helm-controller");
+    cp.namespace(namespace).await;
+    manifests::apply(
+        client,
+        &json!({"apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": {"name": name, "namespace": namespace}}),
+    )
+    .await;
+    manifests::apply(
+        client,
+        &json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+                "metadata": {"name": "cozy-fluxcd-helm-controller"},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+                "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]}),
+    )
+    .await;
+    cp.service_account_kubeconfig(namespace, name).await
+}
+
 impl Flux {
     /// Installs Flux's real CRDs (replacing the fixture's HelmRelease CRD)
     /// and starts helm-controller with the ExternalArtifact feature gate,
@@ -116,9 +140,10 @@ impl Flux {
         ] {
             super::gate::wait_crd_established(&client, name).await;
         }
+        let kubeconfig = controller_identity(cp, &client).await;
         let health = free_port();
         let mut cmd = Command::new(dir.join("helm-controller"));
-        cmd.env("KUBECONFIG", &cp.management.kubeconfig).args([
+        cmd.env("KUBECONFIG", &kubeconfig).args([
             "--watch-all-namespaces=true",
             "--enable-leader-election=false",
             "--feature-gates=ExternalArtifact=true",

@@ -1366,3 +1366,221 @@ fn a_tenants_disk_may_be_deleted_but_its_infra_labels_are_held_until_done() {
         "frees-the-disk"
     );
 }
+
+// ---- Issue 27: markers that name no tenant, becoming a parent, removals ----
+
+#[test]
+fn markers_that_name_no_possible_tenant_make_no_identity_and_are_warned_of() {
+    let p = profile();
+    let cm = GroupKind::new("", "ConfigMap");
+    let dv = GroupKind::new("cdi.kubevirt.io", "DataVolume");
+    let machine = GroupKind::new("cluster.x-k8s.io", "Machine");
+    for (kind, labels_, annotations) in [
+        (
+            hr(),
+            labels(&[("cozystack.io/target-cluster-name", "Not_A-Tenant")]),
+            BTreeMap::new(),
+        ),
+        (
+            machine.clone(),
+            labels(&[("cluster.x-k8s.io/cluster-name", "UPPER")]),
+            BTreeMap::new(),
+        ),
+        (
+            dv.clone(),
+            labels(&[("cluster.x-k8s.io/cluster-name", "-dash")]),
+            BTreeMap::new(),
+        ),
+        (
+            cm.clone(),
+            BTreeMap::new(),
+            labels(&[("meta.helm.sh/release-name", "kubernetes-a/../b")]),
+        ),
+        (
+            cm.clone(),
+            labels(&[("helm.toolkit.fluxcd.io/name", "kubernetes-a_")]),
+            BTreeMap::new(),
+        ),
+    ] {
+        assert!(
+            identities(&p, &kind, "obj", &labels_).is_empty(),
+            "{kind} {labels_:?}"
+        );
+        assert_eq!(release_of(&p, NS, &labels_, &annotations), None);
+        let markers = impossible_markers(&p, &kind, &labels_, &annotations);
+        assert_eq!(markers.len(), 1, "{kind} {labels_:?} {annotations:?}");
+        let w = impossible_marker_warnings(&markers);
+        assert!(
+            w[0].contains("names no tenant that can exist") && w[0].contains(&markers[0].0),
+            "{w:?}"
+        );
+    }
+    // A possible tenant is an identity, and no warning.
+    let ok = labels(&[("cozystack.io/target-cluster-name", R)]);
+    assert_eq!(identities(&p, &hr(), "kubernetes-prod-cilium", &ok), vec![child()]);
+    assert!(impossible_markers(&p, &hr(), &ok, &BTreeMap::new()).is_empty());
+    // A cluster-scoped object's release namespace is a marker too.
+    let ns_marker = labels(&[
+        ("meta.helm.sh/release-name", R),
+        ("meta.helm.sh/release-namespace", "Tenant X"),
+    ]);
+    assert_eq!(release_of(&p, "", &BTreeMap::new(), &ns_marker), None);
+    assert_eq!(
+        impossible_markers(&p, &cm, &BTreeMap::new(), &ns_marker).len(),
+        1
+    );
+    // A name that derives an impossible tenant is simply not one.
+    assert!(identities(&p, &hr(), "a--csi", &BTreeMap::new()).is_empty());
+}
+
+#[test]
+fn the_object_name_check_is_dns_1123_subdomain() {
+    use crate::profile::is_object_name;
+    for ok in ["a", "kubernetes-prod", "a.b-c.d", "0abc", &"a".repeat(253)] {
+        assert!(is_object_name(ok), "{ok}");
+    }
+    for bad in [
+        "", "-a", "a-", "A", "a_b", "a..b", ".a", "a.", "a/b", "a.-b", &"a".repeat(254),
+    ] {
+        assert!(!is_object_name(bad), "{bad}");
+    }
+}
+
+#[test]
+fn becoming_a_parent_carries_no_record_in() {
+    // A release labelled a parent later is judged as if created one: what it
+    // carried before it was a tenant was never judged.
+    let before = with_ann(meta(BTreeMap::new()), "phase", "Released");
+    let after = with_ann(meta(parent_labels()), "phase", "Released");
+    let msg = assert_guard_denied(guard(&before, &after, "mallory"), "record-forged");
+    assert!(msg.contains("volumes.cozystack.io/phase"), "{msg}");
+    let binding = with_ann(meta(BTreeMap::new()), "cluster", "{}");
+    let as_parent = with_ann(meta(parent_labels()), "cluster", "{}");
+    assert_guard_denied(guard(&binding, &as_parent, "mallory"), "record-forged");
+    // An override carried in needs the requester's own stamps and then the
+    // override permission, as at creation.
+    let stamped = |by: &str| {
+        let m = with_ann(meta(BTreeMap::new()), "override", "carried in");
+        let m = with_ann(m, "override-by", by);
+        with_ann(m, "override-at", "2026-12-02T10:00:00Z")
+    };
+    let mut now_parent = stamped("alice");
+    now_parent.labels = parent_labels();
+    assert_guard_denied(guard(&stamped("alice"), &now_parent, "mallory"), "stamp-forged");
+    let mut own = stamped("mallory");
+    own.labels = parent_labels();
+    assert_eq!(
+        guard(&stamped("mallory"), &own, "mallory"),
+        UpdateVerdict::NeedsOverridePermission {
+            namespace: NS.into(),
+            tenant: R.into()
+        }
+    );
+    // The mutating webhook stamps it as at creation.
+    let carried = with_ann(meta(BTreeMap::new()), "override", "carried in");
+    let mut labelled = carried.clone();
+    labelled.labels = parent_labels();
+    let m = mutate(
+        &profile(),
+        &keys(),
+        Change {
+            old: Some(&carried),
+            new: &labelled,
+        },
+        user("mallory"),
+        now(),
+    );
+    assert!(
+        m.contains(&Mutation::Stamp {
+            by: "mallory".into(),
+            at: "2026-12-02T10:00:00Z".into()
+        }),
+        "{m:?}"
+    );
+    // An ordinary parent update is unchanged by this.
+    let old = with_ann(meta(parent_labels()), "phase", "Releasing");
+    let mut new = old.clone();
+    new.annotations.insert("other".into(), "x".into());
+    assert_eq!(
+        guard(&old, &new, "alice"),
+        UpdateVerdict::Final(Verdict::allow("guards-passed"))
+    );
+}
+
+#[test]
+fn a_parent_change_that_uninstalls_it_is_held_until_done() {
+    let kind = hr();
+    let action = removal_action(&["the chart it installs"]);
+    let s = subject(&kind, R).with_action(&action);
+    for parent in [
+        facts().build(),
+        facts().deleting().build(),
+        facts().deleting().phase("Blocked").build(),
+    ] {
+        let v = decide_parent_removal(&profile(), s, &parent);
+        let msg = assert_denied(&v, "parent-removal-held");
+        for needle in [
+            "refusing to change the chart it installs",
+            "HelmRelease tenant-acme/kubernetes-prod",
+            "pre-delete hook",
+            "delete the HelmRelease",
+            "override",
+        ] {
+            assert!(msg.contains(needle), "{needle:?}: {msg}");
+        }
+    }
+    for done in [
+        facts().deleting().phase("Released").build(),
+        facts().deleting().overridden().build(),
+    ] {
+        assert_eq!(decide_parent_removal(&profile(), s, &done), Verdict::allow("done"));
+    }
+}
+
+#[test]
+fn a_child_or_csi_release_change_that_uninstalls_it_is_judged_like_its_delete() {
+    let kind = hr();
+    let action = removal_action(&["its Helm release name"]);
+    let retarget = |target: &Target, parent: ParentFacts| {
+        decide_dependent_delete(
+            &profile(),
+            target,
+            subject(&kind, "kubernetes-prod-csi").with_action(&action),
+            Some(&parent),
+        )
+    };
+    // The CSI release: until done, teardown or not.
+    let msg = assert_denied(&retarget(&csi(), facts().build()), "csi-release-held");
+    assert!(msg.contains("refusing to change its Helm release name"), "{msg}");
+    assert_eq!(
+        retarget(&csi(), facts().deleting().phase("Released").build()).reason(),
+        "done"
+    );
+    // Another child: during teardown only.
+    assert_eq!(
+        retarget(&child(), facts().build()),
+        Verdict::allow("not-in-teardown")
+    );
+    assert_denied(&retarget(&child(), facts().namespace_deleting().build()), "teardown-held");
+}
+
+#[test]
+fn only_the_controller_writes_a_releases_status() {
+    let kind = hr();
+    let s = subject(&kind, "kubernetes-prod-csi").with_action(STATUS_ACTION);
+    assert_eq!(
+        decide_status_write(
+            &profile(),
+            s,
+            "system:serviceaccount:cozy-fluxcd:helm-controller"
+        ),
+        Verdict::allow("controller")
+    );
+    for who in ["mallory", WORKER, "system:admin"] {
+        let msg = assert_denied(&decide_status_write(&profile(), s, who), "status-forged");
+        assert!(
+            msg.contains(who) && msg.contains("cozy-fluxcd:helm-controller") && msg.contains("rewrite the status"),
+            "{msg}"
+        );
+    }
+}

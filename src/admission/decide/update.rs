@@ -41,6 +41,15 @@ pub enum UpdateVerdict {
     NeedsOverridePermission { namespace: String, tenant: String },
 }
 
+/// The object before the write as the parent guards see it: none when it
+/// was not a parent yet, as for a CREATE.
+fn becoming_parent<'a>(
+    profile: &Profile,
+    old: Option<&'a ObjectMetaView>,
+) -> Option<&'a ObjectMetaView> {
+    old.filter(|o| profile.is_parent(&o.labels))
+}
+
 fn annotation<'a>(meta: Option<&'a ObjectMetaView>, key: &str) -> Option<&'a str> {
     meta.and_then(|m| m.annotations.get(key))
         .map(String::as_str)
@@ -60,6 +69,10 @@ pub fn guard_update(
     if !is_parent {
         return UpdateVerdict::Final(Verdict::allow("not-a-parent"));
     }
+    // Becoming a parent is judged like being created one: a record or an
+    // override the release carried before it was a tenant was never judged,
+    // so it is not let in by being left unchanged.
+    let old = becoming_parent(profile, old);
     let tenant = new.name.as_str();
     let changed = |key: &str| annotation(old, key) != annotation(Some(new), key);
 
@@ -232,6 +245,7 @@ pub fn mutate(
     if !parent_now && !old.is_some_and(|o| profile.is_parent(&o.labels)) {
         return Vec::new();
     }
+    let old = becoming_parent(profile, old);
     let mut out = Vec::new();
     // Custody starts before deletion, never during it, and only on what is
     // a parent after the write. A removal is not quietly undone here: the
