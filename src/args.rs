@@ -5,9 +5,15 @@ use std::net::SocketAddr;
 use std::path::PathBuf;
 use std::time::Duration;
 
-/// AdmissionReview bodies larger than this are refused (the API server's own
-/// request limit is 3 MiB).
-pub const DEFAULT_MAX_BODY_BYTES: usize = 3 * 1024 * 1024;
+/// AdmissionReview bodies larger than this are refused, so it must exceed
+/// any review the API server can send, or a legitimately large object would
+/// be refused by everyone (the webhooks fail closed). etcd holds an object
+/// of at most 1.5 MiB; in a review's JSON it grows up to six times (Go's
+/// encoder writes `<`, `>`, `&` and control characters as `\u00XX`, and a
+/// built-in kind is stored as protobuf, which does not), and an UPDATE
+/// carries the object twice: 18 MiB. The API server's own 3 MiB limit is on
+/// one request's body, and a patch can grow an object in many.
+pub const DEFAULT_MAX_BODY_BYTES: usize = 24 * 1024 * 1024;
 /// The worker's username as the shipped manifests name its ServiceAccount.
 pub const DEFAULT_WORKER_IDENTITY: &str = "system:serviceaccount:volume-gate:volume-gate-worker";
 

@@ -52,6 +52,12 @@ pub enum ErrorKind {
     TenantApiError,
     /// The admin kubeconfig reaches another cluster than the one bound.
     ClusterMismatch,
+    /// The tenant cluster is bound to another parent too, or is not where
+    /// the management side says this tenant's control plane runs.
+    ClusterConflict,
+    /// The record could not be written: the parent is at the API server's
+    /// size limits (its annotations, or the whole object).
+    RecordTooLarge,
     /// Volumes not freed within the wait bound.
     VolumesRemain,
     /// Only `Retain` volumes are left.
@@ -59,7 +65,7 @@ pub enum ErrorKind {
 }
 
 impl ErrorKind {
-    pub const ALL: [ErrorKind; 11] = [
+    pub const ALL: [ErrorKind; 13] = [
         ErrorKind::ManagementApi,
         ErrorKind::KubeconfigNotFound,
         ErrorKind::KubeconfigForbidden,
@@ -69,6 +75,8 @@ impl ErrorKind {
         ErrorKind::TenantApiNotReady,
         ErrorKind::TenantApiError,
         ErrorKind::ClusterMismatch,
+        ErrorKind::ClusterConflict,
+        ErrorKind::RecordTooLarge,
         ErrorKind::VolumesRemain,
         ErrorKind::RetainResidue,
     ];
@@ -84,6 +92,8 @@ impl ErrorKind {
             ErrorKind::TenantApiNotReady => "tenant-api-not-ready",
             ErrorKind::TenantApiError => "tenant-api-error",
             ErrorKind::ClusterMismatch => "cluster-mismatch",
+            ErrorKind::ClusterConflict => "cluster-conflict",
+            ErrorKind::RecordTooLarge => "record-too-large",
             ErrorKind::VolumesRemain => "volumes-remain",
             ErrorKind::RetainResidue => "retain-residue",
         }

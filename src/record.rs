@@ -27,6 +27,61 @@ pub const MAX_FIELD_BYTES: usize = 1024;
 /// the envelope alone from exceeding the bound (fuzz finding F3).
 pub const MAX_TAKEN_AT_BYTES: usize = 64;
 
+/// Kubernetes' limit on all of an object's annotations together (keys and
+/// values, `TotalAnnotationSizeLimitB`).
+pub const ANNOTATIONS_LIMIT: usize = 256 * 1024;
+
+/// How a parent's annotation space is used, for a record that could not be
+/// written: what the record's own keys take, what everything else takes,
+/// and the largest of the rest.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct Space {
+    pub total: usize,
+    pub others: usize,
+    pub largest: Vec<(String, usize)>,
+}
+
+impl Space {
+    pub fn of(keys: &Keys, annotations: &BTreeMap<String, String>) -> Space {
+        let own = keys.worker_owned();
+        let mut others: Vec<(String, usize)> = annotations
+            .iter()
+            .filter(|(k, _)| !own.contains(&k.as_str()))
+            .map(|(k, v)| (k.clone(), k.len() + v.len()))
+            .collect();
+        others.sort_by(|a, b| b.1.cmp(&a.1).then_with(|| a.0.cmp(&b.0)));
+        Space {
+            total: annotations.iter().map(|(k, v)| k.len() + v.len()).sum(),
+            others: others.iter().map(|(_, n)| n).sum(),
+            largest: others.into_iter().take(3).collect(),
+        }
+    }
+
+    /// One line for an operator: what fills the space, and the command
+    /// that frees it.
+    pub fn describe(&self, parent: &str) -> String {
+        let largest = self
+            .largest
+            .iter()
+            .map(|(k, n)| format!("{} ({n} bytes)", bounded(k, 120)))
+            .collect::<Vec<_>>()
+            .join(", ");
+        let remove = self
+            .largest
+            .iter()
+            .map(|(k, _)| format!("{}-", bounded(k, 120)))
+            .collect::<Vec<_>>()
+            .join(" ");
+        format!(
+            "its annotations hold {} of the {ANNOTATIONS_LIMIT} bytes Kubernetes allows, {} of them not the record's \
+             (largest: {largest}); free them with `kubectl annotate {parent} {remove}`, or, if the annotations are \
+             small, shrink the release's values: the whole object is at etcd's size limit",
+            self.total,
+            self.others,
+        )
+    }
+}
+
 /// `s`, cut at a character boundary to at most `max` bytes with the cut
 /// stated, so a shortened value is never mistaken for the whole one.
 pub fn bounded(s: &str, max: usize) -> String {
@@ -341,6 +396,37 @@ pub fn one_line(s: &str) -> String {
 
 #[cfg(test)]
 mod tests {
+
+    #[test]
+    fn the_space_report_names_what_is_not_the_record_largest_first() {
+        let keys = Keys::new("volumes.cozystack.io/");
+        let annotations = BTreeMap::from([
+            ("volumes.cozystack.io/volumes".to_string(), "v".repeat(1000)),
+            ("volumes.cozystack.io/phase".to_string(), "Releasing".to_string()),
+            ("filler/a".to_string(), "x".repeat(5000)),
+            ("filler/b".to_string(), "x".repeat(7000)),
+            ("small".to_string(), "y".to_string()),
+            ("filler/c".to_string(), "x".repeat(6000)),
+        ]);
+        let space = Space::of(&keys, &annotations);
+        assert_eq!(space.others, 8 + 5000 + 8 + 7000 + 6 + 8 + 6000);
+        assert_eq!(space.total, space.others + 28 + 1000 + 26 + 9);
+        assert_eq!(
+            space.largest,
+            vec![
+                ("filler/b".to_string(), 7008),
+                ("filler/c".to_string(), 6008),
+                ("filler/a".to_string(), 5008)
+            ]
+        );
+        let line = space.describe("helmreleases.helm.toolkit.fluxcd.io -n t r");
+        assert!(
+            line.contains("kubectl annotate helmreleases.helm.toolkit.fluxcd.io -n t r filler/b- filler/c- filler/a-"),
+            "{line}"
+        );
+        assert!(line.contains("262144"), "{line}");
+    }
+
     use super::*;
 
     fn keys() -> Keys {

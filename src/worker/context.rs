@@ -20,6 +20,20 @@ use crate::metrics::{Metrics, OutcomeLabels, PhaseLabels};
 use crate::profile::Profile;
 use crate::record::{Keys, Phase, Record, Update, now_rfc3339, one_line, shorten};
 
+/// Whether the API server refused a write because the object would be
+/// too large: its annotations over their 256 KiB (422 "Too long"), or the
+/// whole object over etcd's request limit (413, or "request is too large").
+pub(crate) fn is_too_large(e: &kube::Error) -> bool {
+    let kube::Error::Api(s) = e else {
+        return false;
+    };
+    let m = s.message.to_ascii_lowercase();
+    s.code == 413
+        || (s.code == 422 && m.contains("annotations") && m.contains("too long"))
+        || m.contains("request is too large")
+        || m.contains("request entity too large")
+}
+
 /// A parent release as the worker watches it: metadata only.
 pub type ParentMeta = PartialObjectMeta<DynamicObject>;
 
@@ -259,6 +273,43 @@ impl Context {
         Ok((in_custody && !done).then_some(record))
     }
 
+    /// Makes a record write that failed for the parent's size loud: a
+    /// Warning Event `RecordNotWritten` naming what fills the parent and the
+    /// command that frees it, and the `record-too-large` error count.
+    /// Nothing is deleted before the inventory is written, so nothing is
+    /// lost while it waits; the caller retries on its backoff. Other errors
+    /// are left to the caller. Returns whether `e` was such a failure.
+    pub(crate) async fn record_not_written(&self, t: &TenantRef, e: &kube::Error) -> bool {
+        if !is_too_large(e) {
+            return false;
+        }
+        self.metrics.count_error(crate::metrics::ErrorKind::RecordTooLarge);
+        let parent = format!(
+            "{}.{} -n {} {}",
+            self.profile.parent.plural, self.profile.parent.group, t.namespace, t.name
+        );
+        let space = match self.parent_api(&t.namespace).get_metadata_opt(&t.name).await {
+            Ok(Some(p)) => crate::record::Space::of(&self.keys, p.annotations()).describe(&parent),
+            Ok(None) => "the parent is gone".into(),
+            Err(read) => format!("its annotations could not be read ({read})"),
+        };
+        self.event(
+            t,
+            true,
+            "RecordNotWritten",
+            format!(
+                "cannot write the volume-release record on {}/{}: the API server refused it as too large ({}); \
+                 {space}. Nothing of the tenant is deleted until its inventory is written, and the teardown \
+                 waits; the worker retries on its backoff",
+                t.namespace,
+                t.name,
+                crate::record::bounded(&e.to_string(), 300)
+            ),
+        )
+        .await;
+        true
+    }
+
     /// An Event on the parent; a failure to publish is logged, never fatal.
     pub async fn event(&self, t: &TenantRef, warning: bool, reason: &str, note: String) {
         let reference = self.parent_reference(t);
@@ -446,6 +497,41 @@ impl Context {
                     outcome: outcome.into(),
                 })
                 .observe(started.elapsed().as_secs_f64());
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::is_too_large;
+
+    fn api(code: u16, message: &str) -> kube::Error {
+        kube::Error::Api(
+            kube::core::Status::failure(message, "Invalid")
+                .with_code(code)
+                .boxed(),
+        )
+    }
+
+    #[test]
+    fn a_write_refused_for_size_is_told_from_other_failures() {
+        for (code, message) in [
+            (
+                422,
+                "HelmRelease.helm.toolkit.fluxcd.io \"r\" is invalid: metadata.annotations: Too long: must have at most 262144 bytes",
+            ),
+            (500, "etcdserver: request is too large"),
+            (413, "Request entity too large: limit is 3145728"),
+        ] {
+            assert!(is_too_large(&api(code, message)), "{code} {message}");
+        }
+        for (code, message) in [
+            (422, "the object has been modified"),
+            (409, "conflict"),
+            (500, "etcdserver: leader changed"),
+            (403, "forbidden"),
+        ] {
+            assert!(!is_too_large(&api(code, message)), "{code} {message}");
         }
     }
 }

@@ -104,15 +104,20 @@ pub async fn reconcile(
                 task.abort();
             }
             if let Some(message) = message {
-                ctx.write_record(
-                    &t,
-                    &Update {
-                        phase: Some(Phase::Overridden),
-                        message: Some(message.clone()),
-                        ..Default::default()
-                    },
-                )
-                .await?;
+                let written = ctx
+                    .write_record(
+                        &t,
+                        &Update {
+                            phase: Some(Phase::Overridden),
+                            message: Some(message.clone()),
+                            ..Default::default()
+                        },
+                    )
+                    .await;
+                if let Err(e) = written {
+                    ctx.record_not_written(&t, &e).await;
+                    return Err(e.into());
+                }
                 ctx.event(&t, true, "Overridden", message).await;
                 ctx.observe_outcome(&t, "overridden");
                 ctx.retries.lock().expect("lock").remove(&t);
@@ -263,14 +268,24 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
         Err(e) => Err(e),
     };
     if let Err(e) = result {
-        ctx.metrics.count_error(ErrorKind::ManagementApi);
-        error!(tenant = %t, error = %e, "release pass failed on the management API; retrying");
+        // A parent too large for its record stays so until someone acts:
+        // said once per attempt on the backoff, not every API_RETRY.
+        let too_large = ctx.record_not_written(&t, &e).await;
+        if !too_large {
+            ctx.metrics.count_error(ErrorKind::ManagementApi);
+        }
+        error!(tenant = %t, error = %e, too_large, "release pass failed on the management API; retrying");
         let mut retries = ctx.retries.lock().expect("lock");
         let attempts = retries.get(&t).map_or(0, |r| r.attempts) + 1;
+        let delay = if too_large {
+            ctx.settings.backoff(attempts)
+        } else {
+            API_RETRY
+        };
         retries.insert(
             t.clone(),
             Retry {
-                at: Instant::now() + API_RETRY,
+                at: Instant::now() + delay,
                 attempts,
             },
         );
