@@ -236,6 +236,83 @@ impl InfraSpec {
     }
 }
 
+/// Where the management side records each tenant's control plane
+/// (Kamaji's TenantControlPlane, named like the parent). The worker binds a
+/// tenant only to the API server this record says runs it: its endpoint, or
+/// its Service in the tenant's own namespace, never simply wherever the
+/// admin kubeconfig Secret points.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields)]
+pub struct ControlPlaneSpec {
+    pub group: String,
+    pub version: String,
+    pub kind: String,
+    pub plural: String,
+    /// Its name, `{tenant}` standing for the parent's name.
+    pub name: String,
+    /// A JSON pointer to its `host:port` endpoint in the object (Kamaji:
+    /// `/status/controlPlaneEndpoint`).
+    pub endpoint: String,
+    /// The in-cluster name of the Service in front of it, `{tenant}` and
+    /// `{namespace}` standing for the parent's (Kamaji's `super-admin.svc`
+    /// kubeconfig uses it).
+    pub service: String,
+}
+
+impl ControlPlaneSpec {
+    /// Kamaji's TenantControlPlane.
+    pub fn kamaji() -> Self {
+        Self {
+            group: "kamaji.clastix.io".into(),
+            version: "v1alpha1".into(),
+            kind: "TenantControlPlane".into(),
+            plural: "tenantcontrolplanes".into(),
+            name: TENANT_PLACEHOLDER.into(),
+            endpoint: "/status/controlPlaneEndpoint".into(),
+            service: format!("{TENANT_PLACEHOLDER}.{NAMESPACE_PLACEHOLDER}.svc"),
+        }
+    }
+
+    pub fn resource(&self) -> kube::api::ApiResource {
+        kube::api::ApiResource::from_gvk_with_plural(
+            &kube::api::GroupVersionKind::gvk(&self.group, &self.version, &self.kind),
+            &self.plural,
+        )
+    }
+
+    pub fn name_of(&self, tenant: &str) -> String {
+        self.name.replace(TENANT_PLACEHOLDER, tenant)
+    }
+
+    pub fn service_of(&self, namespace: &str, tenant: &str) -> String {
+        self.service
+            .replace(TENANT_PLACEHOLDER, tenant)
+            .replace(NAMESPACE_PLACEHOLDER, namespace)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.kind.is_empty() || self.plural.is_empty() || self.version.is_empty() {
+            return Err("controlPlane needs group, version, kind and plural".into());
+        }
+        if self.name.matches(TENANT_PLACEHOLDER).count() != 1
+            || !self.service.contains(TENANT_PLACEHOLDER)
+        {
+            return Err(format!(
+                "controlPlane.name must contain {TENANT_PLACEHOLDER} once and controlPlane.service at least once"
+            ));
+        }
+        if !self.endpoint.starts_with('/') {
+            return Err(format!(
+                "controlPlane.endpoint {:?} must be a JSON pointer such as /status/controlPlaneEndpoint",
+                self.endpoint
+            ));
+        }
+        Ok(())
+    }
+}
+
+pub const NAMESPACE_PLACEHOLDER: &str = "{namespace}";
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Profile {
@@ -259,6 +336,10 @@ pub struct Profile {
     /// The infra layer behind tenant volumes; `null` on a platform whose
     /// tenant volumes have none (the phase then reads the tenant API only).
     pub infra: Option<InfraSpec>,
+    /// The management side's record of each tenant's control plane; `null`
+    /// on a platform without one (a tenant is then bound to the cluster
+    /// its admin kubeconfig first reaches).
+    pub control_plane: Option<ControlPlaneSpec>,
 }
 
 pub const TENANT_PLACEHOLDER: &str = "{tenant}";
@@ -423,6 +504,7 @@ impl Profile {
                 verb: "override".into(),
             },
             infra: Some(InfraSpec::cozystack()),
+            control_plane: Some(ControlPlaneSpec::kamaji()),
         }
     }
 
@@ -529,6 +611,9 @@ impl Profile {
         }
         if let Some(infra) = &self.infra {
             infra.validate()?;
+        }
+        if let Some(cp) = &self.control_plane {
+            cp.validate()?;
         }
         for (i, h) in self.release.hooks.iter().enumerate() {
             if h.matches(TENANT_PLACEHOLDER).count() != 1 {

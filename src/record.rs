@@ -221,6 +221,12 @@ pub struct ClusterIdentity {
     pub kube_system_uid: String,
     /// RFC 3339 time it was bound.
     pub bound_at: String,
+    /// SHA-256 (hex) of the certificate authorities the kubeconfig trusted
+    /// when the cluster was bound: a server must prove it holds a key they
+    /// certified, which the `kube-system` UID alone (public, in this very
+    /// record) does not. Empty in a binding made before it was kept.
+    #[serde(default, skip_serializing_if = "String::is_empty")]
+    pub ca_sha256: String,
 }
 
 impl ClusterIdentity {
@@ -229,6 +235,7 @@ impl ClusterIdentity {
             server: bounded(&self.server, MAX_FIELD_BYTES),
             kube_system_uid: bounded(&self.kube_system_uid, MAX_FIELD_BYTES),
             bound_at: bounded(&self.bound_at, MAX_TAKEN_AT_BYTES),
+            ca_sha256: bounded(&self.ca_sha256, MAX_TAKEN_AT_BYTES + 64),
         };
         serde_json::to_string(&bounded).expect("identity serializes")
     }
@@ -238,10 +245,16 @@ impl ClusterIdentity {
             .map_err(|e| format!("cluster annotation is not a valid cluster identity: {e}"))
     }
 
-    /// `server S (kube-system UID U)`, for messages.
+    /// `server S (kube-system UID U, CA sha256 C)`, for messages.
     pub fn describe(&self) -> String {
+        let ca = if self.ca_sha256.is_empty() {
+            String::new()
+        } else {
+            let short: String = self.ca_sha256.chars().take(16).collect();
+            format!(", CA sha256 {short}…")
+        };
         format!(
-            "server {} (kube-system UID {})",
+            "server {} (kube-system UID {}{ca})",
             self.server, self.kube_system_uid
         )
     }

@@ -212,6 +212,8 @@ fn justified() -> BTreeMap<String, BTreeSet<Grant>> {
         g("", "namespaces", "watch", None),
         // R-admin-kubeconfig, by name only.
         g("", "secrets", "get", None),
+        // Kamaji's TenantControlPlane R, by name: where the tenant's API is.
+        g("kamaji.clastix.io", "tenantcontrolplanes", "get", None),
         // The infra layer: what is left of the disks behind the tenant's
         // volumes; deleted only when the tenant API is unreachable, only
         // inventoried Delete volumes labelled for the tenant.

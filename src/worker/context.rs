@@ -34,6 +34,17 @@ pub(crate) fn is_too_large(e: &kube::Error) -> bool {
         || m.contains("request entity too large")
 }
 
+/// What [`Context::vet_cluster`] concludes of a cluster for a tenant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Vetted {
+    Ours,
+    /// Not where the management side says this tenant's API server runs:
+    /// never bound.
+    Misplaced(String),
+    /// Another parent is bound to it too: neither acts through it.
+    Conflict(String),
+}
+
 /// A parent release as the worker watches it: metadata only.
 pub type ParentMeta = PartialObjectMeta<DynamicObject>;
 
@@ -417,8 +428,31 @@ impl Context {
             Ok(api) => identity::observe(&api, s.probe_timeout, &now_rfc3339()).await,
             Err(e) => Err(e),
         };
+        let observed = match observed {
+            Ok(id) => match self.vet_cluster(t, &id, true).await? {
+                Vetted::Ours => Ok((id, None)),
+                // Bound all the same: the other parent's passes must see
+                // this claim too. Neither acts through the cluster.
+                Vetted::Conflict(why) => Ok((id, Some(why))),
+                Vetted::Misplaced(why) => {
+                    self.metrics.count_error(crate::metrics::ErrorKind::ClusterConflict);
+                    self.event(
+                        t,
+                        true,
+                        "ClusterNotBound",
+                        format!("the admin kubeconfig does not lead to this tenant's own cluster: {why}; not bound, retried"),
+                    )
+                    .await;
+                    Err(tenant::TenantAccessError::NotReady {
+                        server: id.server.clone(),
+                        message: why,
+                    })
+                }
+            },
+            Err(e) => Err(e),
+        };
         match observed {
-            Ok(id) => {
+            Ok((id, conflict)) => {
                 self.write_record(
                     t,
                     &Update {
@@ -428,7 +462,13 @@ impl Context {
                 )
                 .await?;
                 self.binds.lock().expect("lock").remove(t);
-                self.event(t, false, "ClusterBound", format!("tenant cluster bound: {}; every release pass checks that the admin kubeconfig still reaches it", id.describe())).await;
+                match conflict {
+                    None => self.event(t, false, "ClusterBound", format!("tenant cluster bound: {}; every release pass checks that the admin kubeconfig still reaches it", id.describe())).await,
+                    Some(why) => {
+                        self.metrics.count_error(crate::metrics::ErrorKind::ClusterConflict);
+                        self.event(t, true, "ClusterConflict", why).await;
+                    }
+                }
                 Ok(Action::await_change())
             }
             Err(e) => {
@@ -443,6 +483,50 @@ impl Context {
                 Ok(Action::requeue(delay))
             }
         }
+    }
+
+    /// Whether the cluster `seen` may be bound to (or, `binding` false,
+    /// still acted on for) tenant `t`: when binding, the management side
+    /// must record this tenant's control plane where the kubeconfig points
+    /// (`identity::placed`); always, no other parent may be bound to it
+    /// (`identity::conflict`).
+    pub(crate) async fn vet_cluster(
+        &self,
+        t: &TenantRef,
+        seen: &crate::record::ClusterIdentity,
+        binding: bool,
+    ) -> Result<Vetted, kube::Error> {
+        if binding && let Some(spec) = &self.profile.control_plane {
+            let name = spec.name_of(&t.name);
+            let api: Api<DynamicObject> =
+                Api::namespaced_with(self.client.clone(), &t.namespace, &spec.resource());
+            let cp = api.get_opt(&name).await?.map(|o| identity::ControlPlane {
+                object: format!("{} {}/{name}", spec.kind, t.namespace),
+                endpoint: serde_json::to_value(&o)
+                    .ok()
+                    .and_then(|v| v.pointer(&spec.endpoint).and_then(|e| e.as_str()).map(str::to_string))
+                    .filter(|e| !e.is_empty()),
+                service_host: spec.service_of(&t.namespace, &t.name),
+            });
+            if let Err(why) = identity::placed(&seen.server, cp.as_ref()) {
+                return Ok(Vetted::Misplaced(why));
+            }
+        }
+        let me = t.to_string();
+        let others: Vec<(String, crate::record::ClusterIdentity)> = self
+            .parents
+            .state()
+            .iter()
+            .filter_map(|p| {
+                let who = format!("{}/{}", p.namespace().unwrap_or_default(), p.name_any());
+                let id = Record::from_annotations(&self.keys, p.annotations()).cluster?;
+                Some((who, id))
+            })
+            .collect();
+        Ok(match identity::conflict(&me, seen, &others) {
+            Some(why) => Vetted::Conflict(why),
+            None => Vetted::Ours,
+        })
     }
 
     pub(crate) fn namespace_deleting(&self, namespace: &str) -> bool {

@@ -6,9 +6,20 @@
 //! made the worker delete that other tenant's claims and record this one
 //! `Released` while its disks stayed on storage. So the worker binds the
 //! tenant to its cluster while nothing is at stake (when custody begins),
-//! by the UID of the cluster's `kube-system` namespace, and every release
-//! pass checks that the kubeconfig still reaches that cluster before it
-//! deletes, or counts as freed, anything.
+//! and every release pass checks that the kubeconfig still reaches that
+//! cluster before it deletes, or counts as freed, anything. The binding
+//! rests on what a namespace editor cannot forge:
+//!
+//! - the cluster is known by the UID of its `kube-system` namespace *and* by
+//!   the certificate authorities that certified its API server: the UID is
+//!   public (it is in the record), so a server an editor runs could answer
+//!   with it, but it cannot prove a key the tenant's CA certified;
+//! - it is bound only to the API server the management side says runs this
+//!   tenant (Kamaji's TenantControlPlane `R`: its endpoint, or its Service
+//!   in the tenant's own namespace), not to wherever the Secret points;
+//! - one cluster belongs to one parent: a cluster another parent is bound
+//!   to is never acted on through either (`conflict`), so a second parent
+//!   made with a copy of another tenant's kubeconfig can delete nothing.
 
 use std::time::Duration;
 
@@ -43,6 +54,7 @@ pub async fn observe(
                 server: api.server.clone(),
                 kube_system_uid: uid,
                 bound_at: now.to_string(),
+                ca_sha256: api.ca_sha256.clone(),
             }),
             None => Err(not_ready("namespace kube-system has no UID".into())),
         },
@@ -57,30 +69,134 @@ pub enum Check {
     /// Nothing was bound yet (the tenant never answered before its
     /// deletion): bind this one now, before anything is deleted.
     Bind(ClusterIdentity),
+    /// The bound cluster, in a binding made before its CA was kept: keep
+    /// it now.
+    Pin(ClusterIdentity),
     /// Another cluster: nothing may be deleted or counted through it.
     Different { message: String },
 }
 
 /// Compares the cluster a pass reached with the one bound to the tenant.
-/// The UID decides: a new address or new credentials for the same cluster
-/// (Kamaji rotates them) are the same cluster.
+/// The UID and the CA decide: a new address or new credentials for the
+/// same cluster (Kamaji rotates them) are the same cluster; a server that
+/// answers with the bound UID but is certified by another CA is not.
 pub fn check(bound: Option<&ClusterIdentity>, seen: &ClusterIdentity, secret: &str) -> Check {
     let Some(bound) = bound else {
         return Check::Bind(seen.clone());
     };
-    if bound.kube_system_uid == seen.kube_system_uid {
+    let same_uid = bound.kube_system_uid == seen.kube_system_uid;
+    if same_uid && bound.ca_sha256 == seen.ca_sha256 {
         return Check::Same;
     }
+    if same_uid && bound.ca_sha256.is_empty() {
+        return Check::Pin(ClusterIdentity {
+            bound_at: bound.bound_at.clone(),
+            ..seen.clone()
+        });
+    }
+    let which = if same_uid {
+        "a server certified by another CA, answering with this cluster's kube-system UID (which anyone can read \
+         in the record),"
+    } else {
+        "a different cluster"
+    };
     Check::Different {
         message: format!(
-            "the admin kubeconfig Secret {secret} now points at a different cluster: {} answers, but this tenant's \
-             cluster, bound at {}, is {}. Nothing is deleted or counted as freed through it. Restore the Secret to \
-             the tenant's own kubeconfig, or record an override to abandon the volumes",
+            "the admin kubeconfig Secret {secret} now points at {which}: {} answers, but this tenant's cluster, \
+             bound at {}, is {}. Nothing is deleted or counted as freed through it. Restore the Secret to the \
+             tenant's own kubeconfig, or record an override to abandon the volumes",
             seen.describe(),
             bound.bound_at,
             bound.describe()
         ),
     }
+}
+
+/// Whether another parent is bound to the cluster `seen` (same
+/// `kube-system` UID): `(namespace/name, its binding)` of each other
+/// parent. One cluster belongs to one parent; when two claim it, one
+/// reached it through a copy of the other's kubeconfig, and neither may
+/// delete anything through it until an operator has settled which parent
+/// is not its own (an override on that one, which then goes).
+pub fn conflict(
+    me: &str,
+    seen: &ClusterIdentity,
+    others: &[(String, ClusterIdentity)],
+) -> Option<String> {
+    let claimants: Vec<String> = others
+        .iter()
+        .filter(|(who, id)| who != me && id.kube_system_uid == seen.kube_system_uid)
+        .map(|(who, id)| format!("{who} (bound at {})", id.bound_at))
+        .collect();
+    (!claimants.is_empty()).then(|| {
+        format!(
+            "the tenant cluster {} is bound to another parent too: {}. One cluster belongs to one parent; one of \
+             them reached it through a copy of the other's admin kubeconfig. Nothing is deleted or counted as \
+             freed through it while both claim it: record an override on the parent whose cluster it is not, and \
+             once that parent is gone the other proceeds",
+            seen.describe(),
+            claimants.join(", ")
+        )
+    })
+}
+
+/// Where the management side says the tenant's API server runs: Kamaji's
+/// TenantControlPlane endpoint (`host:port`), and the Service that fronts
+/// it in the tenant's own namespace.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct ControlPlane {
+    pub object: String,
+    pub endpoint: Option<String>,
+    pub service_host: String,
+}
+
+/// Whether the kubeconfig's `server` is the control plane the management
+/// side records for this tenant: its endpoint, or its Service (any port;
+/// the server's certificate must then be valid for that name, which needs
+/// the tenant's CA). `Err` says what is wrong, for a refusal to bind.
+pub fn placed(server: &str, cp: Option<&ControlPlane>) -> Result<(), String> {
+    let Some(cp) = cp else {
+        return Err(
+            "the management cluster records no control plane for this tenant, so nothing says which API \
+             server is its own"
+                .into(),
+        );
+    };
+    let Ok(url) = server.parse::<http::Uri>() else {
+        return Err(format!("the kubeconfig's server {server:?} is not a URL"));
+    };
+    let host = url.host().unwrap_or("").trim_end_matches('.');
+    let port = url.port_u16().unwrap_or(443);
+    let service = cp.service_host.as_str();
+    if host == service || host == format!("{service}.cluster.local") {
+        return Ok(());
+    }
+    match &cp.endpoint {
+        Some(endpoint) if endpoint_is(endpoint, host, port) => Ok(()),
+        Some(endpoint) => Err(format!(
+            "the admin kubeconfig points at {server}, but {} says this tenant's API server is at {endpoint} \
+             (or its Service {service})",
+            cp.object
+        )),
+        None => Err(format!(
+            "{} has no endpoint yet, so nothing says which API server is this tenant's",
+            cp.object
+        )),
+    }
+}
+
+/// Whether `endpoint` (`host:port`, `[v6]:port`, or a bare host meaning
+/// port 443) names `host` and `port`.
+fn endpoint_is(endpoint: &str, host: &str, port: u16) -> bool {
+    let (h, p) = match endpoint.rsplit_once(':') {
+        Some((h, p)) if !h.is_empty() && p.bytes().all(|b| b.is_ascii_digit()) => {
+            (h, p.parse::<u16>().ok())
+        }
+        _ => (endpoint, Some(443)),
+    };
+    let h = h.trim_start_matches('[').trim_end_matches(']');
+    let host = host.trim_start_matches('[').trim_end_matches(']');
+    h.eq_ignore_ascii_case(host) && p == Some(port)
 }
 
 #[cfg(test)]
@@ -92,7 +208,70 @@ mod tests {
             server: server.into(),
             kube_system_uid: uid.into(),
             bound_at: "2026-12-03T08:00:00Z".into(),
+            ca_sha256: "ca-1".into(),
         }
+    }
+
+    #[test]
+    fn the_bound_uid_behind_another_ca_is_another_cluster() {
+        let mut fake = id("https://a:6443", "u1");
+        fake.ca_sha256 = "ca-evil".into();
+        let Check::Different { message } = check(Some(&id("https://a:6443", "u1")), &fake, "ns/s") else {
+            panic!("a server certified by another CA was accepted");
+        };
+        assert!(message.contains("certified by another CA"), "{message}");
+        // A binding made before the CA was kept is pinned at the next pass.
+        let mut legacy = id("https://a:6443", "u1");
+        legacy.ca_sha256.clear();
+        assert_eq!(
+            check(Some(&legacy), &id("https://b:6443", "u1"), "ns/s"),
+            Check::Pin(id("https://b:6443", "u1"))
+        );
+    }
+
+    #[test]
+    fn a_cluster_bound_to_another_parent_is_a_conflict_naming_it() {
+        let others = vec![
+            ("tenant-x/kubernetes-a".to_string(), id("https://a", "u1")),
+            ("tenant-y/kubernetes-b".to_string(), id("https://b", "u2")),
+        ];
+        assert_eq!(conflict("tenant-x/kubernetes-a", &id("https://a", "u1"), &others), None);
+        let m = conflict("tenant-z/kubernetes-evil", &id("https://a", "u1"), &others)
+            .expect("a second claimant");
+        assert!(
+            m.contains("tenant-x/kubernetes-a") && !m.contains("kubernetes-b") && m.contains("override"),
+            "{m}"
+        );
+        assert_eq!(conflict("tenant-z/kubernetes-evil", &id("https://c", "u3"), &others), None);
+    }
+
+    #[test]
+    fn a_tenant_binds_only_the_api_server_the_management_side_records_for_it() {
+        let cp = |endpoint: Option<&str>| ControlPlane {
+            object: "TenantControlPlane tenant-x/kubernetes-a".into(),
+            endpoint: endpoint.map(str::to_string),
+            service_host: "kubernetes-a.tenant-x.svc".into(),
+        };
+        for (server, endpoint) in [
+            ("https://10.0.0.5:6443", Some("10.0.0.5:6443")),
+            ("https://10.0.0.5", Some("10.0.0.5")),
+            ("https://[fd00::5]:6443", Some("[fd00::5]:6443")),
+            ("https://kubernetes-a.tenant-x.svc:6443", Some("10.0.0.5:6443")),
+            ("https://kubernetes-a.tenant-x.svc.cluster.local", None),
+            ("https://API.example.com:443/", Some("api.example.com:443")),
+        ] {
+            assert_eq!(placed(server, Some(&cp(endpoint))), Ok(()), "{server} vs {endpoint:?}");
+        }
+        for (server, endpoint, says) in [
+            ("https://10.0.0.6:6443", Some("10.0.0.5:6443"), "says this tenant's API server is at 10.0.0.5:6443"),
+            ("https://10.0.0.5:6444", Some("10.0.0.5:6443"), "10.0.0.5:6443"),
+            ("https://kubernetes-b.tenant-x.svc:6443", Some("10.0.0.5:6443"), "kubernetes-a.tenant-x.svc"),
+            ("https://kubernetes-a.tenant-y.svc:6443", None, "has no endpoint yet"),
+        ] {
+            let err = placed(server, Some(&cp(endpoint))).expect_err(server);
+            assert!(err.contains(says), "{server}: {err}");
+        }
+        assert!(placed("https://x", None).unwrap_err().contains("records no control plane"));
     }
 
     #[test]

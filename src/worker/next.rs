@@ -179,6 +179,7 @@ mod tests {
             server: "https://t".into(),
             kube_system_uid: "u".into(),
             bound_at: "2026-01-01T00:00:00Z".into(),
+            ca_sha256: "c".into(),
         });
         r
     }

@@ -24,6 +24,7 @@ use super::claims::{self, ClaimKey};
 use super::identity;
 use super::infra;
 use super::tenant;
+use super::context::Vetted;
 use super::{Context, TenantRef};
 use crate::metrics::ErrorKind;
 use crate::record::{ClusterIdentity, Inventory, Phase, Record, Update, count, now_rfc3339};
@@ -577,23 +578,41 @@ async fn same_cluster(
         Ok(seen) => seen,
         Err(e) => return Ok(Err(blocked(e.kind(), e.to_string(), None))),
     };
-    match identity::check(bound, &seen, secret) {
-        identity::Check::Same => Ok(Ok(bound.cloned().unwrap_or(seen))),
-        identity::Check::Bind(id) => {
-            ctx.write_record(
-                t,
-                &Update {
-                    cluster: Some(id.clone()),
-                    ..Default::default()
-                },
-            )
-            .await?;
-            info!(namespace = %t.namespace, tenant = %t.name, server = %id.server, "tenant cluster bound at its first release pass");
-            Ok(Ok(id))
-        }
+    let (id, write) = match identity::check(bound, &seen, secret) {
+        identity::Check::Same => (bound.cloned().unwrap_or(seen), false),
+        identity::Check::Bind(id) | identity::Check::Pin(id) => (id, true),
         identity::Check::Different { message } => {
-            Ok(Err(blocked(ErrorKind::ClusterMismatch, message, None)))
+            return Ok(Err(blocked(ErrorKind::ClusterMismatch, message, None)));
         }
+    };
+    let binding = bound.is_none();
+    let conflict = match ctx.vet_cluster(t, &id, binding).await? {
+        Vetted::Ours => None,
+        Vetted::Misplaced(why) => {
+            let message = format!(
+                "the admin kubeconfig Secret {secret} does not lead to this tenant's own cluster: {why}. Nothing is \
+                 deleted or counted as freed through it. Restore the Secret, or record an override to abandon the \
+                 volumes"
+            );
+            return Ok(Err(blocked(ErrorKind::ClusterConflict, message, None)));
+        }
+        Vetted::Conflict(why) => Some(why),
+    };
+    if write {
+        // Recorded even in conflict: the other parent's passes see it too.
+        ctx.write_record(
+            t,
+            &Update {
+                cluster: Some(id.clone()),
+                ..Default::default()
+            },
+        )
+        .await?;
+        info!(namespace = %t.namespace, tenant = %t.name, server = %id.server, binding, "tenant cluster bound at a release pass");
+    }
+    match conflict {
+        None => Ok(Ok(id)),
+        Some(why) => Ok(Err(blocked(ErrorKind::ClusterConflict, why, None))),
     }
 }
 

@@ -60,6 +60,26 @@ impl TenantAccessError {
 pub struct TenantApi {
     pub client: kube::Client,
     pub server: String,
+    /// SHA-256 (hex) of the certificate authorities the client trusts: the
+    /// server it reaches holds a key one of them certified.
+    pub ca_sha256: String,
+}
+
+/// The SHA-256 (hex) of a set of CA certificates (DER), whatever their
+/// order or PEM wrapping.
+pub fn ca_fingerprint(certs: &[Vec<u8>]) -> String {
+    let mut sorted: Vec<&Vec<u8>> = certs.iter().collect();
+    sorted.sort();
+    let mut ctx = ring::digest::Context::new(&ring::digest::SHA256);
+    for der in sorted {
+        ctx.update(&(der.len() as u64).to_be_bytes());
+        ctx.update(der);
+    }
+    ctx.finish()
+        .as_ref()
+        .iter()
+        .map(|b| format!("{b:02x}"))
+        .collect()
 }
 
 /// Step 1: the admin kubeconfig, from the first present key of the profile.
@@ -146,9 +166,25 @@ pub fn parse_kubeconfig(bytes: &[u8]) -> Result<Kubeconfig, String> {
                 "clusters[{c}] refers to a CA file; only certificate-authority-data is accepted"
             ));
         }
+        if cluster.tls_server_name.is_some() {
+            return Err(format!(
+                "clusters[{c}] sets tls-server-name, which would accept a server certified for another name"
+            ));
+        }
         if cluster.insecure_skip_tls_verify == Some(true) {
             return Err(format!(
                 "clusters[{c}] skips TLS verification, which would hand admin credentials to anyone"
+            ));
+        }
+        // The worker pins a tenant cluster by the CA that certified it.
+        if cluster
+            .certificate_authority_data
+            .as_deref()
+            .is_none_or(str::is_empty)
+        {
+            return Err(format!(
+                "clusters[{c}] has no certificate-authority-data: the worker knows a tenant cluster by the CA \
+                 that certified its API server"
             ));
         }
         if cluster.proxy_url.is_some() {
@@ -187,9 +223,14 @@ pub async fn client_for(kc: Kubeconfig, request_timeout: Duration) -> Result<Ten
     config.read_timeout = Some(request_timeout);
     config.write_timeout = Some(request_timeout);
     let server = config.cluster_url.to_string();
+    let ca_sha256 = ca_fingerprint(config.root_cert.as_deref().unwrap_or_default());
     let client = kube::Client::try_from(config)
         .map_err(|e| format!("cannot build a client for {server}: {e}"))?;
-    Ok(TenantApi { client, server })
+    Ok(TenantApi {
+        client,
+        server,
+        ca_sha256,
+    })
 }
 
 /// Step 1 whole: the admin kubeconfig, vetted, as a client.
@@ -337,6 +378,36 @@ current-context: t
                 .unwrap_err()
                 .contains("TLS verification")
         );
+    }
+
+    #[test]
+    fn a_cluster_without_its_ca_or_verified_under_another_name_is_refused() {
+        let y = GOOD.replace("    certificate-authority-data: AAAA\n", "");
+        assert!(
+            parse_kubeconfig(y.as_bytes())
+                .unwrap_err()
+                .contains("no certificate-authority-data")
+        );
+        let y = GOOD.replace(
+            "    certificate-authority-data: AAAA",
+            "    certificate-authority-data: AAAA\n    tls-server-name: kubernetes-b.tenant-y.svc",
+        );
+        assert!(
+            parse_kubeconfig(y.as_bytes())
+                .unwrap_err()
+                .contains("tls-server-name")
+        );
+    }
+
+    #[test]
+    fn the_ca_fingerprint_is_of_the_set_whatever_its_order() {
+        let (a, b) = (vec![1u8, 2, 3], vec![4u8, 5]);
+        assert_eq!(
+            ca_fingerprint(&[a.clone(), b.clone()]),
+            ca_fingerprint(&[b.clone(), a.clone()])
+        );
+        assert_ne!(ca_fingerprint(&[a.clone()]), ca_fingerprint(&[a, b]));
+        assert_eq!(ca_fingerprint(&[]).len(), 64);
     }
 
     #[test]

@@ -8,7 +8,7 @@ use std::time::Duration;
 
 use k8s_openapi::api::apps::v1::StatefulSet;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod, Secret};
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use serde_json::{Value, json};
 
@@ -220,6 +220,20 @@ impl Tenant {
             .create(&pp, &tcp)
             .await
             .expect("create TenantControlPlane");
+        // Where Kamaji says the tenant's API server is.
+        let endpoint = self
+            .cluster
+            .server
+            .trim_start_matches("https://")
+            .trim_end_matches('/')
+            .to_string();
+        tcps.patch_status(
+            r,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"controlPlaneEndpoint": endpoint}})),
+        )
+        .await
+        .expect("TenantControlPlane status");
 
         let kubeconfig = std::fs::read(&self.cluster.kubeconfig).expect("tenant kubeconfig");
         let secret: Secret = serde_json::from_value(json!({
