@@ -55,43 +55,9 @@ fn dry() -> DeleteParams {
     }
 }
 
-/// A Role giving group `attackers` everything on what a tenant namespace
-/// editor may touch, without the override verb.
+/// The namespace editor of `t`'s namespace (`common::editor`).
 async fn mallory(t: &Tenant) -> kube::Client {
-    let role = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-    "metadata": {"name": "namespace-editors", "namespace": t.namespace},
-    "rules": [
-        {"apiGroups": ["helm.toolkit.fluxcd.io"], "resources": ["helmreleases"], "verbs": ["*"]},
-        {"apiGroups": [""], "resources": ["secrets"], "verbs": ["*"]},
-        {"apiGroups": ["apps"], "resources": ["deployments"], "verbs": ["*"]},
-        {"apiGroups": ["kamaji.clastix.io", "controlplane.cluster.x-k8s.io", "cluster.x-k8s.io"], "resources": ["*"], "verbs": ["*"]},
-    ]});
-    let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-        "metadata": {"name": "namespace-editors", "namespace": t.namespace},
-        "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "namespace-editors"},
-        "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "attackers"}]});
-    common::manifests::apply(&t.management, &role).await;
-    common::manifests::apply(&t.management, &binding).await;
-    for (group, res) in [
-        ("helm.toolkit.fluxcd.io", "helmreleases"),
-        ("", "secrets"),
-        ("apps", "deployments"),
-        ("cluster.x-k8s.io", "clusters"),
-    ] {
-        common::tenant::wait_authorized(
-            &t.management,
-            "attackers",
-            &t.namespace,
-            group,
-            res,
-            "delete",
-        )
-        .await;
-    }
-    env()
-        .cp
-        .client_as("mallory", &["attackers", "system:authenticated"])
-        .await
+    common::editor::mallory(env().cp, &[&t.namespace]).await
 }
 
 fn labels_patch(labels: Value) -> Patch<Value> {

@@ -36,7 +36,7 @@ fn env() -> &'static common::Env {
     common::gated_with(args.map(String::from).to_vec())
 }
 
-const MALLORY: &str = "mallory";
+use common::editor::MALLORY;
 const CHILD: &str = "cozystack.io/target-cluster-name";
 const CAPI: &str = "cluster.x-k8s.io/cluster-name";
 const RELEASE_NAME: &str = "meta.helm.sh/release-name";
@@ -83,41 +83,6 @@ fn table_ids() -> Vec<String> {
         .filter_map(|l| l.strip_prefix("| `"))
         .map(|l| l.split('`').next().unwrap_or_default().to_string())
         .collect()
-}
-
-/// The namespace editor: Kubernetes' `edit` on what a tenant namespace
-/// holds (releases and their status, Secrets, ConfigMaps, ServiceAccounts,
-/// PVCs, Deployments and their scale, Kamaji, Cluster API and CDI objects),
-/// without the override verb.
-async fn mallory(cp: &common::cluster::ControlPlane, namespaces: &[&str]) -> kube::Client {
-    let admin = cp.management_client().await;
-    for ns in namespaces {
-        let role = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role",
-        "metadata": {"name": "namespace-editors", "namespace": ns},
-        "rules": [
-            {"apiGroups": ["helm.toolkit.fluxcd.io"], "resources": ["helmreleases", "helmreleases/status"], "verbs": ["*"]},
-            {"apiGroups": [""], "resources": ["secrets", "configmaps", "serviceaccounts", "persistentvolumeclaims"], "verbs": ["*"]},
-            {"apiGroups": ["apps"], "resources": ["deployments", "deployments/scale"], "verbs": ["*"]},
-            {"apiGroups": ["kamaji.clastix.io", "controlplane.cluster.x-k8s.io", "cluster.x-k8s.io", "cdi.kubevirt.io"],
-             "resources": ["*"], "verbs": ["*"]},
-        ]});
-        let binding = json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding",
-            "metadata": {"name": "namespace-editors", "namespace": ns},
-            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": "namespace-editors"},
-            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "attackers"}]});
-        common::manifests::apply(&admin, &role).await;
-        common::manifests::apply(&admin, &binding).await;
-        for (group, res) in [
-            ("helm.toolkit.fluxcd.io", "helmreleases/status"),
-            ("", "configmaps"),
-            ("apps", "deployments/scale"),
-            ("cdi.kubevirt.io", "datavolumes"),
-        ] {
-            common::tenant::wait_authorized(&admin, "attackers", ns, group, res, "patch").await;
-        }
-    }
-    cp.client_as(MALLORY, &["attackers", "system:authenticated"])
-        .await
 }
 
 /// The webhook's decisions, read from its log: one JSON line each.
@@ -321,7 +286,7 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     l.with_held_claims(&["data"]).await;
     let markers_ns = cp.unique("surface-markers");
     cp.namespace(&markers_ns).await;
-    let m = mallory(cp, &[&l.namespace, &h.namespace]).await;
+    let m = common::editor::mallory(cp, &[&l.namespace, &h.namespace]).await;
     let gate = env.gate.as_ref().expect("gated").lock().unwrap().webhook.log.clone();
     let (lc, hc) = (l.name.clone(), h.name.clone());
     let mut walk = Walk {

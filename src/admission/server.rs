@@ -174,7 +174,8 @@ async fn answer(gate: &Gate, body: &[u8], endpoint: Endpoint) -> Response {
         verdict = verdict_label,
         reason = verdict.reason(),
         patched,
-        message,
+        // Not `message`: that is the event's own key in a JSON line.
+        refusal = message,
         micros = started.elapsed().as_micros() as u64,
         "admission decision"
     );

@@ -982,7 +982,7 @@ fn log_line_us(n: u64) -> f64 {
             verdict = "allowed",
             reason = "guards-passed",
             patched = false,
-            message = "",
+            refusal = "",
             micros = 12u64,
             "admission decision"
         );

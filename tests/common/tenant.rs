@@ -186,6 +186,23 @@ impl Tenant {
         t
     }
 
+    /// A handle on a parent `name` in `namespace` that a test makes itself,
+    /// not through the chart, and whose admin kubeconfig leads to `cluster`
+    /// (its own, or one it borrows). Call it before creating the parent:
+    /// its history starts here.
+    pub async fn attach(cp: &ControlPlane, namespace: &str, name: &str, cluster: &ClusterInfo) -> Tenant {
+        let management = cp.management_client().await;
+        let hrs = Api::namespaced_with(management.clone(), namespace, &helmrelease_resource());
+        Tenant {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            api: client_from(&cluster.kubeconfig).await,
+            cluster: cluster.clone(),
+            management,
+            history: ParentHistory::open(hrs, name).await,
+        }
+    }
+
     /// The parent release with Cozystack's labels (what its API writes for
     /// a Kubernetes application) and `body`.
     fn parent_object(&self, body: Value) -> DynamicObject {
