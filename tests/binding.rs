@@ -20,21 +20,8 @@ use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
 use volume_gate::record::Phase;
 
-/// Short bounds: a pass waits 10s for the PVs before Blocked.
 fn env() -> &'static common::Env {
-    let args = [
-        "--wait-bound",
-        "10s",
-        "--retry-base",
-        "1s",
-        "--retry-max",
-        "3s",
-        "--probe-timeout",
-        "3s",
-        "--lease-duration",
-        "4s",
-    ];
-    common::gated_with(args.map(String::from).to_vec())
+    common::gated_short()
 }
 
 fn merge(v: Value) -> Patch<Value> {

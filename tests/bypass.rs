@@ -16,21 +16,8 @@ use kube::core::ApiResource;
 use serde_json::{Value, json};
 use volume_gate::record::Phase;
 
-/// Short bounds: a pass waits 10s for the PVs before Blocked.
 fn env() -> &'static common::Env {
-    let args = [
-        "--wait-bound",
-        "10s",
-        "--retry-base",
-        "1s",
-        "--retry-max",
-        "3s",
-        "--probe-timeout",
-        "3s",
-        "--lease-duration",
-        "4s",
-    ];
-    common::gated_with(args.map(String::from).to_vec())
+    common::gated_short()
 }
 
 const PARENT_KIND: &str = "apps.cozystack.io/application.kind";
@@ -78,15 +65,6 @@ fn assert_refused<T: std::fmt::Debug>(
         assert!(err.contains(n), "{what}: the refusal names {n:?}: {err}");
     }
     err
-}
-
-/// Holds `t` in teardown, not done: its driver is stopped and it has a claim.
-async fn hold_in_teardown(t: &Tenant) {
-    let env = env();
-    t.with_held_claims(&["data"]).await;
-    t.set_driver(&env.sim, false).await;
-    t.delete_parent().await;
-    t.wait_inventory().await;
 }
 
 async fn finish(t: &Tenant) {
@@ -191,7 +169,7 @@ async fn a_parents_kind_label_added_to_a_child_in_teardown_is_refused() {
     let t = Tenant::create(env.cp, &env.cp.unique("childkind")).await;
     t.wait_custody().await;
     let m = mallory(&t).await;
-    hold_in_teardown(&t).await;
+    t.hold_in_teardown(&env.sim).await;
     let hrs: Api<DynamicObject> =
         Api::namespaced_with(m, &t.namespace, &common::gate::helmrelease_resource());
     let coredns = format!("{}-coredns", t.name);
@@ -386,7 +364,7 @@ async fn the_kcsi_controller_and_the_admin_kubeconfig_are_held_whatever_their_la
         )
         .await
         .expect("not an identity label");
-    hold_in_teardown(&t).await;
+    t.hold_in_teardown(&env.sim).await;
     // During it: the Deployment's Flux labels go too (Helm's annotations
     // still say whose it is, so it stays in its release: allowed).
     let flux_away = labels_patch(json!({FLUX: null, "helm.toolkit.fluxcd.io/namespace": null}));
@@ -422,7 +400,7 @@ async fn a_capi_cluster_of_any_name_labelled_for_the_tenant_is_held() {
     let cluster = json!({"apiVersion": "cluster.x-k8s.io/v1beta1", "kind": "Cluster",
         "metadata": {"name": extra, "namespace": t.namespace, "labels": {CAPI: t.name}}, "spec": {}});
     common::manifests::apply(&t.management, &cluster).await;
-    hold_in_teardown(&t).await;
+    t.hold_in_teardown(&env.sim).await;
     let clusters: Api<DynamicObject> = Api::namespaced_with(m, &t.namespace, &cluster_resource());
     let err = assert_refused(
         "DELETE of Cluster R-extra",

@@ -408,6 +408,18 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
             claims.patch("claim-daily", &pp, &merge(json!({"metadata": {"labels": {"cluster.x-k8s.io/cluster-name": null}}}))).await.map(drop),
         ),
         ("parent without custody: delete", api(&client, "tenant-newcomer", &hr()).delete("kubernetes-newcomer", &DeleteParams::default()).await.map(drop)),
+        (
+            "CSI release: retargeted",
+            releases.patch(&format!("{r}-csi"), &pp, &merge(json!({"spec": {"releaseName": "moved"}}))).await.map(drop),
+        ),
+        (
+            "parent: another chart",
+            releases.patch(&r, &pp, &merge(json!({"spec": {"chartRef": {"name": "elsewhere"}}}))).await.map(drop),
+        ),
+        (
+            "a release's status, not by helm-controller",
+            releases.patch_status(&format!("{r}-cilium"), &pp, &merge(json!({"status": {"storageNamespace": "default"}}))).await.map(drop),
+        ),
     ];
     let mut let_through = Vec::new();
     for (what, result) in &guarded {

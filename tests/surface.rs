@@ -21,19 +21,7 @@ use kube::core::ApiResource;
 use serde_json::{Value, json};
 
 fn env() -> &'static common::Env {
-    let args = [
-        "--wait-bound",
-        "10s",
-        "--retry-base",
-        "1s",
-        "--retry-max",
-        "3s",
-        "--probe-timeout",
-        "3s",
-        "--lease-duration",
-        "4s",
-    ];
-    common::gated_with(args.map(String::from).to_vec())
+    common::gated_short()
 }
 
 use common::editor::MALLORY;
@@ -181,16 +169,15 @@ impl Walk {
         name: &str,
         request: impl Future<Output = Result<T, kube::Error>>,
     ) {
-        let offset = self.decisions.offset();
-        let result = request.await.map(drop).map_err(|e| format!("refused: {e}"));
-        let lines = self.pass_barrier(offset).await;
-        let result = result.and_then(|()| {
-            lines
-                .iter()
-                .any(|l| l["name"] == name && l["verdict"] == "allowed" && l["endpoint"] == "validate")
-                .then_some(())
-                .ok_or_else(|| format!("allowed, but the gate never judged {name}"))
-        });
+        let result = self
+            .allowed_where(request, |lines| {
+                lines
+                    .iter()
+                    .any(|l| l["name"] == name && l["verdict"] == "allowed" && l["endpoint"] == "validate")
+                    .then_some(())
+                    .ok_or_else(|| format!("allowed, but the gate never judged {name}"))
+            })
+            .await;
         self.record(id, result);
     }
 
@@ -201,16 +188,27 @@ impl Walk {
         name: &str,
         request: impl Future<Output = Result<T, kube::Error>>,
     ) {
+        let result = self
+            .allowed_where(request, |lines| {
+                match lines.iter().find(|l| l["name"] == name && l["user"] == MALLORY) {
+                    Some(l) => Err(format!("sent to the gate: {l}")),
+                    None => Ok(()),
+                }
+            })
+            .await;
+        self.record(id, result);
+    }
+
+    /// Allowed, and `check` holds of the decisions logged while it was sent.
+    async fn allowed_where<T>(
+        &self,
+        request: impl Future<Output = Result<T, kube::Error>>,
+        check: impl Fn(&[Value]) -> Result<(), String>,
+    ) -> Result<(), String> {
         let offset = self.decisions.offset();
         let result = request.await.map(drop).map_err(|e| format!("refused: {e}"));
         let lines = self.pass_barrier(offset).await;
-        let result = result.and_then(|()| {
-            match lines.iter().find(|l| l["name"] == name && l["user"] == MALLORY) {
-                Some(l) => Err(format!("sent to the gate: {l}")),
-                None => Ok(()),
-            }
-        });
-        self.record(id, result);
+        result.and_then(|()| check(&lines))
     }
 
     /// Sends the barrier request and returns the decisions logged between
@@ -261,15 +259,6 @@ impl Walk {
 
 fn release_markers(t: &Tenant) -> Value {
     json!({RELEASE_NAME: t.name, RELEASE_NAMESPACE: t.namespace})
-}
-
-/// Holds `t` in teardown, not done: its driver is stopped and it has a claim.
-async fn hold_in_teardown(t: &Tenant) {
-    let env = env();
-    t.with_held_claims(&["data"]).await;
-    t.set_driver(&env.sim, false).await;
-    t.delete_parent().await;
-    t.wait_inventory().await;
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -338,7 +327,7 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
             .await
             .unwrap_or_else(|e| panic!("create {} {name}: {e}", ar.kind));
     }
-    hold_in_teardown(&h).await;
+    h.hold_in_teardown(&env.sim).await;
 
     // ---- The CSI release of the live tenant ----
     let l_hrs = hrs(&m, &l.namespace);

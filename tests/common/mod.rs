@@ -39,6 +39,28 @@ pub fn gated_with(worker_args: Vec<String>) -> &'static Env {
     ENV.get_or_init(|| start_env(Some(worker_args)))
 }
 
+/// As [`gated`], with short bounds for the attack tests (a pass waits 10s
+/// for the PVs before `Blocked`, retries within 1 to 3s): a tenant is held
+/// in teardown, `Blocked`, within seconds.
+pub fn gated_short() -> &'static Env {
+    gated_with(
+        [
+            "--wait-bound",
+            "10s",
+            "--retry-base",
+            "1s",
+            "--retry-max",
+            "3s",
+            "--probe-timeout",
+            "3s",
+            "--lease-duration",
+            "4s",
+        ]
+        .map(String::from)
+        .to_vec(),
+    )
+}
+
 /// Control plane and simulator without the gate: the world as it was.
 pub fn ungated() -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();

@@ -754,6 +754,15 @@ impl Tenant {
 
 impl Tenant {
     /// Claims in namespace `apps`, all mounted by one running Pod `holder`.
+    /// Holds the tenant in teardown, not done: a claim held by a Pod, its
+    /// driver stopped, its parent deleted, its inventory taken.
+    pub async fn hold_in_teardown(&self, sim: &super::sim::Simulator) {
+        self.with_held_claims(&["data"]).await;
+        self.set_driver(sim, false).await;
+        self.delete_parent().await;
+        self.wait_inventory().await;
+    }
+
     pub async fn with_held_claims(&self, claims: &[&str]) {
         self.tenant_namespace("apps").await;
         for c in claims {
