@@ -95,7 +95,16 @@ pub struct GuardedSpec {
     /// A label whose value is the parent's name.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub label: Option<String>,
+    /// A field of the object whose value is the parent's name, as a JSON
+    /// pointer; the gate reads [`CLUSTER_NAME_FIELD`] (Cluster API's link
+    /// from a machine to its cluster, which its controllers act on and its
+    /// webhooks keep immutable, where a label can be removed first).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub field: Option<String>,
 }
+
+/// Cluster API's `spec.clusterName`, the one field a guarded entry may name.
+pub const CLUSTER_NAME_FIELD: &str = "/spec/clusterName";
 
 /// How an object is known as part of a parent release: what Helm deletes on
 /// uninstall. Helm's ownership annotations name the release and its
@@ -374,8 +383,17 @@ impl Profile {
                     kind: kind.to_string(),
                     name: name.map(str::to_string),
                     label: label.map(str::to_string),
+                    field: None,
                 }
             };
+        let by_cluster_name = |kind: &str| GuardedSpec {
+            role: "the tenant's worker machines, which run the driver".into(),
+            group: "cluster.x-k8s.io".into(),
+            kind: kind.into(),
+            name: None,
+            label: None,
+            field: Some(CLUSTER_NAME_FIELD.into()),
+        };
         const CAPI_LABEL: &str = "cluster.x-k8s.io/cluster-name";
         const KCSI: &str = "{tenant}-kcsi";
         Self {
@@ -451,6 +469,10 @@ impl Profile {
                     None,
                     Some(CAPI_LABEL),
                 ),
+                // And by the field Cluster API itself acts on: the label
+                // can be removed before the teardown, the field cannot.
+                by_cluster_name("MachineDeployment"),
+                by_cluster_name("Machine"),
                 guarded(
                     "the tenant's admin kubeconfig, which the release phase needs",
                     "",
@@ -598,12 +620,14 @@ impl Profile {
             );
         }
         for (i, g) in self.guarded.iter().enumerate() {
-            match (&g.name, &g.label) {
-                (Some(n), None) if n.matches(TENANT_PLACEHOLDER).count() == 1 => {}
-                (None, Some(l)) if !l.is_empty() => {}
+            match (&g.name, &g.label, &g.field) {
+                (Some(n), None, None) if n.matches(TENANT_PLACEHOLDER).count() == 1 => {}
+                (None, Some(l), None) if !l.is_empty() => {}
+                (None, None, Some(f)) if f == CLUSTER_NAME_FIELD => {}
                 _ => {
                     return Err(format!(
-                        "guarded[{i}] ({}) needs exactly one of `name` (containing {TENANT_PLACEHOLDER} once) or `label`",
+                        "guarded[{i}] ({}) needs exactly one of `name` (containing {TENANT_PLACEHOLDER} once), \
+                         `label`, or `field` ({CLUSTER_NAME_FIELD}, the one field the gate reads)",
                         g.kind
                     ));
                 }

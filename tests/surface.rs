@@ -314,6 +314,31 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         .patch("driver-config", &PatchParams::default(), &unmark)
         .await
         .expect("outside teardown an object may leave its release");
+    // A child and a MachineDeployment taken out of everything that marks
+    // them (labels, Helm's and Flux's markers) while the tenant lives.
+    let unlabel = |label: &str| {
+        merge(json!({"metadata": {
+            "annotations": {RELEASE_NAME: null, RELEASE_NAMESPACE: null},
+            "labels": {label: null, "helm.toolkit.fluxcd.io/name": null, "helm.toolkit.fluxcd.io/namespace": null}}}))
+    };
+    let cilium = format!("{hc}-cilium");
+    walk.allowed(
+        "child.unlabel",
+        &cilium,
+        hrs(&m, &h.namespace).patch(&cilium, &PatchParams::default(), &unlabel(CHILD)),
+    )
+    .await;
+    let md0 = format!("{hc}-md0");
+    walk.allowed(
+        "machinedeployment.unlabel",
+        &md0,
+        dynamic(&m, &h.namespace, &capi("MachineDeployment", "machinedeployments")).patch(
+            &md0,
+            &PatchParams::default(),
+            &unlabel(CAPI),
+        ),
+    )
+    .await;
     // The Cluster API objects the fixture chart does not make.
     for (ar, name) in [
         (capi("Cluster", "clusters"), hc.clone()),
@@ -433,6 +458,11 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         "child.relabel",
         h_hrs.patch(&h_coredns, &dry_patch(), &merge(json!({"metadata": {"labels": {CHILD: null}}}))).await,
         &["relabel", "is being torn down"],
+    );
+    walk.refused(
+        "child.unlabelled-delete",
+        h_hrs.delete(&cilium, &dry_delete()).await,
+        &["is being torn down"],
     );
     walk.refused(
         "child.release-name",
@@ -666,7 +696,7 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     walk.refused(
         "machinedeployment.delete",
         dynamic(&m, &h.namespace, &capi("MachineDeployment", "machinedeployments"))
-            .delete(&format!("{hc}-md0"), &dry_delete())
+            .delete(&md0, &dry_delete())
             .await,
         &["worker machines"],
     );

@@ -4,6 +4,7 @@
 
 use std::collections::BTreeMap;
 
+use crate::admission::review::SpecView;
 use crate::profile::{GroupKind, Profile, is_object_name, tenant_from_name};
 use crate::record::{Keys, Record};
 
@@ -73,6 +74,53 @@ pub fn identities(
     name: &str,
     labels: &BTreeMap<String, String>,
 ) -> Vec<Target> {
+    identities_of(profile, kind, name, labels, &SpecView::default())
+}
+
+/// The fields of an object's spec that name its tenant where a label can
+/// be removed first: a release's kubeConfig Secret (it installs into that
+/// tenant), a machine's Cluster API `clusterName`.
+fn spec_tenants(profile: &Profile, kind: &GroupKind, spec: &SpecView) -> Vec<(Option<String>, String)> {
+    let mut out = Vec::new();
+    if *kind == profile.parent_kind()
+        && let Some(secret) = spec
+            .kube_config
+            .as_ref()
+            .and_then(|k| k.pointer("/secretRef/name"))
+            .and_then(serde_json::Value::as_str)
+        && let Some(tenant) = tenant_from_name(&profile.kubeconfig.secret_name, secret)
+    {
+        out.push((None, tenant));
+    }
+    if let Some(cluster) = spec
+        .cluster_name
+        .as_ref()
+        .and_then(serde_json::Value::as_str)
+        .filter(|c| !c.is_empty())
+    {
+        for g in profile.guarded.iter().filter(|g| {
+            g.group == kind.group
+                && g.kind == kind.kind
+                && g.field.as_deref() == Some(crate::profile::CLUSTER_NAME_FIELD)
+        }) {
+            out.push((Some(g.role.clone()), cluster.to_string()));
+        }
+    }
+    out
+}
+
+/// As [`identities`], with the spec fields that name a tenant too
+/// ([`spec_tenants`]): a child that installs into a tenant with its admin
+/// kubeconfig is its child whatever its labels; a machine of a tenant's
+/// Cluster API cluster is guarded whatever its labels.
+pub fn identities_of(
+    profile: &Profile,
+    kind: &GroupKind,
+    name: &str,
+    labels: &BTreeMap<String, String>,
+    spec: &SpecView,
+) -> Vec<Target> {
+    let from_spec = spec_tenants(profile, kind, spec);
     let mut out: Vec<Target> = Vec::new();
     let mut push = |t: Target| {
         // A marker that names no tenant that can exist protects nothing.
@@ -104,6 +152,9 @@ pub fn identities(
                 tenant: tenant.clone(),
             });
         }
+        for (_, tenant) in from_spec {
+            push(Target::Child { tenant });
+        }
         return out;
     }
     for g in profile
@@ -114,6 +165,7 @@ pub fn identities(
         let tenant = match (&g.name, &g.label) {
             (Some(pattern), _) => tenant_from_name(pattern, name),
             (None, Some(label)) => labels.get(label).filter(|t| !t.is_empty()).cloned(),
+            // By a field: `from_spec`, below.
             (None, None) => None,
         };
         if let Some(tenant) = tenant {
@@ -121,6 +173,11 @@ pub fn identities(
                 tenant,
                 role: g.role.clone(),
             });
+        }
+    }
+    for (role, tenant) in from_spec {
+        if let Some(role) = role {
+            push(Target::Guarded { tenant, role });
         }
     }
     if let Some(infra) = profile
@@ -634,8 +691,21 @@ pub fn relabel_targets(
     old: &BTreeMap<String, String>,
     new: &BTreeMap<String, String>,
 ) -> Vec<Target> {
-    let before = identities(profile, kind, name, old);
-    let after = identities(profile, kind, name, new);
+    let none = SpecView::default();
+    relabel_targets_of(profile, kind, name, (old, &none), (new, &none))
+}
+
+/// As [`relabel_targets`], the spec fields that name a tenant included:
+/// changing one (a machine's `clusterName`) is a relabel too.
+pub fn relabel_targets_of(
+    profile: &Profile,
+    kind: &GroupKind,
+    name: &str,
+    (old, old_spec): (&BTreeMap<String, String>, &SpecView),
+    (new, new_spec): (&BTreeMap<String, String>, &SpecView),
+) -> Vec<Target> {
+    let before = identities_of(profile, kind, name, old, old_spec);
+    let after = identities_of(profile, kind, name, new, new_spec);
     let relabelled = identity_labels(profile, kind)
         .iter()
         .any(|k| old.get(*k) != new.get(*k))

@@ -140,7 +140,7 @@ impl Gate {
                     req.user_info.username.as_deref() == Some(NAMESPACE_CONTROLLER);
                 let subject = Subject::delete(&kind, namespace, name);
                 let mut judged = Vec::new();
-                let ids = decide::identities(&self.profile, &kind, name, &labels);
+                let ids = decide::identities_of(&self.profile, &kind, name, &labels, &old.spec);
                 for target in decide::with_release_identity(
                     ids,
                     namespace,
@@ -216,7 +216,17 @@ impl Gate {
                     let old = review::labels_of(req.old_object.as_ref());
                     let new = review::labels_of(req.object.as_ref());
                     let subject = Subject::delete(&kind, namespace, name).with_action("relabel");
-                    for target in decide::relabel_targets(&self.profile, &kind, name, &old, &new) {
+                    let (old_spec, new_spec) = (
+                        req.old_object.as_ref().map(|o| &o.spec).cloned().unwrap_or_default(),
+                        req.object.as_ref().map(|o| &o.spec).cloned().unwrap_or_default(),
+                    );
+                    for target in decide::relabel_targets_of(
+                        &self.profile,
+                        &kind,
+                        name,
+                        (&old, &old_spec),
+                        (&new, &new_spec),
+                    ) {
                         let tenant = target
                             .tenant()
                             .expect("a dependent has a tenant")
@@ -294,8 +304,9 @@ impl Gate {
         }
         let action = decide::removal_action(&removals);
         let subject = Subject::delete(kind, namespace, name).with_action(&action);
-        let mut targets = decide::identities(&self.profile, kind, name, &review::labels_of(Some(old)));
-        for t in decide::identities(&self.profile, kind, name, &review::labels_of(Some(new))) {
+        let mut targets =
+            decide::identities_of(&self.profile, kind, name, &review::labels_of(Some(old)), &old.spec);
+        for t in decide::identities_of(&self.profile, kind, name, &review::labels_of(Some(new)), &new.spec) {
             if !targets.contains(&t) {
                 targets.push(t);
             }

@@ -35,9 +35,9 @@ pub struct Object {
     pub spec: SpecView,
 }
 
-/// The spec fields of a Flux HelmRelease that `decide::flux` judges, as
-/// sent; every other key (values above all, up to megabytes) is skipped
-/// unread. Any JSON is accepted: a `spec` that is not an object (another
+/// The spec fields the decisions read, as sent: a Flux HelmRelease's
+/// placement (`decide::flux`) and Cluster API's `clusterName`; every other
+/// key (values above all, up to megabytes) is skipped unread. Any JSON is accepted: a `spec` that is not an object (another
 /// kind's) has none of them.
 #[derive(Clone, Debug, Default, PartialEq, Serialize)]
 #[serde(rename_all = "camelCase")]
@@ -60,6 +60,10 @@ pub struct SpecView {
     pub upgrade: Option<Value>,
     #[serde(skip_serializing_if = "Option::is_none")]
     pub test: Option<Value>,
+    /// Cluster API's link from a machine to its cluster
+    /// (`profile::CLUSTER_NAME_FIELD`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub cluster_name: Option<Value>,
 }
 
 impl SpecView {
@@ -91,6 +95,7 @@ impl<'de> Deserialize<'de> for SpecView {
                         "install" => &mut s.install,
                         "upgrade" => &mut s.upgrade,
                         "test" => &mut s.test,
+                        "clusterName" => &mut s.cluster_name,
                         _ => {
                             map.next_value::<IgnoredAny>()?;
                             continue;

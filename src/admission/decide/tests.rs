@@ -1,6 +1,7 @@
 //! Every row of the decision table and every guard, named for the behaviour.
 
 use super::*;
+use crate::admission::review::SpecView;
 use crate::record::{Inventory, Volume};
 
 const NS: &str = "tenant-acme";
@@ -384,13 +385,19 @@ fn every_guarded_entry_of_the_cozystack_profile_is_reachable() {
     let p = profile();
     for (i, g) in p.guarded.iter().enumerate() {
         let kind = GroupKind::new(&g.group, &g.kind);
-        let (name, l) = match (&g.name, &g.label) {
-            (Some(pattern), None) => (pattern.replace("{tenant}", R), BTreeMap::new()),
+        let mut spec = SpecView::default();
+        let (name, l) = match (&g.name, &g.label, &g.field) {
+            (Some(pattern), None, None) => (pattern.replace("{tenant}", R), BTreeMap::new()),
             // Named for some other tenant, labelled for R.
-            (None, Some(label)) => (format!("{R}-extra-{i}"), labels(&[(label.as_str(), R)])),
+            (None, Some(label), None) => (format!("{R}-extra-{i}"), labels(&[(label.as_str(), R)])),
+            // Named for some other tenant, unlabelled, of R's cluster.
+            (None, None, Some(_)) => {
+                spec.cluster_name = Some(serde_json::json!(R));
+                (format!("{R}-extra-{i}"), BTreeMap::new())
+            }
             other => panic!("guarded[{i}] {other:?}"),
         };
-        let ids = identities(&p, &kind, &name, &l);
+        let ids = identities_of(&p, &kind, &name, &l, &spec);
         assert!(
             ids.iter().any(
                 |t| matches!(t, Target::Guarded { tenant, role } if tenant == R && *role == g.role)
@@ -1583,4 +1590,63 @@ fn only_the_controller_writes_a_releases_status() {
             "{msg}"
         );
     }
+}
+
+#[test]
+fn a_child_by_its_kubeconfig_and_a_machine_by_its_cluster_name_whatever_their_labels() {
+    let p = profile();
+    let spec = |v: serde_json::Value| -> SpecView { serde_json::from_value(v).unwrap() };
+    // A release that installs into the tenant with its admin kubeconfig is
+    // its child, its child label removed or not.
+    let installs = spec(serde_json::json!({"kubeConfig": {"secretRef": {"name": format!("{R}-admin-kubeconfig"), "key": "super-admin.svc"}}}));
+    assert_eq!(
+        identities_of(&p, &hr(), "kubernetes-prod-cilium", &BTreeMap::new(), &installs),
+        vec![child()]
+    );
+    assert_eq!(
+        identities_of(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &installs),
+        vec![child()],
+        "one identity per tenant"
+    );
+    // A machine of the tenant's cluster, by Cluster API's own field.
+    let md = GroupKind::new("cluster.x-k8s.io", "MachineDeployment");
+    let of_cluster = spec(serde_json::json!({"clusterName": R, "replicas": 1}));
+    assert_eq!(
+        identities_of(&p, &md, "md0", &BTreeMap::new(), &of_cluster),
+        vec![Target::Guarded {
+            tenant: R.into(),
+            role: "the tenant's worker machines, which run the driver".into()
+        }]
+    );
+    // Other kinds' clusterName, and names of no tenant, are nothing.
+    let cm = GroupKind::new("", "ConfigMap");
+    assert!(identities_of(&p, &cm, "x", &BTreeMap::new(), &of_cluster).is_empty());
+    let bad = spec(serde_json::json!({"clusterName": "Not_A_Tenant"}));
+    assert!(identities_of(&p, &md, "md0", &BTreeMap::new(), &bad).is_empty());
+    // Changing the field is a relabel, judged like the delete.
+    let moved = spec(serde_json::json!({"clusterName": "kubernetes-other"}));
+    let targets = relabel_targets_of(
+        &p,
+        &md,
+        "md0",
+        (&BTreeMap::new(), &of_cluster),
+        (&BTreeMap::new(), &moved),
+    );
+    assert_eq!(targets.len(), 2, "{targets:?}");
+    // Removing the label while the field stays: still judged (the label
+    // decides identity), the tenant unchanged.
+    let labelled = labels(&[("cluster.x-k8s.io/cluster-name", R)]);
+    assert_eq!(
+        relabel_targets_of(
+            &p,
+            &md,
+            "md0",
+            (&labelled, &of_cluster),
+            (&BTreeMap::new(), &of_cluster)
+        ),
+        vec![Target::Guarded {
+            tenant: R.into(),
+            role: "the tenant's worker machines, which run the driver".into()
+        }]
+    );
 }
