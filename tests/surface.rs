@@ -87,27 +87,36 @@ impl Decisions {
         self.text().len()
     }
 
-    /// The decision lines after `offset`.
-    fn since(&self, offset: usize) -> Vec<Value> {
+    /// The decision lines after `offset`, each with the offset just past it.
+    fn since(&self, offset: usize) -> Vec<(usize, Value)> {
         let text = self.text();
-        text.get(offset..)
-            .unwrap_or_default()
-            .lines()
-            .filter_map(|l| serde_json::from_str::<Value>(l).ok())
-            .filter(|v| v["message"] == "admission decision")
-            .collect()
+        let mut at = offset;
+        let mut out = Vec::new();
+        for line in text.get(offset..).unwrap_or_default().split_inclusive('\n') {
+            at += line.len();
+            if let Ok(v) = serde_json::from_str::<Value>(line.trim_end())
+                && v["message"] == "admission decision"
+            {
+                out.push((at, v));
+            }
+        }
+        out
     }
 
-    /// Waits until a decision after `offset` matches `what`, and returns
-    /// the lines up to it. The log is written in order by one thread, so a
-    /// request reviewed before the matching one has its line before it.
-    async fn until(&self, offset: usize, what: impl Fn(&Value) -> bool) -> Vec<Value> {
+    /// Waits until a decision after `offset` matches `what`; returns the
+    /// lines before it and the offset just past it. The log is written in
+    /// order by one thread, so a request reviewed before the matching one
+    /// has its line before it.
+    async fn until(&self, offset: usize, what: impl Fn(&Value) -> bool) -> (Vec<Value>, usize) {
         common::wait::eventually("a decision in the webhook's log", Duration::from_secs(90), || {
             let lines = self.since(offset);
-            let found = lines.iter().position(&what);
+            let found = lines.iter().position(|(_, l)| what(l));
             async move {
                 match found {
-                    Some(i) => Ok(lines[..i].to_vec()),
+                    Some(i) => Ok((
+                        lines[..i].iter().map(|(_, l)| l.clone()).collect(),
+                        lines[i].0,
+                    )),
                     None => Err(format!("{} decisions since, none matching", lines.len())),
                 }
             }
@@ -120,9 +129,10 @@ impl Decisions {
 struct Walk {
     results: BTreeMap<String, Result<(), String>>,
     decisions: Decisions,
-    /// A request always reviewed (a dry-run DELETE of the live tenant's CSI
-    /// release by mallory): its log line marks how far the log has come.
-    barrier: (Api<DynamicObject>, String),
+    /// A request reviewed by exactly one webhook (a dry-run DELETE of the
+    /// live tenant's admin kubeconfig by mallory, allowed outside teardown
+    /// and changing nothing): its log line marks how far the log has come.
+    barrier: (Api<Secret>, String),
 }
 
 fn refusal_of<T>(r: Result<T, kube::Error>) -> Result<String, String> {
@@ -205,25 +215,29 @@ impl Walk {
         request: impl Future<Output = Result<T, kube::Error>>,
         check: impl Fn(&[Value]) -> Result<(), String>,
     ) -> Result<(), String> {
-        let offset = self.decisions.offset();
+        let offset = self.settle().await;
         let result = request.await.map(drop).map_err(|e| format!("refused: {e}"));
-        let lines = self.pass_barrier(offset).await;
+        let (lines, _) = self.pass_barrier(offset).await;
         result.and_then(|()| check(&lines))
     }
 
     /// Sends the barrier request and returns the decisions logged between
     /// `offset` and it.
-    async fn pass_barrier(&self, offset: usize) -> Vec<Value> {
+    async fn pass_barrier(&self, offset: usize) -> (Vec<Value>, usize) {
         let (api, name) = &self.barrier;
-        assert!(
-            api.delete(name, &dry_delete()).await.is_err(),
-            "the barrier request is refused"
-        );
+        api.delete(name, &dry_delete())
+            .await
+            .expect("the barrier request is allowed");
         self.decisions
             .until(offset, |l| {
                 l["name"] == name.as_str() && l["user"] == MALLORY && l["operation"] == "DELETE"
             })
             .await
+    }
+
+    /// The log offset past every decision of the requests sent so far.
+    async fn settle(&self) -> usize {
+        self.pass_barrier(self.decisions.offset()).await.1
     }
 
     fn finish(self) {
@@ -281,7 +295,10 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     let mut walk = Walk {
         results: BTreeMap::new(),
         decisions: Decisions { log: gate },
-        barrier: (hrs(&m, &l.namespace), format!("{lc}-csi")),
+        barrier: (
+            Api::namespaced(m.clone(), &l.namespace),
+            format!("{lc}-admin-kubeconfig"),
+        ),
     };
 
     // ---- H before its teardown: what an editor may do while it lives ----
@@ -759,7 +776,7 @@ async fn csi_owned_by_a_deleted_object(
         .patch(&csi, &PatchParams::default(), &owned)
         .await
         .map_err(|e| format!("an ownerReference is not a removal, yet: {e}"))?;
-    let offset = walk.decisions.offset();
+    let offset = walk.settle().await;
     cms.delete("owner", &DeleteParams::default())
         .await
         .map_err(|e| format!("delete the owner: {e}"))?;

@@ -211,6 +211,13 @@ impl Gate {
             }
             Operation::Create | Operation::Update => {
                 let mut judged = Vec::new();
+                // A change that makes helm-controller uninstall the release
+                // (first: its refusal says most about such a change).
+                if kind == self.profile.parent_kind()
+                    && let (Some(old), Some(new)) = (req.old_object.as_ref(), req.object.as_ref())
+                {
+                    judged.extend(self.judge_removal(&kind, namespace, name, old, new).await);
+                }
                 // A change of what the object is: judged like the delete it enables.
                 if req.operation == Operation::Update {
                     let old = review::labels_of(req.old_object.as_ref());
@@ -262,9 +269,6 @@ impl Gate {
                     }
                 }
                 if kind == self.profile.parent_kind() {
-                    if let (Some(old), Some(new)) = (req.old_object.as_ref(), req.object.as_ref()) {
-                        judged.extend(self.judge_removal(&kind, namespace, name, old, new).await);
-                    }
                     judged.push(self.guard_release(req, &kind, namespace, name).await);
                 }
                 let objects = [req.old_object.as_ref(), req.object.as_ref()];
