@@ -76,8 +76,7 @@ impl Space {
             "its annotations hold {} of the {ANNOTATIONS_LIMIT} bytes Kubernetes allows, {} of them not the record's \
              (largest: {largest}); free them with `kubectl annotate {parent} {remove}`, or, if the annotations are \
              small, shrink the release's values: the whole object is at etcd's size limit",
-            self.total,
-            self.others,
+            self.total, self.others,
         )
     }
 }
@@ -415,7 +414,10 @@ mod tests {
         let keys = Keys::new("volumes.cozystack.io/");
         let annotations = BTreeMap::from([
             ("volumes.cozystack.io/volumes".to_string(), "v".repeat(1000)),
-            ("volumes.cozystack.io/phase".to_string(), "Releasing".to_string()),
+            (
+                "volumes.cozystack.io/phase".to_string(),
+                "Releasing".to_string(),
+            ),
             ("filler/a".to_string(), "x".repeat(5000)),
             ("filler/b".to_string(), "x".repeat(7000)),
             ("small".to_string(), "y".to_string()),

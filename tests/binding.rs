@@ -47,10 +47,17 @@ async fn paper_parent(client: &kube::Client, ns: &str, r: &str) {
             "apps.cozystack.io/application.kind": "Kubernetes",
             "apps.cozystack.io/application.group": "apps.cozystack.io"}},
         "spec": common::flux::inert_spec("kubernetes")});
-    Api::<DynamicObject>::namespaced_with(client.clone(), ns, &common::gate::helmrelease_resource())
-        .create(&PostParams::default(), &serde_json::from_value(parent).unwrap())
-        .await
-        .expect("create a parent");
+    Api::<DynamicObject>::namespaced_with(
+        client.clone(),
+        ns,
+        &common::gate::helmrelease_resource(),
+    )
+    .create(
+        &PostParams::default(),
+        &serde_json::from_value(parent).unwrap(),
+    )
+    .await
+    .expect("create a parent");
 }
 
 /// `r`'s admin kubeconfig Secret in `ns`, holding `kubeconfig`.
@@ -100,7 +107,11 @@ async fn a_second_parent_with_a_copy_of_a_bound_tenants_kubeconfig_can_delete_no
     cp.namespace(&ns).await;
     let m = common::editor::mallory(cp, &[&ns]).await;
     let copy = std::fs::read(&victim.cluster.kubeconfig).expect("the victim's kubeconfig");
-    let endpoint = victim.cluster.server.trim_start_matches("https://").to_string();
+    let endpoint = victim
+        .cluster
+        .server
+        .trim_start_matches("https://")
+        .to_string();
     let (borrower, stranger) = ("kubernetes-borrower", "kubernetes-stranger");
     let b = Tenant::attach(cp, &ns, borrower, &victim.cluster).await;
     kubeconfig_secret(&m, &ns, borrower, &copy).await;
@@ -109,7 +120,9 @@ async fn a_second_parent_with_a_copy_of_a_bound_tenants_kubeconfig_can_delete_no
     // It is bound all the same (the victim's passes must see the claim),
     // and said to be in conflict at once, long before any teardown.
     let note = b
-        .wait_event("Warning", "ClusterConflict", |n| n.contains("bound to another parent too"))
+        .wait_event("Warning", "ClusterConflict", |n| {
+            n.contains("bound to another parent too")
+        })
         .await;
     assert!(
         note.contains(&format!("{}/{}", victim.namespace, victim.name)),
@@ -145,7 +158,9 @@ async fn a_second_parent_with_a_copy_of_a_bound_tenants_kubeconfig_can_delete_no
     // until an operator settles it: an override on the borrower, which then
     // goes, and the victim's own teardown finishes.
     victim.delete_parent().await;
-    let record = victim.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
+    let record = victim
+        .wait_phase(Phase::Blocked, Duration::from_secs(60))
+        .await;
     let message = record.message.unwrap_or_default();
     assert!(
         message.contains(&format!("{ns}/{borrower}")),
@@ -153,7 +168,9 @@ async fn a_second_parent_with_a_copy_of_a_bound_tenants_kubeconfig_can_delete_no
     );
     for t in [&b, &s] {
         t.grant_override("operators").await;
-        let operator = cp.client_as("olivia", &["operators", "system:authenticated"]).await;
+        let operator = cp
+            .client_as("olivia", &["operators", "system:authenticated"])
+            .await;
         t.annotate_override(&operator, "a copy of another tenant's kubeconfig")
             .await
             .expect("an authorized override");
@@ -161,7 +178,9 @@ async fn a_second_parent_with_a_copy_of_a_bound_tenants_kubeconfig_can_delete_no
     }
     victim.wait_parent_gone(Duration::from_secs(180)).await;
     assert!(
-        env.sim.volumes_of(&victim.namespace, &victim.name).is_empty(),
+        env.sim
+            .volumes_of(&victim.namespace, &victim.name)
+            .is_empty(),
         "the victim's own teardown freed its volume"
     );
 }
@@ -216,11 +235,12 @@ async fn fake_api_server(uid: &str) -> FakeApiServer {
                 let Ok(tls) = acceptor.accept(tcp).await else {
                     return;
                 };
-                let service = hyper::service::service_fn(move |req: http::Request<hyper::body::Incoming>| {
-                    let path = req.uri().path().to_string();
-                    let uid = uid.clone();
-                    async move {
-                        let body = match path.as_str() {
+                let service = hyper::service::service_fn(
+                    move |req: http::Request<hyper::body::Incoming>| {
+                        let path = req.uri().path().to_string();
+                        let uid = uid.clone();
+                        async move {
+                            let body = match path.as_str() {
                             "/readyz" => "ok".to_string(),
                             "/api/v1/namespaces/kube-system" => json!({"apiVersion": "v1", "kind": "Namespace",
                                 "metadata": {"name": "kube-system", "uid": uid}})
@@ -228,17 +248,20 @@ async fn fake_api_server(uid: &str) -> FakeApiServer {
                             _ => json!({"apiVersion": "v1", "kind": "List", "metadata": {}, "items": []})
                                 .to_string(),
                         };
-                        Ok::<_, std::convert::Infallible>(
-                            http::Response::builder()
-                                .header("content-type", "application/json")
-                                .body(http_body_util::Full::new(bytes::Bytes::from(body)))
-                                .unwrap(),
-                        )
-                    }
-                });
-                let _ = hyper_util::server::conn::auto::Builder::new(hyper_util::rt::TokioExecutor::new())
-                    .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
-                    .await;
+                            Ok::<_, std::convert::Infallible>(
+                                http::Response::builder()
+                                    .header("content-type", "application/json")
+                                    .body(http_body_util::Full::new(bytes::Bytes::from(body)))
+                                    .unwrap(),
+                            )
+                        }
+                    },
+                );
+                let _ = hyper_util::server::conn::auto::Builder::new(
+                    hyper_util::rt::TokioExecutor::new(),
+                )
+                .serve_connection(hyper_util::rt::TokioIo::new(tls), service)
+                .await;
             });
         }
     });
@@ -272,8 +295,10 @@ async fn a_server_answering_with_a_tenants_uid_but_certified_by_another_ca_is_an
         .patch(
             &secret,
             &PatchParams::default(),
-            &merge(json!({"data": {"super-admin.svc": base64(kubeconfig.as_bytes()),
-                                    "super-admin.conf": base64(kubeconfig.as_bytes())}})),
+            &merge(
+                json!({"data": {"super-admin.svc": base64(kubeconfig.as_bytes()),
+                                    "super-admin.conf": base64(kubeconfig.as_bytes())}}),
+            ),
         )
         .await
         .expect("the Secret's data may change (Kamaji rotates it)");
@@ -315,8 +340,11 @@ async fn a_parent_with_no_room_for_its_record_says_so_and_deletes_nothing_until_
     t.with_held_claims(&["data"]).await;
     t.wait_cluster_bound().await;
     let m = common::editor::mallory(cp, &[&t.namespace]).await;
-    let hrs: Api<DynamicObject> =
-        Api::namespaced_with(m.clone(), &t.namespace, &common::gate::helmrelease_resource());
+    let hrs: Api<DynamicObject> = Api::namespaced_with(
+        m.clone(),
+        &t.namespace,
+        &common::gate::helmrelease_resource(),
+    );
 
     // Fill the parent's annotations to 16 bytes short of Kubernetes' limit:
     // no record key fits any more.
@@ -352,20 +380,18 @@ async fn a_parent_with_no_room_for_its_record_says_so_and_deletes_nothing_until_
     let note = t
         .wait_event("Warning", "RecordNotWritten", |n| n.contains("too large"))
         .await;
-    for needle in ["kubectl annotate", "filler-", "Nothing of the tenant is deleted"] {
+    for needle in [
+        "kubectl annotate",
+        "filler-",
+        "Nothing of the tenant is deleted",
+    ] {
         assert!(note.contains(needle), "{needle:?}: {note}");
     }
     let record = t.record().await;
     assert_eq!(record.phase, None, "no phase could be written");
     assert!(record.inventory.is_none());
     claim_untouched(&t).await;
-    let metrics = env
-        .gate
-        .as_ref()
-        .unwrap()
-        .lock()
-        .unwrap()
-        .worker_admin;
+    let metrics = env.gate.as_ref().unwrap().lock().unwrap().worker_admin;
     let (_, text) = common::gate::http_get(metrics, "/metrics").await.unwrap();
     assert!(
         text.contains(r#"volume_gate_reconcile_errors_total{error="record-too-large"}"#),

@@ -780,7 +780,9 @@ async fn the_parent_releases_objects_are_held_in_teardown_and_none_can_be_taken_
                 if s.message.contains("volume-gate")
                     && s.message.contains(&format!("tenant {r} "))
                     && (s.message.contains("parent release")
-                        || s.message.contains("the identity the tenant's CSI controller frees disks with")) => {}
+                        || s.message.contains(
+                            "the identity the tenant's CSI controller frees disks with",
+                        )) => {}
             other => let_through.push(format!(
                 "DELETE {} {name}: {:?}",
                 ar.kind,

@@ -409,9 +409,8 @@ fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
     profile_names.push(p.parent.name_prefix.clone());
     profile_names.extend(p.parent.controllers.iter().cloned());
     // Flux's own field names, which the gate judges (decide::flux).
-    profile_names.extend(
-        volume_gate::admission::decide::flux::TOP_LEVEL_FIELDS.map(str::to_string),
-    );
+    profile_names
+        .extend(volume_gate::admission::decide::flux::TOP_LEVEL_FIELDS.map(str::to_string));
     profile_names.extend(volume_gate::admission::decide::release_keys(&p).map(str::to_string));
     profile_names.extend(p.guarded.iter().filter_map(|g| g.label.clone()));
     profile_names.extend(p.infra.iter().flat_map(|i| i.labels.keys().cloned()));

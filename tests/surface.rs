@@ -108,19 +108,23 @@ impl Decisions {
     /// order by one thread, so a request reviewed before the matching one
     /// has its line before it.
     async fn until(&self, offset: usize, what: impl Fn(&Value) -> bool) -> (Vec<Value>, usize) {
-        common::wait::eventually("a decision in the webhook's log", Duration::from_secs(90), || {
-            let lines = self.since(offset);
-            let found = lines.iter().position(|(_, l)| what(l));
-            async move {
-                match found {
-                    Some(i) => Ok((
-                        lines[..i].iter().map(|(_, l)| l.clone()).collect(),
-                        lines[i].0,
-                    )),
-                    None => Err(format!("{} decisions since, none matching", lines.len())),
+        common::wait::eventually(
+            "a decision in the webhook's log",
+            Duration::from_secs(90),
+            || {
+                let lines = self.since(offset);
+                let found = lines.iter().position(|(_, l)| what(l));
+                async move {
+                    match found {
+                        Some(i) => Ok((
+                            lines[..i].iter().map(|(_, l)| l.clone()).collect(),
+                            lines[i].0,
+                        )),
+                        None => Err(format!("{} decisions since, none matching", lines.len())),
+                    }
                 }
-            }
-        })
+            },
+        )
         .await
     }
 }
@@ -183,7 +187,11 @@ impl Walk {
             .allowed_where(request, |lines| {
                 lines
                     .iter()
-                    .any(|l| l["name"] == name && l["verdict"] == "allowed" && l["endpoint"] == "validate")
+                    .any(|l| {
+                        l["name"] == name
+                            && l["verdict"] == "allowed"
+                            && l["endpoint"] == "validate"
+                    })
                     .then_some(())
                     .ok_or_else(|| format!("allowed, but the gate never judged {name}"))
             })
@@ -200,7 +208,10 @@ impl Walk {
     ) {
         let result = self
             .allowed_where(request, |lines| {
-                match lines.iter().find(|l| l["name"] == name && l["user"] == MALLORY) {
+                match lines
+                    .iter()
+                    .find(|l| l["name"] == name && l["user"] == MALLORY)
+                {
                     Some(l) => Err(format!("sent to the gate: {l}")),
                     None => Ok(()),
                 }
@@ -246,7 +257,9 @@ impl Walk {
         let rows: BTreeSet<&String> = table.iter().collect();
         let mut problems: Vec<String> = Vec::new();
         for id in rows.difference(&walked) {
-            problems.push(format!("{id}: a row of docs/reliability.md with no case in tests/surface.rs"));
+            problems.push(format!(
+                "{id}: a row of docs/reliability.md with no case in tests/surface.rs"
+            ));
         }
         for id in walked.difference(&rows) {
             problems.push(format!("{id}: a case with no row in docs/reliability.md"));
@@ -290,7 +303,15 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     let markers_ns = cp.unique("surface-markers");
     cp.namespace(&markers_ns).await;
     let m = common::editor::mallory(cp, &[&l.namespace, &h.namespace]).await;
-    let gate = env.gate.as_ref().expect("gated").lock().unwrap().webhook.log.clone();
+    let gate = env
+        .gate
+        .as_ref()
+        .expect("gated")
+        .lock()
+        .unwrap()
+        .webhook
+        .log
+        .clone();
     let (lc, hc) = (l.name.clone(), h.name.clone());
     let mut walk = Walk {
         results: BTreeMap::new(),
@@ -317,7 +338,10 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     // as large as a ConfigMap can be (six times that in a review's JSON).
     let h_cms: Api<ConfigMap> = Api::namespaced(admin.clone(), &h.namespace);
     for (name, data) in [
-        ("driver-config", json!({"infraStorageClassEnforcement": "allowAll: true"})),
+        (
+            "driver-config",
+            json!({"infraStorageClassEnforcement": "allowAll: true"}),
+        ),
         ("large", json!({"padding": "<".repeat(1000 * 1024)})),
     ] {
         let cm = json!({"apiVersion": "v1", "kind": "ConfigMap",
@@ -349,11 +373,12 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     walk.allowed(
         "machinedeployment.unlabel",
         &md0,
-        dynamic(&m, &h.namespace, &capi("MachineDeployment", "machinedeployments")).patch(
-            &md0,
-            &PatchParams::default(),
-            &unlabel(CAPI),
-        ),
+        dynamic(
+            &m,
+            &h.namespace,
+            &capi("MachineDeployment", "machinedeployments"),
+        )
+        .patch(&md0, &PatchParams::default(), &unlabel(CAPI)),
     )
     .await;
     // The Cluster API objects the fixture chart does not make.
@@ -382,20 +407,45 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     walk.refused(
         "csi.deletecollection",
         l_hrs
-            .delete_collection(&dry_delete(), &ListParams::default().labels(&format!("{CHILD}={lc}")))
+            .delete_collection(
+                &dry_delete(),
+                &ListParams::default().labels(&format!("{CHILD}={lc}")),
+            )
             .await,
         &["CSI driver release"],
     );
     walk.refused(
         "csi.relabel",
-        l_hrs.patch(&csi, &dry_patch(), &merge(json!({"metadata": {"labels": {CHILD: null}}}))).await,
+        l_hrs
+            .patch(
+                &csi,
+                &dry_patch(),
+                &merge(json!({"metadata": {"labels": {CHILD: null}}})),
+            )
+            .await,
         &["relabel", &csi],
     );
     for (id, spec, says) in [
-        ("csi.release-name", json!({"releaseName": "moved"}), "its Helm release name"),
-        ("csi.target-namespace", json!({"targetNamespace": "default"}), "its target namespace"),
-        ("csi.storage-namespace", json!({"storageNamespace": "default"}), "its storage namespace"),
-        ("csi.chart", json!({"chartRef": {"name": "chart-demo"}}), "the chart it installs"),
+        (
+            "csi.release-name",
+            json!({"releaseName": "moved"}),
+            "its Helm release name",
+        ),
+        (
+            "csi.target-namespace",
+            json!({"targetNamespace": "default"}),
+            "its target namespace",
+        ),
+        (
+            "csi.storage-namespace",
+            json!({"storageNamespace": "default"}),
+            "its storage namespace",
+        ),
+        (
+            "csi.chart",
+            json!({"chartRef": {"name": "chart-demo"}}),
+            "the chart it installs",
+        ),
         (
             "csi.kubeconfig",
             json!({"kubeConfig": {"secretRef": {"name": "kubernetes-other-admin-kubeconfig"}}}),
@@ -414,7 +464,9 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     ] {
         walk.refused(
             id,
-            l_hrs.patch(&csi, &dry_patch(), &merge(json!({"spec": spec}))).await,
+            l_hrs
+                .patch(&csi, &dry_patch(), &merge(json!({"spec": spec})))
+                .await,
             &["CSI driver release", says],
         );
     }
@@ -426,42 +478,69 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     };
     walk.refused(
         "csi.status",
-        l_hrs.patch_status(&csi, &dry_patch(), &forged_status("cilium")).await,
+        l_hrs
+            .patch_status(&csi, &dry_patch(), &forged_status("cilium"))
+            .await,
         &["only its controller", "cozy-fluxcd:helm-controller"],
     );
     walk.unsent(
         "csi.values",
         &csi,
-        l_hrs.patch(&csi, &dry_patch(), &merge(json!({"spec": {"values": {"extra": 1}}}))),
+        l_hrs.patch(
+            &csi,
+            &dry_patch(),
+            &merge(json!({"spec": {"values": {"extra": 1}}})),
+        ),
     )
     .await;
     walk.unsent(
         "csi.suspend",
         &csi,
-        l_hrs.patch(&csi, &dry_patch(), &merge(json!({"spec": {"suspend": true}}))),
+        l_hrs.patch(
+            &csi,
+            &dry_patch(),
+            &merge(json!({"spec": {"suspend": true}})),
+        ),
     )
     .await;
     walk.unsent(
         "csi.finalizer",
         &csi,
-        l_hrs.patch(&csi, &dry_patch(), &merge(json!({"metadata": {"finalizers": null}}))),
+        l_hrs.patch(
+            &csi,
+            &dry_patch(),
+            &merge(json!({"metadata": {"finalizers": null}})),
+        ),
     )
     .await;
-    walk.record("csi.owner", csi_owned_by_a_deleted_object(&walk, &m, &admin, &l).await);
+    walk.record(
+        "csi.owner",
+        csi_owned_by_a_deleted_object(&walk, &m, &admin, &l).await,
+    );
 
     // ---- Other children ----
     let coredns = format!("{lc}-coredns");
-    walk.allowed("child.delete-live", &coredns, l_hrs.delete(&coredns, &dry_delete()))
-        .await;
+    walk.allowed(
+        "child.delete-live",
+        &coredns,
+        l_hrs.delete(&coredns, &dry_delete()),
+    )
+    .await;
     walk.allowed(
         "child.release-name-live",
         &coredns,
-        l_hrs.patch(&coredns, &dry_patch(), &merge(json!({"spec": {"releaseName": "moved"}}))),
+        l_hrs.patch(
+            &coredns,
+            &dry_patch(),
+            &merge(json!({"spec": {"releaseName": "moved"}})),
+        ),
     )
     .await;
     walk.refused(
         "child.status",
-        l_hrs.patch_status(&coredns, &dry_patch(), &forged_status("csi")).await,
+        l_hrs
+            .patch_status(&coredns, &dry_patch(), &forged_status("csi"))
+            .await,
         &["only its controller"],
     );
     let h_hrs = hrs(&m, &h.namespace);
@@ -473,7 +552,13 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     );
     walk.refused(
         "child.relabel",
-        h_hrs.patch(&h_coredns, &dry_patch(), &merge(json!({"metadata": {"labels": {CHILD: null}}}))).await,
+        h_hrs
+            .patch(
+                &h_coredns,
+                &dry_patch(),
+                &merge(json!({"metadata": {"labels": {CHILD: null}}})),
+            )
+            .await,
         &["relabel", "is being torn down"],
     );
     walk.refused(
@@ -483,7 +568,13 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     );
     walk.refused(
         "child.release-name",
-        h_hrs.patch(&h_coredns, &dry_patch(), &merge(json!({"spec": {"releaseName": "moved"}}))).await,
+        h_hrs
+            .patch(
+                &h_coredns,
+                &dry_patch(),
+                &merge(json!({"spec": {"releaseName": "moved"}})),
+            )
+            .await,
         &["its Helm release name", "is being torn down"],
     );
     // A release of no tenant whose status is made to name the tenant's own
@@ -491,36 +582,60 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     let plain = json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
         "metadata": {"name": "plain"}, "spec": common::flux::inert_spec("demo")});
     hrs(&admin, &l.namespace)
-        .create(&PostParams::default(), &serde_json::from_value(plain).unwrap())
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(plain).unwrap(),
+        )
         .await
         .expect("create a release of no tenant");
     walk.refused(
         "other.status",
-        l_hrs.patch_status("plain", &dry_patch(), &forged_status(&lc)).await,
+        l_hrs
+            .patch_status("plain", &dry_patch(), &forged_status(&lc))
+            .await,
         &["only its controller"],
     );
 
     // ---- The parent ----
-    walk.unsent("parent.delete", &lc, l_hrs.delete(&lc, &dry_delete())).await;
+    walk.unsent("parent.delete", &lc, l_hrs.delete(&lc, &dry_delete()))
+        .await;
     for (id, spec, says) in [
-        ("parent.chart", json!({"chartRef": {"name": "chart-demo"}}), "the chart it installs"),
-        ("parent.release-name", json!({"releaseName": "moved"}), "its Helm release name"),
+        (
+            "parent.chart",
+            json!({"chartRef": {"name": "chart-demo"}}),
+            "the chart it installs",
+        ),
+        (
+            "parent.release-name",
+            json!({"releaseName": "moved"}),
+            "its Helm release name",
+        ),
     ] {
         walk.refused(
             id,
-            l_hrs.patch(&lc, &dry_patch(), &merge(json!({"spec": spec}))).await,
+            l_hrs
+                .patch(&lc, &dry_patch(), &merge(json!({"spec": spec})))
+                .await,
             &[says, "would be uninstalled", "delete the HelmRelease"],
         );
     }
     walk.refused(
         "parent.status",
-        l_hrs.patch_status(&lc, &dry_patch(), &forged_status("kubernetes-other")).await,
+        l_hrs
+            .patch_status(&lc, &dry_patch(), &forged_status("kubernetes-other"))
+            .await,
         &["only its controller"],
     );
     walk.refused(
         "parent.unlabel",
         l_hrs
-            .patch(&lc, &dry_patch(), &merge(json!({"metadata": {"labels": {"apps.cozystack.io/application.kind": null}}})))
+            .patch(
+                &lc,
+                &dry_patch(),
+                &merge(
+                    json!({"metadata": {"labels": {"apps.cozystack.io/application.kind": null}}}),
+                ),
+            )
             .await,
         &["tenant labels"],
     );
@@ -534,14 +649,22 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     walk.refused(
         "parent.custody",
         l_hrs
-            .patch(&lc, &dry_patch(), &merge(json!({"metadata": {"finalizers": [common::flux::FLUX_FINALIZER]}})))
+            .patch(
+                &lc,
+                &dry_patch(),
+                &merge(json!({"metadata": {"finalizers": [common::flux::FLUX_FINALIZER]}})),
+            )
             .await,
         &["custody finalizer"],
     );
     walk.unsent(
         "parent.values",
         &lc,
-        l_hrs.patch(&lc, &dry_patch(), &merge(json!({"spec": {"values": {"extra": 1}}}))),
+        l_hrs.patch(
+            &lc,
+            &dry_patch(),
+            &merge(json!({"spec": {"values": {"extra": 1}}})),
+        ),
     )
     .await;
     // A release that carried a record before it was labelled a tenant.
@@ -553,7 +676,10 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
             "volumes.cozystack.io/override-at": volume_gate::record::now_rfc3339()}},
         "spec": common::flux::inert_spec("kubernetes")});
     hrs(&m, &l.namespace)
-        .create(&PostParams::default(), &serde_json::from_value(carried).unwrap())
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(carried).unwrap(),
+        )
         .await
         .expect("a release of no tenant is not judged at creation");
     walk.refused(
@@ -591,7 +717,10 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
             json!({"labels": {CAPI: "UPPER"}}),
         ),
     ];
-    for ((ar, name, body, meta), id) in bad.iter().zip(["marker.release", "marker.child", "marker.capi"]) {
+    for ((ar, name, body, meta), id) in
+        bad.iter()
+            .zip(["marker.release", "marker.child", "marker.capi"])
+    {
         let mut o = DynamicObject::new(name, ar).within(&markers_ns);
         let meta: kube::api::ObjectMeta = serde_json::from_value(meta.clone()).unwrap();
         o.metadata.labels = meta.labels;
@@ -601,7 +730,8 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         api.create(&PostParams::default(), &o)
             .await
             .unwrap_or_else(|e| panic!("create {name}: {e}"));
-        walk.allowed(id, name, api.delete(name, &dry_delete())).await;
+        walk.allowed(id, name, api.delete(name, &dry_delete()))
+            .await;
     }
     admin_delete_namespace(&admin, &markers_ns).await;
     common::tenant::wait_namespace_gone(&admin, &markers_ns, Duration::from_secs(120)).await;
@@ -641,10 +771,17 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
             .await,
         &["frees disks with"],
     );
-    let by_mallory =
-        Walk::forbidden(Api::<ClusterRole>::all(m.clone()).delete(&kcsi, &dry_delete()).await);
-    let by_admin = refusal_of(Api::<ClusterRole>::all(admin.clone()).delete(&kcsi, &dry_delete()).await)
-        .and_then(|m| m.contains("parent release").then_some(()).ok_or(m));
+    let by_mallory = Walk::forbidden(
+        Api::<ClusterRole>::all(m.clone())
+            .delete(&kcsi, &dry_delete())
+            .await,
+    );
+    let by_admin = refusal_of(
+        Api::<ClusterRole>::all(admin.clone())
+            .delete(&kcsi, &dry_delete())
+            .await,
+    )
+    .and_then(|m| m.contains("parent release").then_some(()).ok_or(m));
     walk.record("kcsi-clusterrole.delete", by_mallory.and(by_admin));
     let deployments: Api<Deployment> = Api::namespaced(m.clone(), &h.namespace);
     let controller = format!("{hc}-kcsi-controller");
@@ -656,7 +793,11 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     walk.unsent(
         "kcsi-controller.scale",
         &controller,
-        deployments.patch_scale(&controller, &dry_patch(), &merge(json!({"spec": {"replicas": 0}}))),
+        deployments.patch_scale(
+            &controller,
+            &dry_patch(),
+            &merge(json!({"spec": {"replicas": 0}})),
+        ),
     )
     .await;
     walk.unsent(
@@ -684,7 +825,9 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     .await;
     walk.refused(
         "kamajicontrolplane.delete",
-        dynamic(&m, &h.namespace, &kcp_resource()).delete(&hc, &dry_delete()).await,
+        dynamic(&m, &h.namespace, &kcp_resource())
+            .delete(&hc, &dry_delete())
+            .await,
         &["control plane"],
     );
     let tcps = dynamic(&m, &h.namespace, &tcp_resource());
@@ -712,9 +855,13 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     );
     walk.refused(
         "machinedeployment.delete",
-        dynamic(&m, &h.namespace, &capi("MachineDeployment", "machinedeployments"))
-            .delete(&md0, &dry_delete())
-            .await,
+        dynamic(
+            &m,
+            &h.namespace,
+            &capi("MachineDeployment", "machinedeployments"),
+        )
+        .delete(&md0, &dry_delete())
+        .await,
         &["worker machines"],
     );
     walk.refused(
@@ -742,11 +889,16 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         .expect("the live tenant's claim has a DataVolume");
     walk.refused(
         "datavolume.relabel",
-        dvs.patch(&dv, &dry_patch(), &merge(json!({"metadata": {"labels": {CAPI: null}}})))
-            .await,
+        dvs.patch(
+            &dv,
+            &dry_patch(),
+            &merge(json!({"metadata": {"labels": {CAPI: null}}})),
+        )
+        .await,
         &["relabel", &dv],
     );
-    walk.unsent("datavolume.delete", &dv, dvs.delete(&dv, &dry_delete())).await;
+    walk.unsent("datavolume.delete", &dv, dvs.delete(&dv, &dry_delete()))
+        .await;
 
     walk.finish();
 }
@@ -793,7 +945,11 @@ async fn csi_owned_by_a_deleted_object(
         .map_err(|e| format!("R-csi is gone: {e}"))?;
     // Hand it back, so the collector stops trying.
     hrs(admin, &l.namespace)
-        .patch(&csi, &PatchParams::default(), &merge(json!({"metadata": {"ownerReferences": null}})))
+        .patch(
+            &csi,
+            &PatchParams::default(),
+            &merge(json!({"metadata": {"ownerReferences": null}})),
+        )
         .await
         .map_err(|e| format!("remove the ownerReference: {e}"))?;
     match still.metadata.deletion_timestamp {

@@ -80,7 +80,11 @@ pub fn identities(
 /// The fields of an object's spec that name its tenant where a label can
 /// be removed first: a release's kubeConfig Secret (it installs into that
 /// tenant), a machine's Cluster API `clusterName`.
-fn spec_tenants(profile: &Profile, kind: &GroupKind, spec: &SpecView) -> Vec<(Option<String>, String)> {
+fn spec_tenants(
+    profile: &Profile,
+    kind: &GroupKind,
+    spec: &SpecView,
+) -> Vec<(Option<String>, String)> {
     let mut out = Vec::new();
     if *kind == profile.parent_kind()
         && let Some(secret) = spec
@@ -311,7 +315,10 @@ pub fn impossible_markers(
         .collect();
     let r = &profile.release;
     keys.extend([r.name_label.as_str(), r.namespace_label.as_str()]);
-    let infra = profile.infra.as_ref().filter(|_| is_infra_kind(profile, kind));
+    let infra = profile
+        .infra
+        .as_ref()
+        .filter(|_| is_infra_kind(profile, kind));
     let mut out: Vec<(String, String)> = keys
         .into_iter()
         .filter_map(|k| labels.get_key_value(k))
@@ -550,7 +557,11 @@ pub fn decide_parent_delete(
 /// pre-delete hook and the uninstall then take away the CSI driver and the
 /// control plane with no deletionTimestamp, so the volume-release phase,
 /// which only a deletionTimestamp starts, would never run. Held until done.
-pub fn decide_parent_removal(profile: &Profile, subject: Subject<'_>, parent: &ParentFacts) -> Verdict {
+pub fn decide_parent_removal(
+    profile: &Profile,
+    subject: Subject<'_>,
+    parent: &ParentFacts,
+) -> Verdict {
     if parent.record.is_done() {
         return Verdict::allow("done");
     }

@@ -192,7 +192,11 @@ impl Gate {
                     };
                     judged.push((target, verdict));
                 }
-                self.warn_impossible_markers(&kind, &[req.old_object.as_ref()], strictest_of(judged))
+                self.warn_impossible_markers(
+                    &kind,
+                    &[req.old_object.as_ref()],
+                    strictest_of(judged),
+                )
             }
             // helm-controller trusts a release's status: only it writes one.
             Operation::Update if req.sub_resource.as_deref() == Some("status") => {
@@ -223,16 +227,15 @@ impl Gate {
                     let old = review::labels_of(req.old_object.as_ref());
                     let new = review::labels_of(req.object.as_ref());
                     let subject = Subject::delete(&kind, namespace, name).with_action("relabel");
-                    let (old_spec, new_spec) = (
-                        req.old_object.as_ref().map(|o| &o.spec).cloned().unwrap_or_default(),
-                        req.object.as_ref().map(|o| &o.spec).cloned().unwrap_or_default(),
-                    );
+                    let none = review::SpecView::default();
+                    let old_spec = req.old_object.as_ref().map_or(&none, |o| &o.spec);
+                    let new_spec = req.object.as_ref().map_or(&none, |o| &o.spec);
                     for target in decide::relabel_targets_of(
                         &self.profile,
                         &kind,
                         name,
-                        (&old, &old_spec),
-                        (&new, &new_spec),
+                        (&old, old_spec),
+                        (&new, new_spec),
                     ) {
                         let tenant = target
                             .tenant()
@@ -308,9 +311,20 @@ impl Gate {
         }
         let action = decide::removal_action(&removals);
         let subject = Subject::delete(kind, namespace, name).with_action(&action);
-        let mut targets =
-            decide::identities_of(&self.profile, kind, name, &review::labels_of(Some(old)), &old.spec);
-        for t in decide::identities_of(&self.profile, kind, name, &review::labels_of(Some(new)), &new.spec) {
+        let mut targets = decide::identities_of(
+            &self.profile,
+            kind,
+            name,
+            &review::labels_of(Some(old)),
+            &old.spec,
+        );
+        for t in decide::identities_of(
+            &self.profile,
+            kind,
+            name,
+            &review::labels_of(Some(new)),
+            &new.spec,
+        ) {
             if !targets.contains(&t) {
                 targets.push(t);
             }
@@ -344,7 +358,11 @@ impl Gate {
         objects: &[Option<&review::Object>],
         (target, verdict): (Target, Verdict),
     ) -> (Target, Verdict) {
-        let Verdict::Allow { reason, mut warnings } = verdict else {
+        let Verdict::Allow {
+            reason,
+            mut warnings,
+        } = verdict
+        else {
             return (target, verdict);
         };
         for o in objects.iter().flatten() {
@@ -595,7 +613,6 @@ fn strictest_of(judged: Vec<(Target, Verdict)>) -> (Target, Verdict) {
         decide::strictest(judged.into_iter().map(|(_, v)| v).collect()),
     )
 }
-
 
 /// The gate's read paths against a scripted API server: what it reads, and
 /// that every failed read is a refusal.
@@ -1004,7 +1021,8 @@ mod tests {
     }
 
     #[tokio::test]
-    async fn a_spec_change_that_uninstalls_the_csi_release_is_refused_and_an_upgrade_is_not_even_read() {
+    async fn a_spec_change_that_uninstalls_the_csi_release_is_refused_and_an_upgrade_is_not_even_read()
+     {
         let api = FakeApi::new();
         api.get(PARENT, parent(false, json!({})));
         api.get(NAMESPACE, partial_metadata(json!({"name": NS})));
@@ -1016,12 +1034,23 @@ mod tests {
             "mallory",
         );
         let (target, verdict) = gate(&api).validate(&retarget).await;
-        assert_eq!(target, Target::CsiRelease { tenant: "kubernetes-a".into() });
-        let Verdict::Deny { reason, message, .. } = verdict else {
+        assert_eq!(
+            target,
+            Target::CsiRelease {
+                tenant: "kubernetes-a".into()
+            }
+        );
+        let Verdict::Deny {
+            reason, message, ..
+        } = verdict
+        else {
             panic!("a retarget of the CSI release was allowed")
         };
         assert_eq!(reason, "csi-release-held");
-        assert!(message.contains("change its Helm release name"), "{message}");
+        assert!(
+            message.contains("change its Helm release name"),
+            "{message}"
+        );
         // New values, the same chart and target: nothing to judge, nothing read.
         let api = FakeApi::new();
         let mut values = spec("csi");
@@ -1046,9 +1075,20 @@ mod tests {
         let mut new = old.clone();
         new["spec"]["chartRef"]["name"] = json!("empty");
         let (target, verdict) = gate(&api)
-            .validate(&review("UPDATE", Some(new), Some(old), "kubernetes-a", "mallory"))
+            .validate(&review(
+                "UPDATE",
+                Some(new),
+                Some(old),
+                "kubernetes-a",
+                "mallory",
+            ))
             .await;
-        assert_eq!(target, Target::Parent { tenant: "kubernetes-a".into() });
+        assert_eq!(
+            target,
+            Target::Parent {
+                tenant: "kubernetes-a".into()
+            }
+        );
         assert_eq!(verdict.reason(), "parent-removal-held");
         assert!(api.calls().is_empty(), "{:?}", reads(&api));
     }
@@ -1057,7 +1097,13 @@ mod tests {
     async fn a_status_write_by_anyone_but_the_controller_is_refused_without_a_read() {
         let api = FakeApi::new();
         let obj = csi_release(spec("csi"));
-        let mut req = review("UPDATE", Some(obj.clone()), Some(obj), "kubernetes-a-csi", "mallory");
+        let mut req = review(
+            "UPDATE",
+            Some(obj.clone()),
+            Some(obj),
+            "kubernetes-a-csi",
+            "mallory",
+        );
         req.sub_resource = Some("status".into());
         let (_, verdict) = gate(&api).validate(&req).await;
         assert_eq!(verdict.reason(), "status-forged");
@@ -1084,7 +1130,10 @@ mod tests {
             panic!("refused: {verdict:?}")
         };
         assert_eq!(warnings.len(), 1, "{warnings:?}");
-        assert!(warnings[0].contains("meta.helm.sh/release-name"), "{warnings:?}");
+        assert!(
+            warnings[0].contains("meta.helm.sh/release-name"),
+            "{warnings:?}"
+        );
         assert!(api.calls().is_empty(), "{:?}", reads(&api));
     }
 }

@@ -294,12 +294,17 @@ impl Context {
         if !is_too_large(e) {
             return false;
         }
-        self.metrics.count_error(crate::metrics::ErrorKind::RecordTooLarge);
+        self.metrics
+            .count_error(crate::metrics::ErrorKind::RecordTooLarge);
         let parent = format!(
             "{}.{} -n {} {}",
             self.profile.parent.plural, self.profile.parent.group, t.namespace, t.name
         );
-        let space = match self.parent_api(&t.namespace).get_metadata_opt(&t.name).await {
+        let space = match self
+            .parent_api(&t.namespace)
+            .get_metadata_opt(&t.name)
+            .await
+        {
             Ok(Some(p)) => crate::record::Space::of(&self.keys, p.annotations()).describe(&parent),
             Ok(None) => "the parent is gone".into(),
             Err(read) => format!("its annotations could not be read ({read})"),
@@ -435,7 +440,8 @@ impl Context {
                 // this claim too. Neither acts through the cluster.
                 Vetted::Conflict(why) => Ok((id, Some(why))),
                 Vetted::Misplaced(why) => {
-                    self.metrics.count_error(crate::metrics::ErrorKind::ClusterConflict);
+                    self.metrics
+                        .count_error(crate::metrics::ErrorKind::ClusterConflict);
                     self.event(
                         t,
                         true,
@@ -504,7 +510,11 @@ impl Context {
                 object: format!("{} {}/{name}", spec.kind, t.namespace),
                 endpoint: serde_json::to_value(&o)
                     .ok()
-                    .and_then(|v| v.pointer(&spec.endpoint).and_then(|e| e.as_str()).map(str::to_string))
+                    .and_then(|v| {
+                        v.pointer(&spec.endpoint)
+                            .and_then(|e| e.as_str())
+                            .map(str::to_string)
+                    })
                     .filter(|e| !e.is_empty()),
                 service_host: spec.service_of(&t.namespace, &t.name),
             });

@@ -216,7 +216,8 @@ mod tests {
     fn the_bound_uid_behind_another_ca_is_another_cluster() {
         let mut fake = id("https://a:6443", "u1");
         fake.ca_sha256 = "ca-evil".into();
-        let Check::Different { message } = check(Some(&id("https://a:6443", "u1")), &fake, "ns/s") else {
+        let Check::Different { message } = check(Some(&id("https://a:6443", "u1")), &fake, "ns/s")
+        else {
             panic!("a server certified by another CA was accepted");
         };
         assert!(message.contains("certified by another CA"), "{message}");
@@ -235,14 +236,22 @@ mod tests {
             ("tenant-x/kubernetes-a".to_string(), id("https://a", "u1")),
             ("tenant-y/kubernetes-b".to_string(), id("https://b", "u2")),
         ];
-        assert_eq!(conflict("tenant-x/kubernetes-a", &id("https://a", "u1"), &others), None);
+        assert_eq!(
+            conflict("tenant-x/kubernetes-a", &id("https://a", "u1"), &others),
+            None
+        );
         let m = conflict("tenant-z/kubernetes-evil", &id("https://a", "u1"), &others)
             .expect("a second claimant");
         assert!(
-            m.contains("tenant-x/kubernetes-a") && !m.contains("kubernetes-b") && m.contains("override"),
+            m.contains("tenant-x/kubernetes-a")
+                && !m.contains("kubernetes-b")
+                && m.contains("override"),
             "{m}"
         );
-        assert_eq!(conflict("tenant-z/kubernetes-evil", &id("https://c", "u3"), &others), None);
+        assert_eq!(
+            conflict("tenant-z/kubernetes-evil", &id("https://c", "u3"), &others),
+            None
+        );
     }
 
     #[test]
@@ -256,22 +265,49 @@ mod tests {
             ("https://10.0.0.5:6443", Some("10.0.0.5:6443")),
             ("https://10.0.0.5", Some("10.0.0.5")),
             ("https://[fd00::5]:6443", Some("[fd00::5]:6443")),
-            ("https://kubernetes-a.tenant-x.svc:6443", Some("10.0.0.5:6443")),
+            (
+                "https://kubernetes-a.tenant-x.svc:6443",
+                Some("10.0.0.5:6443"),
+            ),
             ("https://kubernetes-a.tenant-x.svc.cluster.local", None),
             ("https://API.example.com:443/", Some("api.example.com:443")),
         ] {
-            assert_eq!(placed(server, Some(&cp(endpoint))), Ok(()), "{server} vs {endpoint:?}");
+            assert_eq!(
+                placed(server, Some(&cp(endpoint))),
+                Ok(()),
+                "{server} vs {endpoint:?}"
+            );
         }
         for (server, endpoint, says) in [
-            ("https://10.0.0.6:6443", Some("10.0.0.5:6443"), "says this tenant's API server is at 10.0.0.5:6443"),
-            ("https://10.0.0.5:6444", Some("10.0.0.5:6443"), "10.0.0.5:6443"),
-            ("https://kubernetes-b.tenant-x.svc:6443", Some("10.0.0.5:6443"), "kubernetes-a.tenant-x.svc"),
-            ("https://kubernetes-a.tenant-y.svc:6443", None, "has no endpoint yet"),
+            (
+                "https://10.0.0.6:6443",
+                Some("10.0.0.5:6443"),
+                "says this tenant's API server is at 10.0.0.5:6443",
+            ),
+            (
+                "https://10.0.0.5:6444",
+                Some("10.0.0.5:6443"),
+                "10.0.0.5:6443",
+            ),
+            (
+                "https://kubernetes-b.tenant-x.svc:6443",
+                Some("10.0.0.5:6443"),
+                "kubernetes-a.tenant-x.svc",
+            ),
+            (
+                "https://kubernetes-a.tenant-y.svc:6443",
+                None,
+                "has no endpoint yet",
+            ),
         ] {
             let err = placed(server, Some(&cp(endpoint))).expect_err(server);
             assert!(err.contains(says), "{server}: {err}");
         }
-        assert!(placed("https://x", None).unwrap_err().contains("records no control plane"));
+        assert!(
+            placed("https://x", None)
+                .unwrap_err()
+                .contains("records no control plane")
+        );
     }
 
     #[test]

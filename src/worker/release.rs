@@ -21,10 +21,10 @@ use tokio::time::Instant;
 use tracing::{info, warn};
 
 use super::claims::{self, ClaimKey};
+use super::context::Vetted;
 use super::identity;
 use super::infra;
 use super::tenant;
-use super::context::Vetted;
 use super::{Context, TenantRef};
 use crate::metrics::ErrorKind;
 use crate::record::{ClusterIdentity, Inventory, Phase, Record, Update, count, now_rfc3339};

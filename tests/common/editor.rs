@@ -40,4 +40,3 @@ pub async fn mallory(cp: &ControlPlane, namespaces: &[&str]) -> kube::Client {
     cp.client_as(MALLORY, &["attackers", "system:authenticated"])
         .await
 }
-

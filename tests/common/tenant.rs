@@ -190,7 +190,12 @@ impl Tenant {
     /// not through the chart, and whose admin kubeconfig leads to `cluster`
     /// (its own, or one it borrows). Call it before creating the parent:
     /// its history starts here.
-    pub async fn attach(cp: &ControlPlane, namespace: &str, name: &str, cluster: &ClusterInfo) -> Tenant {
+    pub async fn attach(
+        cp: &ControlPlane,
+        namespace: &str,
+        name: &str,
+        cluster: &ClusterInfo,
+    ) -> Tenant {
         let management = cp.management_client().await;
         let hrs = Api::namespaced_with(management.clone(), namespace, &helmrelease_resource());
         Tenant {

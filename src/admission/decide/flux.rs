@@ -215,10 +215,26 @@ mod tests {
             ("/releaseName", json!("csi2"), "its Helm release name"),
             ("/releaseName", Value::Null, "its Helm release name"),
             ("/targetNamespace", json!("default"), "its target namespace"),
-            ("/storageNamespace", json!("default"), "its storage namespace"),
-            ("/chartRef/name", json!("chart-cilium"), "the chart it installs"),
-            ("/chartRef/namespace", json!("cozy-system"), "the chart it installs"),
-            ("/chartRef/kind", json!("OCIRepository"), "the chart it installs"),
+            (
+                "/storageNamespace",
+                json!("default"),
+                "its storage namespace",
+            ),
+            (
+                "/chartRef/name",
+                json!("chart-cilium"),
+                "the chart it installs",
+            ),
+            (
+                "/chartRef/namespace",
+                json!("cozy-system"),
+                "the chart it installs",
+            ),
+            (
+                "/chartRef/kind",
+                json!("OCIRepository"),
+                "the chart it installs",
+            ),
             (
                 "/kubeConfig/secretRef/name",
                 json!("kubernetes-b-admin-kubeconfig"),
@@ -238,7 +254,11 @@ mod tests {
         // No releaseName: targetNamespace-name; setting the same name
         // explicitly is no change, dropping the target namespace is one.
         let derived = with(base(), "/releaseName", Value::Null);
-        let explicit = with(base(), "/releaseName", json!("kube-system-kubernetes-a-csi"));
+        let explicit = with(
+            base(),
+            "/releaseName",
+            json!("kube-system-kubernetes-a-csi"),
+        );
         assert!(judge(derived.clone(), explicit).is_empty());
         let no_target = with(derived.clone(), "/targetNamespace", Value::Null);
         assert_eq!(
@@ -255,13 +275,25 @@ mod tests {
     fn a_chart_template_changes_by_its_chart_or_its_source_not_its_version() {
         let t = json!({"chart": {"spec": {"chart": "csi", "version": "1.0.0",
             "sourceRef": {"kind": "HelmRepository", "name": "cozy"}}}});
-        assert!(judge(t.clone(), with(t.clone(), "/chart/spec/version", json!("2.0.0"))).is_empty());
+        assert!(
+            judge(
+                t.clone(),
+                with(t.clone(), "/chart/spec/version", json!("2.0.0"))
+            )
+            .is_empty()
+        );
         assert_eq!(
-            judge(t.clone(), with(t.clone(), "/chart/spec/chart", json!("cilium"))),
+            judge(
+                t.clone(),
+                with(t.clone(), "/chart/spec/chart", json!("cilium"))
+            ),
             vec!["the chart it installs"]
         );
         assert_eq!(
-            judge(t.clone(), with(t.clone(), "/chart/spec/sourceRef/name", json!("evil"))),
+            judge(
+                t.clone(),
+                with(t.clone(), "/chart/spec/sourceRef/name", json!("evil"))
+            ),
             vec!["the chart it installs"]
         );
         // From a template to a chartRef is another chart.
@@ -301,8 +333,16 @@ mod tests {
             ("/upgrade/remediation/remediateLastFailure", json!(true)),
         ] {
             let on = with(upgrade.clone(), pointer, value.clone());
-            assert_eq!(judge(base(), on.clone()), vec![armed], "{pointer} = {value}");
-            assert_eq!(judge(upgrade.clone(), on.clone()), vec![armed], "{pointer} = {value}");
+            assert_eq!(
+                judge(base(), on.clone()),
+                vec![armed],
+                "{pointer} = {value}"
+            );
+            assert_eq!(
+                judge(upgrade.clone(), on.clone()),
+                vec![armed],
+                "{pointer} = {value}"
+            );
             // Already armed: further edits are not judged again; disarming is fine.
             assert!(judge(on.clone(), with(on.clone(), "/values/a", json!(3))).is_empty());
             assert!(judge(on, base()).is_empty());
@@ -311,11 +351,21 @@ mod tests {
         let retries = with(base(), "/install/remediation/retries", json!(-1));
         let tests = with(retries.clone(), "/test/enable", json!(true));
         assert_eq!(judge(retries.clone(), tests.clone()), vec![armed]);
-        assert!(judge(retries.clone(), with(tests.clone(), "/test/ignoreFailures", json!(true))).is_empty());
+        assert!(
+            judge(
+                retries.clone(),
+                with(tests.clone(), "/test/ignoreFailures", json!(true))
+            )
+            .is_empty()
+        );
         assert!(
             judge(
                 retries,
-                with(tests, "/install/remediation/ignoreTestFailures", json!(true))
+                with(
+                    tests,
+                    "/install/remediation/ignoreTestFailures",
+                    json!(true)
+                )
             )
             .is_empty()
         );

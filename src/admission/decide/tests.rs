@@ -1424,7 +1424,10 @@ fn markers_that_name_no_possible_tenant_make_no_identity_and_are_warned_of() {
     }
     // A possible tenant is an identity, and no warning.
     let ok = labels(&[("cozystack.io/target-cluster-name", R)]);
-    assert_eq!(identities(&p, &hr(), "kubernetes-prod-cilium", &ok), vec![child()]);
+    assert_eq!(
+        identities(&p, &hr(), "kubernetes-prod-cilium", &ok),
+        vec![child()]
+    );
     assert!(impossible_markers(&p, &hr(), &ok, &BTreeMap::new()).is_empty());
     // A cluster-scoped object's release namespace is a marker too.
     let ns_marker = labels(&[
@@ -1447,7 +1450,17 @@ fn the_object_name_check_is_dns_1123_subdomain() {
         assert!(is_object_name(ok), "{ok}");
     }
     for bad in [
-        "", "-a", "a-", "A", "a_b", "a..b", ".a", "a.", "a/b", "a.-b", &"a".repeat(254),
+        "",
+        "-a",
+        "a-",
+        "A",
+        "a_b",
+        "a..b",
+        ".a",
+        "a.",
+        "a/b",
+        "a.-b",
+        &"a".repeat(254),
     ] {
         assert!(!is_object_name(bad), "{bad}");
     }
@@ -1473,7 +1486,10 @@ fn becoming_a_parent_carries_no_record_in() {
     };
     let mut now_parent = stamped("alice");
     now_parent.labels = parent_labels();
-    assert_guard_denied(guard(&stamped("alice"), &now_parent, "mallory"), "stamp-forged");
+    assert_guard_denied(
+        guard(&stamped("alice"), &now_parent, "mallory"),
+        "stamp-forged",
+    );
     let mut own = stamped("mallory");
     own.labels = parent_labels();
     assert_eq!(
@@ -1540,7 +1556,10 @@ fn a_parent_change_that_uninstalls_it_is_held_until_done() {
         facts().deleting().phase("Released").build(),
         facts().deleting().overridden().build(),
     ] {
-        assert_eq!(decide_parent_removal(&profile(), s, &done), Verdict::allow("done"));
+        assert_eq!(
+            decide_parent_removal(&profile(), s, &done),
+            Verdict::allow("done")
+        );
     }
 }
 
@@ -1558,7 +1577,10 @@ fn a_child_or_csi_release_change_that_uninstalls_it_is_judged_like_its_delete() 
     };
     // The CSI release: until done, teardown or not.
     let msg = assert_denied(&retarget(&csi(), facts().build()), "csi-release-held");
-    assert!(msg.contains("refusing to change its Helm release name"), "{msg}");
+    assert!(
+        msg.contains("refusing to change its Helm release name"),
+        "{msg}"
+    );
     assert_eq!(
         retarget(&csi(), facts().deleting().phase("Released").build()).reason(),
         "done"
@@ -1568,7 +1590,10 @@ fn a_child_or_csi_release_change_that_uninstalls_it_is_judged_like_its_delete() 
         retarget(&child(), facts().build()),
         Verdict::allow("not-in-teardown")
     );
-    assert_denied(&retarget(&child(), facts().namespace_deleting().build()), "teardown-held");
+    assert_denied(
+        &retarget(&child(), facts().namespace_deleting().build()),
+        "teardown-held",
+    );
 }
 
 #[test]
@@ -1586,7 +1611,9 @@ fn only_the_controller_writes_a_releases_status() {
     for who in ["mallory", WORKER, "system:admin"] {
         let msg = assert_denied(&decide_status_write(&profile(), s, who), "status-forged");
         assert!(
-            msg.contains(who) && msg.contains("cozy-fluxcd:helm-controller") && msg.contains("rewrite the status"),
+            msg.contains(who)
+                && msg.contains("cozy-fluxcd:helm-controller")
+                && msg.contains("rewrite the status"),
             "{msg}"
         );
     }
@@ -1598,13 +1625,27 @@ fn a_child_by_its_kubeconfig_and_a_machine_by_its_cluster_name_whatever_their_la
     let spec = |v: serde_json::Value| -> SpecView { serde_json::from_value(v).unwrap() };
     // A release that installs into the tenant with its admin kubeconfig is
     // its child, its child label removed or not.
-    let installs = spec(serde_json::json!({"kubeConfig": {"secretRef": {"name": format!("{R}-admin-kubeconfig"), "key": "super-admin.svc"}}}));
+    let installs = spec(
+        serde_json::json!({"kubeConfig": {"secretRef": {"name": format!("{R}-admin-kubeconfig"), "key": "super-admin.svc"}}}),
+    );
     assert_eq!(
-        identities_of(&p, &hr(), "kubernetes-prod-cilium", &BTreeMap::new(), &installs),
+        identities_of(
+            &p,
+            &hr(),
+            "kubernetes-prod-cilium",
+            &BTreeMap::new(),
+            &installs
+        ),
         vec![child()]
     );
     assert_eq!(
-        identities_of(&p, &hr(), "kubernetes-prod-cilium", &child_labels(), &installs),
+        identities_of(
+            &p,
+            &hr(),
+            "kubernetes-prod-cilium",
+            &child_labels(),
+            &installs
+        ),
         vec![child()],
         "one identity per tenant"
     );
