@@ -124,6 +124,16 @@ pub struct Keys {
     pub override_by: String,
     pub override_at: String,
     pub cluster: String,
+    /// On a management PV the worker keeps (a disk whose tenant volume is
+    /// not `Delete`): the label that finds every kept disk (`"true"`), the
+    /// label naming the tenant's namespace, and annotations naming the
+    /// tenant, its volume, the reclaim policy the PV had and when.
+    pub kept: String,
+    pub kept_namespace: String,
+    pub kept_for: String,
+    pub kept_volume: String,
+    pub kept_reclaim_was: String,
+    pub kept_at: String,
 }
 
 impl Keys {
@@ -138,6 +148,12 @@ impl Keys {
             override_by: k("override-by"),
             override_at: k("override-at"),
             cluster: k("cluster"),
+            kept: k("kept"),
+            kept_namespace: k("kept-namespace"),
+            kept_for: k("kept-for"),
+            kept_volume: k("kept-volume"),
+            kept_reclaim_was: k("kept-reclaim-was"),
+            kept_at: k("kept-at"),
         }
     }
 

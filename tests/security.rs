@@ -222,6 +222,8 @@ fn justified() -> BTreeMap<String, BTreeSet<Grant>> {
         g("", "persistentvolumeclaims", "list", None),
         g("", "persistentvolumes", "list", None),
         g("", "persistentvolumes", "watch", None),
+        // Keeping a disk: reclaim policy Retain on its management PV.
+        g("", "persistentvolumes", "patch", None),
         // The VM attachment Pods that hold those disks' PVCs.
         g("", "pods", "list", None),
         g("", "pods", "delete", None),
@@ -310,7 +312,7 @@ fn denied_worker() -> Vec<Denied> {
         ("", "persistentvolumeclaims", "", "get", t, "data"),
         ("", "persistentvolumeclaims", "", "watch", t, ""),
         ("", "persistentvolumes", "", "delete", None, "pv-1"),
-        ("", "persistentvolumes", "", "patch", None, "pv-1"),
+        ("", "persistentvolumes", "", "update", None, "pv-1"),
         ("", "namespaces", "", "patch", None, "tenant-x"),
         ("", "namespaces", "", "update", None, "tenant-x"),
         ("", "namespaces", "", "delete", None, "tenant-x"),

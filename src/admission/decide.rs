@@ -413,7 +413,10 @@ impl ParentFacts {
 pub fn may_need_namespace(target: &Target) -> bool {
     matches!(
         target,
-        Target::Child { .. } | Target::Guarded { .. } | Target::ReleaseObject { .. }
+        Target::Child { .. }
+            | Target::Guarded { .. }
+            | Target::ReleaseObject { .. }
+            | Target::InfraDisk { .. }
     )
 }
 
@@ -640,6 +643,29 @@ pub fn decide_dependent_delete(
         )
     };
     match target {
+        // Deleting a disk frees it, as the driver does; but in teardown only
+        // once the phase has inventoried the tenant's volumes and kept the
+        // disks that must stay (§5c): until then nothing says which those are.
+        Target::InfraDisk { .. } if subject.action == "delete" && parent.teardown() => {
+            if parent.record.inventory.is_some() {
+                Verdict::allow("frees-the-disk")
+            } else {
+                held(
+                    "infra-disk-uninventoried",
+                    "a disk of the tenant on the management side: the volume-release phase has not inventoried \
+                     the tenant's volumes yet, so nothing says yet whether this disk is one to keep",
+                    "is being torn down",
+                )
+            }
+        }
+        Target::InfraDisk { .. }
+            if subject.action == "delete" && parent.namespace_deleting.is_none() =>
+        {
+            cannot_judge(format!(
+                "refusing to delete {subject}: the state of namespace {} was not read",
+                parent.namespace
+            ))
+        }
         Target::InfraDisk { .. } if subject.action == "delete" => Verdict::allow("frees-the-disk"),
         Target::InfraDisk { .. } => held(
             "infra-disk-held",

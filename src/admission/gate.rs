@@ -186,8 +186,19 @@ impl Gate {
                             )
                             .await
                         }
-                        // Deleting a disk frees it: what the driver does.
-                        Target::InfraDisk { .. } => Verdict::allow("frees-the-disk"),
+                        // Deleting a disk frees it (what the driver does),
+                        // once the phase has kept what must stay.
+                        Target::InfraDisk { tenant } => {
+                            let tenant = tenant.clone();
+                            self.decide_dependent(
+                                &target,
+                                subject,
+                                namespace,
+                                &tenant,
+                                from_ns_controller,
+                            )
+                            .await
+                        }
                         Target::Unrelated => Verdict::allow("unrelated"),
                     };
                     judged.push((target, verdict));

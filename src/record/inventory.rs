@@ -42,11 +42,23 @@ pub struct InfraRef {
     /// tenant API could not be reached.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]
     pub freed_here: bool,
+    /// Set once the worker has made its management PV keep the disk
+    /// (reclaim policy `Retain`, labelled `kept`): a tenant volume that is
+    /// not `Delete` stays on storage whatever deletes its DataVolume.
+    #[serde(default, skip_serializing_if = "std::ops::Not::not")]
+    pub kept: bool,
 }
 
 impl Volume {
     pub fn is_retain(&self) -> bool {
         self.reclaim == "Retain"
+    }
+
+    /// Whether its disk is to stay on storage when the tenant goes: any
+    /// reclaim policy but `Delete` (`Retain`; `Recycle`, which CSI volumes
+    /// do not have, is kept too rather than guessed at).
+    pub fn is_kept(&self) -> bool {
+        self.reclaim != "Delete"
     }
 
     /// `pv (driver, handle)` for messages.

@@ -1,7 +1,7 @@
 //! Pure pieces of the release phase: the inventory of a tenant's PVs and the
 //! matching of Pods to the claims they mount.
 
-use std::collections::{BTreeSet, HashSet};
+use std::collections::{BTreeSet, HashMap, HashSet};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
 
@@ -71,9 +71,19 @@ pub fn reconcile_inventory(
     };
     let mut volumes: Vec<Volume> = Vec::new();
     let mut known: HashSet<String> = HashSet::new();
+    // A present PV's reclaim policy is read again: the tenant's admin may
+    // turn a Retain volume to Delete to have it freed (the Blocked message
+    // says so), and the kept disk behind it must then be let go.
+    let reclaim_now: HashMap<&str, String> = current
+        .iter()
+        .filter_map(|pv| Some((pv.metadata.name.as_deref()?, volume_of(pv).reclaim)))
+        .collect();
     for v in previous.map(|p| p.volumes.as_slice()).unwrap_or_default() {
         let mut v = v.clone();
         v.gone = v.gone || !present.contains(v.pv.as_str());
+        if let Some(policy) = reclaim_now.get(v.pv.as_str()).filter(|_| !v.gone) {
+            v.reclaim = policy.clone();
+        }
         known.insert(v.pv.clone());
         volumes.push(v);
     }

@@ -38,6 +38,10 @@ pub struct Held {
     pub detail: Option<String>,
     /// A PV's claim (name; its namespace is the tenant's).
     pub claim: Option<String>,
+    /// A PV's reclaim policy.
+    pub reclaim: Option<String>,
+    /// A PV the worker keeps (labelled `kept`): the reclaim policy it had.
+    pub kept_from: Option<String>,
 }
 
 impl Held {
@@ -195,7 +199,7 @@ pub fn select(
         deleting: m.deletion_timestamp.is_some(),
         finalizers: m.finalizers.clone().unwrap_or_default(),
         detail,
-        claim: None,
+        ..Default::default()
     };
 
     let mut out = Observed {
@@ -248,6 +252,10 @@ pub fn select(
             let phase = pv.status.as_ref().and_then(|s| s.phase.clone());
             out.volumes.push(Held {
                 claim,
+                reclaim: pv
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.persistent_volume_reclaim_policy.clone()),
                 ..held(&pv.metadata, phase)
             });
         }
@@ -288,7 +296,7 @@ pub async fn observe(
         .list(&ListParams::default())
         .await?
         .items;
-    Ok(select(
+    let mut observed = select(
         infra,
         &t.name,
         &t.namespace,
@@ -296,7 +304,179 @@ pub async fn observe(
         &objects,
         &claims,
         &volumes,
-    ))
+    );
+    let keys = &ctx.keys;
+    for held in observed.volumes.iter_mut() {
+        let Some(pv) = volumes
+            .iter()
+            .find(|v| v.metadata.name.as_deref() == Some(held.name.as_str()))
+        else {
+            continue;
+        };
+        let m = &pv.metadata;
+        if m.labels.as_ref().and_then(|l| l.get(&keys.kept)).map(String::as_str) == Some("true") {
+            held.kept_from = Some(
+                m.annotations
+                    .as_ref()
+                    .and_then(|a| a.get(&keys.kept_reclaim_was))
+                    .cloned()
+                    .unwrap_or_else(|| "Delete".into()),
+            );
+        }
+    }
+    Ok(observed)
+}
+
+/// A management PV the worker makes keep its disk, or lets go again.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub enum Keep {
+    /// Reclaim policy `Retain`, labelled kept, naming what it holds.
+    Pin {
+        pv: String,
+        reclaim_was: String,
+        volume: String,
+    },
+    /// Its tenant volume is `Delete` now: the policy it had, labels off.
+    Unpin { pv: String, reclaim_was: String },
+}
+
+/// Which management PVs of the tenant must keep their disk, and which the
+/// worker kept before but no longer must. A disk is kept when its tenant
+/// volume is not `Delete` (`Volume::is_kept`); when the tenant API can no
+/// longer say (`reachable` false: an unreachable API, or an override), a
+/// disk no inventory names as `Delete` is kept too (its policy is unknown,
+/// and a disk kept by mistake is found and freed by hand, a disk freed by
+/// mistake is gone). A PV being deleted is past keeping.
+pub fn keep_plan(inv: Option<&Inventory>, observed: &Observed, reachable: bool) -> Vec<Keep> {
+    let mut plan = Vec::new();
+    for pv in observed.volumes.iter().filter(|v| !v.deleting) {
+        let volume = inv.and_then(|i| {
+            i.volumes.iter().find(|v| {
+                v.infra.as_ref().is_some_and(|r| {
+                    r.pv.as_deref() == Some(pv.name.as_str())
+                        || pv.claim.as_deref() == Some(r.name.as_str())
+                })
+            })
+        });
+        let keep = match volume {
+            Some(v) => v.is_kept(),
+            None => !reachable,
+        };
+        let retained = pv.reclaim.as_deref() == Some("Retain");
+        match (&pv.kept_from, keep) {
+            (None, true) => plan.push(Keep::Pin {
+                pv: pv.name.clone(),
+                reclaim_was: pv.reclaim.clone().unwrap_or_else(|| "Delete".into()),
+                volume: volume.map_or_else(
+                    || format!("a disk of the tenant no inventory names (its PVC {})", pv.claim.as_deref().unwrap_or("?")),
+                    |v| format!("tenant volume {} (reclaim policy {})", v.describe(), v.reclaim),
+                ),
+            }),
+            (Some(was), true) if !retained => plan.push(Keep::Pin {
+                pv: pv.name.clone(),
+                reclaim_was: was.clone(),
+                volume: volume.map_or_else(String::new, |v| v.describe()),
+            }),
+            (Some(was), false) => plan.push(Keep::Unpin {
+                pv: pv.name.clone(),
+                reclaim_was: was.clone(),
+            }),
+            _ => {}
+        }
+    }
+    plan
+}
+
+/// The management PVs kept once `plan` is carried out: those kept before
+/// and not let go, and those pinned now.
+pub fn kept_after(observed: &Observed, plan: &[Keep]) -> BTreeSet<String> {
+    let mut kept: BTreeSet<String> = observed
+        .volumes
+        .iter()
+        .filter(|v| v.kept_from.is_some())
+        .map(|v| v.name.clone())
+        .collect();
+    for step in plan {
+        match step {
+            Keep::Pin { pv, .. } => kept.insert(pv.clone()),
+            Keep::Unpin { pv, .. } => kept.remove(pv),
+        };
+    }
+    kept
+}
+
+/// Marks each inventoried volume whose management PV is in `kept`.
+pub fn mark_kept(inv: &mut Inventory, kept: &BTreeSet<String>) {
+    for r in inv.volumes.iter_mut().filter_map(|v| v.infra.as_mut()) {
+        r.kept = r.pv.as_ref().is_some_and(|pv| kept.contains(pv));
+    }
+}
+
+/// Carries out a [`keep_plan`] on the management PVs: merge patches of the
+/// worker's own labels and annotations and of the reclaim policy.
+pub async fn apply_keep(ctx: &Context, t: &TenantRef, plan: &[Keep]) -> Result<(), kube::Error> {
+    use kube::api::{Patch, PatchParams};
+    use serde_json::{Value, json};
+    let api = Api::<PersistentVolume>::all(ctx.client.clone());
+    let k = &ctx.keys;
+    for step in plan {
+        let (pv, patch) = match step {
+            Keep::Pin {
+                pv,
+                reclaim_was,
+                volume,
+            } => {
+                (
+                    pv,
+                    json!({
+                        "metadata": {
+                            "labels": {k.kept.as_str(): "true", k.kept_namespace.as_str(): t.namespace},
+                            "annotations": {
+                                k.kept_for.as_str(): format!("{}/{}", t.namespace, t.name),
+                                k.kept_volume.as_str(): crate::record::bounded(volume, 1024),
+                                k.kept_reclaim_was.as_str(): reclaim_was,
+                                k.kept_at.as_str(): crate::record::now_rfc3339(),
+                            }},
+                        "spec": {"persistentVolumeReclaimPolicy": "Retain"}}),
+                )
+            }
+            Keep::Unpin { pv, reclaim_was } => (
+                pv,
+                json!({
+                    "metadata": {
+                        "labels": {k.kept.as_str(): Value::Null, k.kept_namespace.as_str(): Value::Null},
+                        "annotations": {k.kept_for.as_str(): Value::Null, k.kept_volume.as_str(): Value::Null,
+                                        k.kept_reclaim_was.as_str(): Value::Null, k.kept_at.as_str(): Value::Null}},
+                    "spec": {"persistentVolumeReclaimPolicy": reclaim_was}}),
+            ),
+        };
+        match api.patch(pv, &PatchParams::default(), &Patch::Merge(&patch)).await {
+            Ok(_) => info!(tenant = %t, pv = %pv, keep = matches!(step, Keep::Pin { .. }), "management disk kept or let go"),
+            // Gone meanwhile: nothing left to keep.
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Keeps what must stay of the tenant's disks ([`keep_plan`]), and records
+/// which in `inv`: the one call the phase and the override make. Returns
+/// the management PVs kept.
+pub async fn keep(
+    ctx: &Context,
+    t: &TenantRef,
+    observed: &Observed,
+    inv: Option<&mut Inventory>,
+    reachable: bool,
+) -> Result<BTreeSet<String>, kube::Error> {
+    let plan = keep_plan(inv.as_deref(), observed, reachable);
+    apply_keep(ctx, t, &plan).await?;
+    let kept = kept_after(observed, &plan);
+    if let Some(inv) = inv {
+        mark_kept(inv, &kept);
+    }
+    Ok(kept)
 }
 
 /// The inventoried volumes the phase may free from the management side:
@@ -418,9 +598,10 @@ pub fn kept_reasons(
 ) -> Vec<String> {
     let Some(i) = inv else {
         return vec![
-            "no inventory was taken while the tenant API answered, so these disks' reclaim policy is unknown \
-             and the phase does not delete them: delete them in the management cluster if their data is not wanted, \
-             or record an override to abandon them"
+            "no inventory was taken while the tenant API answered, so these disks' reclaim policy is unknown: \
+             the phase keeps them (their management PVs now have reclaim policy Retain) and does not delete them. \
+             Delete them in the management cluster if their data is not wanted, or record an override to end the \
+             teardown with them kept"
                 .into(),
         ];
     };
@@ -761,5 +942,84 @@ mod tests {
                 assert!(g.starts_with(w), "{name}: {g:?} does not start with {w:?}");
             }
         }
+    }
+
+    /// A management PV of the tenant, bound to its PVC `claim`, with
+    /// `reclaim`, kept before (with the policy it had) or not.
+    fn disk(name: &str, claim: &str, reclaim: &str, kept_from: Option<&str>) -> Held {
+        Held {
+            name: name.into(),
+            claim: Some(claim.into()),
+            reclaim: Some(reclaim.into()),
+            kept_from: kept_from.map(str::to_string),
+            ..Default::default()
+        }
+    }
+
+    fn with_disks(disks: Vec<Held>) -> Observed {
+        Observed {
+            served: true,
+            volumes: disks,
+            ..Default::default()
+        }
+    }
+
+    #[test]
+    fn a_disk_whose_tenant_volume_is_not_delete_is_kept_and_let_go_when_it_becomes_delete() {
+        let mut inv = inventory(&[("pvc-1", "Retain"), ("pvc-2", "Delete")]);
+        let observed = with_disks(vec![
+            disk("mgmt-1", "pvc-1", "Delete", None),
+            disk("mgmt-2", "pvc-2", "Delete", None),
+            disk("mgmt-x", "stranger", "Delete", None),
+        ]);
+        note_pvs(&mut inv, &observed);
+        // The API answers: only the Retain volume's disk; a disk no
+        // inventory names may be a volume still being provisioned.
+        let plan = keep_plan(Some(&inv), &observed, true);
+        assert_eq!(
+            plan,
+            vec![Keep::Pin {
+                pv: "mgmt-1".into(),
+                reclaim_was: "Delete".into(),
+                volume: format!("tenant volume {} (reclaim policy Retain)", inv.volumes[0].describe()),
+            }]
+        );
+        let kept = kept_after(&observed, &plan);
+        mark_kept(&mut inv, &kept);
+        assert_eq!(
+            inv.volumes.iter().map(|v| v.infra.as_ref().unwrap().kept).collect::<Vec<_>>(),
+            [true, false]
+        );
+        // The API cannot say any more (or an override ends it): the stranger
+        // is kept too; the Delete volume still goes.
+        let plan = keep_plan(Some(&inv), &observed, false);
+        assert_eq!(
+            plan.iter()
+                .map(|k| match k {
+                    Keep::Pin { pv, .. } => pv.as_str(),
+                    Keep::Unpin { .. } => "unpin",
+                })
+                .collect::<Vec<_>>(),
+            ["mgmt-1", "mgmt-x"]
+        );
+        // No inventory at all: every disk is kept.
+        assert_eq!(keep_plan(None, &observed, false).len(), 3);
+        // Kept already: nothing to do; its volume turned Delete: let go,
+        // back to the policy it had.
+        let observed = with_disks(vec![disk("mgmt-1", "pvc-1", "Retain", Some("Delete"))]);
+        assert!(keep_plan(Some(&inv), &observed, true).is_empty());
+        inv.volumes[0].reclaim = "Delete".into();
+        assert_eq!(
+            keep_plan(Some(&inv), &observed, true),
+            vec![Keep::Unpin {
+                pv: "mgmt-1".into(),
+                reclaim_was: "Delete".into()
+            }]
+        );
+        // A PV already being deleted is past keeping.
+        let mut going = disk("mgmt-2", "pvc-2", "Delete", None);
+        going.deleting = true;
+        inv.volumes[1].reclaim = "Retain".into();
+        assert!(keep_plan(Some(&inv), &with_disks(vec![going]), true).is_empty());
     }
 }

@@ -5,7 +5,7 @@
 
 use std::time::Duration;
 
-use crate::record::{Override, Phase, Record, count};
+use crate::record::{Inventory, Override, Phase, Record, count};
 
 /// The state of the tenant's release-phase task in this worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
@@ -64,9 +64,10 @@ pub enum Next {
     DeletedWithoutCustody,
     /// Released (the worker may have crashed before ending custody): end it.
     EndCustody,
-    /// An override is recorded: stop any pass, write `Overridden` with
-    /// `message` (unless already written), end custody.
-    Override { message: Option<String> },
+    /// An override is recorded: stop any pass, keep what must stay of the
+    /// disks, write `Overridden` (unless already written: `record`), end
+    /// custody.
+    Override { record: bool },
     /// A pass is running; its end triggers the next reconcile.
     AwaitPass,
     /// The last pass failed; look again in this long.
@@ -116,10 +117,10 @@ pub fn next(seen: Seen<'_>) -> Next {
     if record.phase == Some(Phase::Released) {
         return Next::EndCustody;
     }
-    if let Some(ov) = record.stamped_override() {
-        let message =
-            (record.phase != Some(Phase::Overridden)).then(|| override_message(record, ov));
-        return Next::Override { message };
+    if record.stamped_override().is_some() {
+        return Next::Override {
+            record: record.phase != Some(Phase::Overridden),
+        };
     }
     match seen.task {
         Task::Running => Next::AwaitPass,
@@ -128,29 +129,93 @@ pub fn next(seen: Seen<'_>) -> Next {
     }
 }
 
-/// The record's message for an override: who, why, and what it leaves on
-/// storage (from the inventory, when one was taken).
-pub fn override_message(record: &Record, ov: &Override) -> String {
-    let left = record
-        .inventory
-        .as_ref()
-        .map(|i| {
-            let named = i.first_remaining(50);
-            format!(
-                "{} left on storage{}",
-                count(i.left(), "volume"),
-                if named.is_empty() {
+/// What an override leaves, as the worker has made it: the disks it keeps
+/// on the management side (`kept`: their PVs, `None` on a platform without
+/// an infra layer), found by `finder`.
+pub struct Leaves<'a> {
+    pub inventory: Option<&'a Inventory>,
+    pub kept: Option<&'a std::collections::BTreeSet<String>>,
+    pub finder: &'a str,
+}
+
+/// The record's message for an override: who, why, and, truly, what stays
+/// on storage and what goes (`docs/design.md` §5c).
+pub fn override_message(ov: &Override, leaves: &Leaves<'_>) -> String {
+    let by = ov.by.as_deref().unwrap_or("?");
+    let head = format!("override by {by} ({})", ov.reason.trim());
+    let names = |vs: &[&crate::record::Volume]| {
+        let shown: Vec<String> = vs.iter().take(20).map(|v| v.describe()).collect();
+        let more = vs.len().saturating_sub(shown.len());
+        if more > 0 {
+            format!("{} and {more} more", shown.join(", "))
+        } else {
+            shown.join(", ")
+        }
+    };
+    let Some(kept) = leaves.kept else {
+        // One layer: the tenant's driver alone could free a disk.
+        return match leaves.inventory {
+            Some(i) => {
+                let left: Vec<_> = i.remaining().collect();
+                let listed = if left.is_empty() {
                     String::new()
                 } else {
-                    format!(": {named}")
-                }
-            )
-        })
-        .unwrap_or_else(|| {
-            "no inventory was taken: the volumes left on storage are unknown".into()
-        });
-    let by = ov.by.as_deref().unwrap_or("?");
-    format!("override by {by} ({}): {left}", ov.reason.trim())
+                    format!(": {}", names(&left))
+                };
+                format!(
+                    "{head}: {} left on storage, kept (Retain) or not freed by the driver{listed}",
+                    count(i.left(), "volume")
+                )
+            }
+            None => format!("{head}: no inventory was taken: the volumes left on storage are unknown"),
+        };
+    };
+    let mut parts = Vec::new();
+    if !kept.is_empty() {
+        let shown: Vec<&str> = kept.iter().take(20).map(String::as_str).collect();
+        parts.push(format!(
+            "{} on storage, kept: their management PVs ({}) now have reclaim policy Retain, so whatever \
+             deletes their DataVolumes (the teardown's hook, the namespace) leaves the disk; find them with \
+             `{}`",
+            verb(kept.len(), "disk", "stays", "stay"),
+            shown.join(", "),
+            leaves.finder
+        ));
+    }
+    if let Some(i) = leaves.inventory {
+        let goes: Vec<_> = i
+            .remaining()
+            .filter(|v| v.infra.as_ref().is_some_and(|r| !r.kept))
+            .collect();
+        if !goes.is_empty() {
+            parts.push(format!(
+                "{} not freed by the driver {} with their DataVolumes when the teardown deletes them: {}",
+                count(goes.len(), "volume"),
+                if goes.len() == 1 { "goes" } else { "go" },
+                names(&goes)
+            ));
+        }
+        let unmapped: Vec<_> = i.remaining().filter(|v| v.infra.is_none()).collect();
+        if !unmapped.is_empty() {
+            parts.push(format!(
+                "{} with nothing behind in the management cluster {} wherever their driver keeps them: {}",
+                count(unmapped.len(), "volume"),
+                if unmapped.len() == 1 { "stays" } else { "stay" },
+                names(&unmapped)
+            ));
+        }
+    } else {
+        parts.push("no inventory was taken: every disk of the tenant found on the management side is kept".into());
+    }
+    if parts.is_empty() {
+        parts.push("nothing is left on storage".into());
+    }
+    format!("{head}: {}", parts.join("; "))
+}
+
+/// `2 disks stay` / `1 disk stays`.
+fn verb(n: usize, noun: &str, one: &str, many: &str) -> String {
+    format!("{} {}", count(n, noun), if n == 1 { one } else { many })
 }
 
 /// The delay before retry `attempts` (1-based): `base` doubling up to `max`.
@@ -356,16 +421,13 @@ mod tests {
         let mut pairs = OVERRIDE.to_vec();
         pairs.push(("phase", "Blocked"));
         let blocked = record(&pairs);
-        let Next::Override { message: Some(m) } = next(Seen {
-            deleting: true,
-            task: Task::Running,
-            ..seen(&blocked)
-        }) else {
-            panic!("expected an override to record")
-        };
         assert_eq!(
-            m,
-            "override by alice (abandoned): no inventory was taken: the volumes left on storage are unknown"
+            next(Seen {
+                deleting: true,
+                task: Task::Running,
+                ..seen(&blocked)
+            }),
+            Next::Override { record: true }
         );
         pairs.pop();
         pairs.push(("phase", "Overridden"));
@@ -375,7 +437,7 @@ mod tests {
                 namespace_deleting: true,
                 ..seen(&recorded)
             }),
-            Next::Override { message: None }
+            Next::Override { record: false }
         );
     }
 
@@ -443,5 +505,80 @@ mod tests {
         assert_eq!(delays, [30, 60, 120, 240, 480, 600, 600]);
         assert_eq!(backoff(base, max, 0), base);
         assert_eq!(backoff(base, Duration::MAX, u32::MAX), base * 65536);
+    }
+
+    #[test]
+    fn an_override_says_what_stays_and_what_goes() {
+        use crate::record::{InfraRef, Volume};
+        let ov = Override {
+            reason: "archived".into(),
+            by: Some("alice".into()),
+            at: None,
+        };
+        let vol = |pv: &str, reclaim: &str, infra: Option<(&str, bool)>| Volume {
+            pv: pv.into(),
+            driver: Some("csi.kubevirt.io".into()),
+            handle: Some(pv.into()),
+            capacity: None,
+            reclaim: reclaim.into(),
+            claim: None,
+            gone: false,
+            infra: infra.map(|(pv, kept)| InfraRef {
+                name: pv.into(),
+                pv: Some(format!("m-{pv}")),
+                kept,
+                ..Default::default()
+            }),
+        };
+        let inv = Inventory::new(
+            "t".into(),
+            vec![
+                vol("a", "Retain", Some(("a", true))),
+                vol("b", "Delete", Some(("b", false))),
+                vol("c", "Delete", None),
+            ],
+        );
+        let kept = std::collections::BTreeSet::from(["m-a".to_string()]);
+        let finder = "kubectl get pv -l volumes.cozystack.io/kept-namespace=tenant-x";
+        let m = override_message(
+            &ov,
+            &Leaves {
+                inventory: Some(&inv),
+                kept: Some(&kept),
+                finder,
+            },
+        );
+        for needle in [
+            "override by alice (archived)",
+            "1 disk stays on storage, kept",
+            "m-a",
+            finder,
+            "1 volume not freed by the driver goes with their DataVolumes",
+            "b (driver",
+            "1 volume with nothing behind in the management cluster stays",
+            "c (driver",
+        ] {
+            assert!(m.contains(needle), "{needle:?} in {m}");
+        }
+        // One layer: what is left stays, whatever the reason.
+        let m = override_message(
+            &ov,
+            &Leaves {
+                inventory: Some(&inv),
+                kept: None,
+                finder,
+            },
+        );
+        assert!(m.contains("3 volumes left on storage"), "{m}");
+        // No inventory on the management side: everything found is kept.
+        let m = override_message(
+            &ov,
+            &Leaves {
+                inventory: None,
+                kept: Some(&kept),
+                finder,
+            },
+        );
+        assert!(m.contains("every disk of the tenant found on the management side is kept"), "{m}");
     }
 }

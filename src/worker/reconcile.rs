@@ -99,17 +99,49 @@ pub async fn reconcile(
             ctx.end_custody(&t, parent.finalizers()).await?;
             Ok(Action::await_change())
         }
-        Next::Override { message } => {
+        Next::Override { record: true } => {
             if let Some(task) = ctx.running.lock().expect("lock").remove(&t) {
                 task.abort();
             }
-            if let Some(message) = message {
+            let record = Record::from_annotations(&ctx.keys, parent.annotations());
+            let ov = record.stamped_override().expect("next saw a stamped override");
+            // Keep what must stay of the disks before custody ends: after
+            // it, the hook's and the namespace's deletes reach them.
+            let mut inventory = record.inventory.clone();
+            let kept = match ctx.profile.infra.as_ref() {
+                Some(spec) => {
+                    if let Some(i) = inventory.as_mut() {
+                        crate::worker::infra::attach_refs(i, spec);
+                    }
+                    let observed =
+                        crate::worker::infra::observe(&ctx, &t, spec, inventory.as_ref()).await?;
+                    if let Some(i) = inventory.as_mut() {
+                        crate::worker::infra::note_pvs(i, &observed);
+                    }
+                    Some(
+                        crate::worker::infra::keep(&ctx, &t, &observed, inventory.as_mut(), false)
+                            .await?,
+                    )
+                }
+                None => None,
+            };
+            let finder = format!("kubectl get pv -l {}={}", ctx.keys.kept_namespace, t.namespace);
+            let message = next::override_message(
+                ov,
+                &next::Leaves {
+                    inventory: inventory.as_ref(),
+                    kept: kept.as_ref(),
+                    finder: &finder,
+                },
+            );
+            {
                 let written = ctx
                     .write_record(
                         &t,
                         &Update {
                             phase: Some(Phase::Overridden),
                             message: Some(message.clone()),
+                            inventory,
                             ..Default::default()
                         },
                     )
@@ -121,11 +153,16 @@ pub async fn reconcile(
                 ctx.event(&t, true, "Overridden", message).await;
                 ctx.observe_outcome(&t, "overridden");
                 ctx.retries.lock().expect("lock").remove(&t);
-            } else {
-                // Recorded before; custody ends here (the write that
-                // records an outcome ends it too).
-                ctx.end_custody(&t, parent.finalizers()).await?;
             }
+            Ok(Action::await_change())
+        }
+        Next::Override { record: false } => {
+            if let Some(task) = ctx.running.lock().expect("lock").remove(&t) {
+                task.abort();
+            }
+            // Recorded before; custody ends here (the write that records an
+            // outcome ends it too).
+            ctx.end_custody(&t, parent.finalizers()).await?;
             Ok(Action::await_change())
         }
         Next::RetryIn(delay) => Ok(Action::requeue(delay)),

@@ -112,12 +112,21 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
             }
         };
         let first_time = inventory.is_none();
-        let inv = claims::reconcile_inventory(
+        let mut inv = claims::reconcile_inventory(
             inventory.as_ref(),
             &pvs,
             &now_rfc3339(),
             ctx.profile.infra.as_ref(),
         );
+        // A disk whose tenant volume is not Delete is kept before anything
+        // can delete it, and before the inventory that says so is written:
+        // the gate lets a tenant's disks be deleted in teardown only once it
+        // is (docs/design.md §5c).
+        if let Some(spec) = ctx.profile.infra.as_ref() {
+            let observed = infra::observe(ctx, t, spec, Some(&inv)).await?;
+            infra::note_pvs(&mut inv, &observed);
+            infra::keep(ctx, t, &observed, Some(&mut inv), true).await?;
+        }
         let grew = inventory.as_ref().is_some_and(|old| old.total != inv.total);
         let message = format!(
             "inventory taken: {} ({} left); deleting claims",
@@ -300,8 +309,9 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
         }
         if !retained.is_empty() {
             parts.push(format!(
-                "{} with reclaim policy Retain, kept on storage by design; set persistentVolumeReclaimPolicy \
-                 to Delete in the tenant to free them, or record an override: {}",
+                "{} with reclaim policy Retain, kept on storage by design (on the management side too: their \
+                 PVs there now have reclaim policy Retain); set persistentVolumeReclaimPolicy to Delete in the \
+                 tenant to free them, or record an override to end the teardown with them kept: {}",
                 count(retained.len(), "volume"),
                 retained.iter().map(|v| v.describe()).collect::<Vec<_>>().join(", ")
             ));
@@ -419,6 +429,9 @@ async fn unreachable(
     if let Some(i) = inv.as_mut() {
         infra::note_pvs(i, &observed);
     }
+    // The tenant cannot say which of its disks are meant to stay: what no
+    // inventory names as Delete is kept (docs/design.md §5c).
+    infra::keep(ctx, t, &observed, inv.as_mut(), false).await?;
     let labels = spec
         .labels_of(&t.name)
         .iter()

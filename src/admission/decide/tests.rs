@@ -1367,10 +1367,34 @@ fn a_tenants_disk_may_be_deleted_but_its_infra_labels_are_held_until_done() {
         "done"
     );
     assert_eq!(relabel(None).reason(), "parent-absent");
-    // Its delete frees the disk: allowed, whatever the tenant's state.
+    // Its delete frees the disk: allowed outside teardown, and in teardown
+    // once the phase has inventoried the tenant's volumes (and kept the
+    // disks that must stay); before that, held (§5c).
     assert_eq!(
-        delete(&disk, "pvc-1", Some(facts().deleting().build())).reason(),
+        delete(&disk, "pvc-1", Some(facts().build())).reason(),
         "frees-the-disk"
+    );
+    assert_eq!(
+        delete(
+            &disk,
+            "pvc-1",
+            Some(facts().deleting().ann("volumes", &inventory(1, 0)).build())
+        )
+        .reason(),
+        "frees-the-disk"
+    );
+    for teardown in [facts().deleting().build(), facts().namespace_deleting().build()] {
+        let v = delete(&disk, "pvc-1", Some(teardown));
+        let message = assert_denied(&v, "infra-disk-uninventoried");
+        assert!(message.contains("not inventoried"), "{message}");
+    }
+    assert_eq!(
+        delete(&disk, "pvc-1", Some(facts().namespace_unread().build())).reason(),
+        "cannot-judge"
+    );
+    assert_eq!(
+        delete(&disk, "pvc-1", Some(facts().deleting().phase("Released").build())).reason(),
+        "done"
     );
 }
 
