@@ -139,24 +139,16 @@ async fn a_tenant_api_killed_mid_phase_blocks_and_the_phase_finishes_when_it_ret
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_record() {
+async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_storage() {
     let _serial = common::serial();
     let env = env();
-    // The hook as it was at the incident: upstream's later DataVolume step
-    // deletes by label whatever the reclaim policy, the retained disk too
-    // (docs/design.md §5b), which is not what this test is about.
-    let t = Tenant::create_with(
-        env.cp,
-        &env.cp.unique("retain"),
-        serde_json::json!({"deleteDataVolumes": false}),
-    )
-    .await;
+    // The tenant chart's hook as upstream ships it: its DataVolume step
+    // deletes the tenant's DataVolumes by label once the teardown goes on,
+    // whatever their volume's reclaim policy.
+    let t = Tenant::create(env.cp, &env.cp.unique("retain")).await;
     t.wait_custody().await;
-    t.tenant_namespace("apps").await;
-    t.claim("apps", "kept", RETAIN_STORAGE_CLASS).await;
-    t.claim("apps", "freed", STORAGE_CLASS).await;
-    t.pod("apps", "holder", &["kept", "freed"]).await;
-    t.wait_settled(2, 1).await;
+    t.with_claims_of(&[("kept", RETAIN_STORAGE_CLASS), ("freed", STORAGE_CLASS)])
+        .await;
     t.delete_parent().await;
 
     let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
@@ -177,6 +169,19 @@ async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_recor
         kept.is_retain() && message.contains(&handle),
         "the residue is named by its volumeHandle: {message}"
     );
+    // Its disk was kept before the inventory saying so was written: the
+    // management PV behind it now has reclaim policy Retain.
+    let infra = kept.infra.clone().expect("its DataVolume");
+    assert!(infra.kept, "the record says the disk is kept: {infra:?}");
+    let disks = t.kept_disks().await;
+    let pv = disks
+        .iter()
+        .find(|d| d.metadata.name == infra.pv)
+        .unwrap_or_else(|| panic!("the kept disk {:?} is labelled: {disks:?}", infra.pv));
+    assert_eq!(
+        pv.spec.as_ref().unwrap().persistent_volume_reclaim_policy.as_deref(),
+        Some("Retain")
+    );
     // On storage, only the retained disk stays (the freed one's management
     // PVC goes a moment after its DataVolume: wait for it, it never comes back).
     let residue = env.sim.wait_disks(&t.namespace, &t.name, 1).await;
@@ -187,11 +192,25 @@ async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_recor
         .await
         .expect("override accepted");
     let note = t.wait_event("Warning", "Overridden", |_| true).await;
-    assert!(
-        note.contains(&handle) && note.contains("left on storage"),
-        "the Warning names the disk left: {note}"
-    );
+    let pv_name = infra.pv.clone().unwrap();
+    for needle in ["1 disk stays on storage, kept", pv_name.as_str(), "kubectl get pv -l"] {
+        assert!(note.contains(needle), "the Warning says what stays ({needle:?}): {note}");
+    }
     t.wait_parent_gone(Duration::from_secs(120)).await;
+    // The hook's DataVolume step ran: the Retain disk's DataVolume is gone,
+    // its management PV Released, and the disk is still on storage.
+    assert!(
+        t.datavolumes().get_opt(&infra.name).await.unwrap().is_none(),
+        "the hook deleted the DataVolume by label"
+    );
+    common::wait::eventually("the kept PV Released", Duration::from_secs(60), || async {
+        let pvs = t.kept_disks().await;
+        match pvs.iter().find(|d| d.metadata.name.as_deref() == Some(pv_name.as_str())) {
+            Some(d) if d.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Released") => Ok(()),
+            other => Err(format!("{:?}", other.map(|d| d.status.clone()))),
+        }
+    })
+    .await;
     assert_eq!(
         env.sim.volumes_of(&t.namespace, &t.name),
         residue,

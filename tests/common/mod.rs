@@ -61,6 +61,42 @@ pub fn gated_short() -> &'static Env {
     )
 }
 
+/// As [`gated_short`], in a world whose tenant volumes have no infra layer
+/// (the Proxmox path: the tenant's CSI driver holds each disk itself); the
+/// worker runs with a profile whose `infra` is null.
+pub fn gated_one_layer() -> &'static Env {
+    static ENV: OnceLock<Env> = OnceLock::new();
+    ENV.get_or_init(|| {
+        let cp = cluster::control_plane();
+        let file = cp.state.join("profile-one-layer.yaml");
+        std::fs::write(&file, "infra: null\n").expect("write the one-layer profile");
+        let mut args: Vec<String> = [
+            "--wait-bound",
+            "10s",
+            "--retry-base",
+            "1s",
+            "--retry-max",
+            "3s",
+            "--probe-timeout",
+            "3s",
+            "--lease-duration",
+            "4s",
+        ]
+        .map(String::from)
+        .to_vec();
+        args.extend(["--profile".to_string(), file.display().to_string()]);
+        let profile = volume_gate::profile::Profile {
+            infra: None,
+            ..volume_gate::profile::Profile::cozystack()
+        };
+        start_env_with(
+            Some(args),
+            (flux::MIN_RETRY_DELAY, flux::MAX_RETRY_DELAY),
+            profile,
+        )
+    })
+}
+
 /// Control plane and simulator without the gate: the world as it was.
 pub fn ungated() -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();

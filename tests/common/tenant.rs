@@ -759,6 +759,31 @@ impl Tenant {
 
 impl Tenant {
     /// Claims in namespace `apps`, all mounted by one running Pod `holder`.
+    /// The management PVs the worker keeps for this tenant: found as an
+    /// operator finds them (README), by the `kept-namespace` label.
+    pub async fn kept_disks(&self) -> Vec<k8s_openapi::api::core::v1::PersistentVolume> {
+        let keys = volume_gate::record::Keys::new(
+            &volume_gate::profile::Profile::cozystack().annotation_prefix,
+        );
+        Api::<k8s_openapi::api::core::v1::PersistentVolume>::all(self.management.clone())
+            .list(&ListParams::default().labels(&format!("{}={}", keys.kept_namespace, self.namespace)))
+            .await
+            .expect("list kept PVs")
+            .items
+    }
+
+    /// Claims `names` of StorageClass `class` each, held by one Pod, in
+    /// the tenant's namespace `apps`; returns once bound and running.
+    pub async fn with_claims_of(&self, claims: &[(&str, &str)]) {
+        self.tenant_namespace("apps").await;
+        for (c, class) in claims {
+            self.claim("apps", c, class).await;
+        }
+        let names: Vec<&str> = claims.iter().map(|(c, _)| *c).collect();
+        self.pod("apps", "holder", &names).await;
+        self.wait_settled(claims.len(), 1).await;
+    }
+
     /// Holds the tenant in teardown, not done: a claim held by a Pod, its
     /// driver stopped, its parent deleted, its inventory taken.
     pub async fn hold_in_teardown(&self, sim: &super::sim::Simulator) {

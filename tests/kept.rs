@@ -1,0 +1,84 @@
+//! A disk the record says is kept stays kept (`docs/design.md` §5c), on the
+//! road that deletes everything at once: the tenant's namespace. The
+//! override road is `retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_storage`
+//! (`tests/faults.rs`), the Proxmox path `tests/kept_proxmox.rs`.
+
+mod common;
+
+use std::time::{Duration, Instant};
+
+use common::tenant::{RETAIN_STORAGE_CLASS, STORAGE_CLASS, Tenant};
+use volume_gate::record::Phase;
+
+fn env() -> &'static common::Env {
+    common::gated_short()
+}
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_delete_one_is_freed() {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("nsroad")).await;
+    t.wait_custody().await;
+    t.with_claims_of(&[("kept", RETAIN_STORAGE_CLASS), ("freed", STORAGE_CLASS)])
+        .await;
+    assert_eq!(env.sim.volumes_of(&t.namespace, &t.name).len(), 2);
+
+    // The namespace controller deletes everything in it at once; the
+    // tenant's DataVolumes and their PVCs first of all, were it let.
+    let started = Instant::now();
+    t.delete_namespace().await;
+    let record = t.wait_phase(Phase::Blocked, Duration::from_secs(90)).await;
+    let inventoried_after = started.elapsed();
+    let inv = record.inventory.expect("inventoried before anything was deleted");
+    let kept = inv
+        .volumes
+        .iter()
+        .find(|v| v.is_retain())
+        .expect("the Retain volume");
+    let pv = kept
+        .infra
+        .as_ref()
+        .and_then(|r| r.kept.then(|| r.pv.clone()).flatten())
+        .expect("its disk recorded kept");
+    // Only the Delete one was freed.
+    let residue = env.sim.wait_disks(&t.namespace, &t.name, 1).await;
+
+    t.grant_override("platform-admins").await;
+    let alice = env.cp.client_as("alice", &["platform-admins"]).await;
+    t.annotate_override(&alice, "the namespace goes; its Retain disk stays")
+        .await
+        .expect("override accepted");
+    let overridden = Instant::now();
+    t.wait_namespace_gone(Duration::from_secs(240)).await;
+    let gone_after = overridden.elapsed();
+
+    // Nothing namespaced is left; the kept disk's PV (cluster-scoped) and
+    // the disk itself are.
+    assert_eq!(
+        env.sim.volumes_of(&t.namespace, &t.name),
+        residue,
+        "the Retain disk is on storage, the Delete one is not"
+    );
+    let disks = t.kept_disks().await;
+    assert_eq!(
+        disks.iter().map(|d| d.metadata.name.clone().unwrap_or_default()).collect::<Vec<_>>(),
+        vec![pv.clone()],
+        "found by its label after the namespace is gone"
+    );
+    let annotations = disks[0].metadata.annotations.clone().unwrap_or_default();
+    assert_eq!(
+        annotations.get("volumes.cozystack.io/kept-for").map(String::as_str),
+        Some(format!("{}/{}", t.namespace, t.name).as_str())
+    );
+    assert!(
+        annotations
+            .get("volumes.cozystack.io/kept-volume")
+            .is_some_and(|v| v.contains(&kept.pv)),
+        "{annotations:?}"
+    );
+    eprintln!(
+        "namespace road: inventoried and Blocked {:.1}s after the namespace deletion; namespace gone {:.1}s after the override",
+        inventoried_after.as_secs_f64(),
+        gone_after.as_secs_f64()
+    );
+}
