@@ -24,6 +24,10 @@ fn env() -> &'static common::Env {
     common::gated_short()
 }
 
+fn hrs_in(client: &kube::Client, ns: &str) -> Api<DynamicObject> {
+    Api::namespaced_with(client.clone(), ns, &common::gate::helmrelease_resource())
+}
+
 fn merge(v: Value) -> Patch<Value> {
     Patch::Merge(v)
 }
@@ -37,27 +41,6 @@ async fn claim_untouched(t: &Tenant) {
         "{}'s claim was not deleted",
         t.name
     );
-}
-
-/// A parent release `r` in `ns`, with nothing behind it but what the test
-/// adds (no chart runs: its spec is suspended).
-async fn paper_parent(client: &kube::Client, ns: &str, r: &str) {
-    let parent = json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
-        "metadata": {"name": r, "labels": {
-            "apps.cozystack.io/application.kind": "Kubernetes",
-            "apps.cozystack.io/application.group": "apps.cozystack.io"}},
-        "spec": common::flux::inert_spec("kubernetes")});
-    Api::<DynamicObject>::namespaced_with(
-        client.clone(),
-        ns,
-        &common::gate::helmrelease_resource(),
-    )
-    .create(
-        &PostParams::default(),
-        &serde_json::from_value(parent).unwrap(),
-    )
-    .await
-    .expect("create a parent");
 }
 
 /// `r`'s admin kubeconfig Secret in `ns`, holding `kubeconfig`.
@@ -116,7 +99,7 @@ async fn a_second_parent_with_a_copy_of_a_bound_tenants_kubeconfig_can_delete_no
     let b = Tenant::attach(cp, &ns, borrower, &victim.cluster).await;
     kubeconfig_secret(&m, &ns, borrower, &copy).await;
     control_plane(&m, &ns, borrower, &endpoint).await;
-    paper_parent(&m, &ns, borrower).await;
+    common::tenant::bare_parent(&hrs_in(&m, &ns), borrower).await;
     // It is bound all the same (the victim's passes must see the claim),
     // and said to be in conflict at once, long before any teardown.
     let note = b
@@ -132,7 +115,7 @@ async fn a_second_parent_with_a_copy_of_a_bound_tenants_kubeconfig_can_delete_no
     // which API server is its, so nothing is bound.
     let s = Tenant::attach(cp, &ns, stranger, &victim.cluster).await;
     kubeconfig_secret(&m, &ns, stranger, &copy).await;
-    paper_parent(&m, &ns, stranger).await;
+    common::tenant::bare_parent(&hrs_in(&m, &ns), stranger).await;
     s.wait_event("Warning", "ClusterNotBound", |n| {
         n.contains("records no control plane")
     })

@@ -112,7 +112,7 @@ async fn a_parents_kind_label_added_to_the_csi_release_is_refused_and_its_delete
         &ns,
         &common::gate::helmrelease_resource(),
     );
-    paper_parent(&api, r).await;
+    common::tenant::paper_parent(&api, r).await;
     let mut labels = BTreeMap::from([(CHILD.to_string(), r.to_string())]);
     labels.insert(PARENT_KIND.into(), "Kubernetes".into());
     let born = object(
@@ -133,33 +133,6 @@ async fn a_parents_kind_label_added_to_the_csi_release_is_refused_and_its_delete
         "DELETE of a CSI release born with a parent's kind label",
         api.delete(&format!("{r}-csi"), &dry()).await,
         &["CSI driver release", &format!("{ns}/{r}-csi")],
-    );
-}
-
-/// A parent release in custody with no tenant API behind it, only a disk
-/// no inventory names (`unreleasable_disk`): the worker never releases it,
-/// so once deleted it stays in teardown, not done.
-async fn paper_parent(hrs: &Api<DynamicObject>, r: &str) {
-    let ns = hrs.namespace().expect("namespaced").to_string();
-    common::tenant::unreleasable_disk(&hrs.clone().into_client(), &ns, r).await;
-    let parent = json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
-        "metadata": {"name": r, "labels": {PARENT_KIND: "Kubernetes", PARENT_GROUP: "apps.cozystack.io"}},
-        "spec": common::flux::inert_spec("kubernetes")});
-    let created = hrs
-        .create(
-            &PostParams::default(),
-            &serde_json::from_value(parent).unwrap(),
-        )
-        .await
-        .expect("create parent");
-    assert!(
-        created
-            .metadata
-            .finalizers
-            .unwrap_or_default()
-            .iter()
-            .any(|f| f == "volumes.cozystack.io/release"),
-        "the mutating webhook put {r} in custody at creation"
     );
 }
 
@@ -471,7 +444,7 @@ async fn every_guarded_object_under_any_pair_of_identity_labels_is_reviewed_in_t
     let mut expected: Vec<(ApiResource, String, String)> = Vec::new();
     for &bits in &combos {
         let r = format!("kubernetes-cover-{bits}");
-        paper_parent(&hrs, &r).await;
+        common::tenant::paper_parent(&hrs, &r).await;
         let l = combination(bits, &r);
         let mut with_child = l.clone();
         with_child.insert(CHILD.into(), r.clone());
@@ -685,7 +658,7 @@ async fn the_parent_releases_objects_are_held_in_teardown_and_none_can_be_taken_
     env.cp.namespace(ns).await;
     let hrs: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), ns, &common::gate::helmrelease_resource());
-    paper_parent(&hrs, r).await;
+    common::tenant::paper_parent(&hrs, r).await;
     let owned = json!({"meta.helm.sh/release-name": r, "meta.helm.sh/release-namespace": ns});
     let kcsi = format!("{r}-kcsi");
     let rbac = "rbac.authorization.k8s.io/v1";

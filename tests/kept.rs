@@ -43,7 +43,7 @@ async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_de
     // Only the Delete one was freed.
     let residue = env.sim.wait_disks(&t.namespace, &t.name, 1).await;
 
-    t.grant_override("platform-admins").await;
+    t.grant_override_everywhere("platform-admins").await;
     let alice = env.cp.client_as("alice", &["platform-admins"]).await;
     t.annotate_override(&alice, "the namespace goes; its Retain disk stays")
         .await

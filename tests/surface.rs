@@ -897,8 +897,25 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         .await,
         &["relabel", &dv],
     );
-    walk.unsent("datavolume.delete", &dv, dvs.delete(&dv, &dry_delete()))
+    walk.allowed("datavolume.delete", &dv, dvs.delete(&dv, &dry_delete()))
         .await;
+    // A tenant in teardown whose volumes no pass could inventory (no API
+    // behind it): nothing says yet which of its disks are to be kept.
+    let paper = format!("{}-paper", l.namespace);
+    cp.namespace(&paper).await;
+    let r = "kubernetes-paper";
+    common::tenant::paper_parent(&hrs(&admin, &paper), r).await;
+    hrs(&admin, &paper)
+        .delete(r, &DeleteParams::default())
+        .await
+        .expect("delete the paper parent");
+    walk.refused(
+        "datavolume.delete-uninventoried",
+        dynamic(&admin, &paper, &datavolume_resource())
+            .delete(&format!("{r}-disk"), &dry_delete())
+            .await,
+        &["not inventoried", "is being torn down"],
+    );
 
     walk.finish();
 }

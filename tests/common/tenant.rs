@@ -598,6 +598,31 @@ impl Tenant {
         .map(|_| ())
     }
 
+    /// Grants `group` the override verb in every namespace, from the shipped
+    /// example ClusterRole: what a tenant whose namespace is being deleted
+    /// needs (a Role there goes with the namespace).
+    pub async fn grant_override_everywhere(&self, group: &str) {
+        let path = repo_root().join("manifests/examples/override-clusterrole.yaml");
+        let text = std::fs::read_to_string(&path).expect("override-clusterrole.yaml");
+        let docs: Vec<Value> =
+            serde_saphyr::from_multiple(&text).expect("parse override-clusterrole.yaml");
+        for mut d in docs.into_iter().filter(|d| !d.is_null()) {
+            if d["kind"] == "ClusterRoleBinding" {
+                d["subjects"][0]["name"] = json!(group);
+            }
+            manifests::apply(&self.management, &d).await;
+        }
+        wait_authorized(
+            &self.management,
+            group,
+            &self.namespace,
+            "volumes.cozystack.io",
+            "tenants",
+            "override",
+        )
+        .await;
+    }
+
     /// Grants `group` the override verb on this tenant's namespace, from the
     /// shipped example Role.
     pub async fn grant_override(&self, group: &str) {
@@ -1111,6 +1136,39 @@ pub async fn unreleasable_disk(client: &kube::Client, ns: &str, r: &str) {
     )
     .await
     .expect("create the tenant's unreleasable DataVolume");
+}
+
+/// A parent release `r` with Cozystack's labels and nothing behind it (its
+/// spec suspended: no chart runs), taken into custody at creation by the
+/// mutating webhook.
+pub async fn bare_parent(hrs: &Api<DynamicObject>, r: &str) {
+    let parent = json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
+        "metadata": {"name": r, "labels": {
+            "apps.cozystack.io/application.kind": "Kubernetes",
+            "apps.cozystack.io/application.group": "apps.cozystack.io"}},
+        "spec": super::flux::inert_spec("kubernetes")});
+    let created = hrs
+        .create(&PostParams::default(), &serde_json::from_value(parent).unwrap())
+        .await
+        .expect("create parent");
+    assert!(
+        created
+            .metadata
+            .finalizers
+            .unwrap_or_default()
+            .iter()
+            .any(|f| f == "volumes.cozystack.io/release"),
+        "the mutating webhook put {r} in custody at creation"
+    );
+}
+
+/// A parent release in custody with no tenant API behind it, only a disk
+/// no inventory names ([`unreleasable_disk`]): the worker never releases
+/// it, so once deleted it stays in teardown, not done.
+pub async fn paper_parent(hrs: &Api<DynamicObject>, r: &str) {
+    let ns = hrs.namespace().expect("namespaced").to_string();
+    unreleasable_disk(&hrs.clone().into_client(), &ns, r).await;
+    bare_parent(hrs, r).await;
 }
 
 /// Deletes the disk [`unreleasable_disk`] made, so the tenant can be released.
