@@ -239,9 +239,16 @@ async fn a_tenant_dead_from_the_start_that_holds_disks_keeps_them_until_an_overr
     t.annotate_override(&alice, "tenant never answered; disk abandoned (ticket 7)")
         .await
         .expect("authorized override accepted");
-    // What then becomes of the disk is the hook's (its step 5 deletes the
-    // tenant's DataVolumes by label, best effort): the phase deleted nothing.
+    // The hook's step 5 then deletes the tenant's DataVolumes by label; the
+    // disk, whose policy nothing recorded, was kept before custody ended.
     t.wait_parent_gone(Duration::from_secs(180)).await;
+    assert_eq!(
+        env.sim.volumes_of(&t.namespace, &t.name).len(),
+        1,
+        "the disk of unknown policy is still on storage"
+    );
+    let kept = t.kept_disks().await;
+    assert_eq!(kept.len(), 1, "and found by its label: {kept:?}");
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -342,11 +342,11 @@ pub enum Keep {
 
 /// Which management PVs of the tenant must keep their disk, and which the
 /// worker kept before but no longer must. A disk is kept when its tenant
-/// volume is not `Delete` (`Volume::is_kept`); when the tenant API can no
-/// longer say (`reachable` false: an unreachable API, or an override), a
-/// disk no inventory names as `Delete` is kept too (its policy is unknown,
-/// and a disk kept by mistake is found and freed by hand, a disk freed by
-/// mistake is gone). A PV being deleted is past keeping.
+/// volume is not `Delete` (`Volume::is_kept`); when no inventory was ever
+/// taken and the tenant API cannot say (`reachable` false: an unreachable
+/// API, or an override), every disk of the tenant is kept (its policy is
+/// unknown; a disk kept by mistake is found and freed by hand, a disk freed
+/// by mistake is gone). A PV being deleted is past keeping.
 pub fn keep_plan(inv: Option<&Inventory>, observed: &Observed, reachable: bool) -> Vec<Keep> {
     let mut plan = Vec::new();
     for pv in observed.volumes.iter().filter(|v| !v.deleting) {
@@ -358,9 +358,12 @@ pub fn keep_plan(inv: Option<&Inventory>, observed: &Observed, reachable: bool) 
                 })
             })
         });
+        // Not in an inventory that exists: not a tenant volume (a label
+        // alone, which the namespace's editors write) or one still being
+        // provisioned; kept only when there is no inventory at all.
         let keep = match volume {
             Some(v) => v.is_kept(),
-            None => !reachable,
+            None => inv.is_none() && !reachable,
         };
         let retained = pv.reclaim.as_deref() == Some("Retain");
         match (&pv.kept_from, keep) {
@@ -600,8 +603,8 @@ pub fn kept_reasons(
         return vec![
             "no inventory was taken while the tenant API answered, so these disks' reclaim policy is unknown: \
              the phase keeps them (their management PVs now have reclaim policy Retain) and does not delete them. \
-             Delete them in the management cluster if their data is not wanted, or record an override to end the \
-             teardown with them kept"
+             If their data is not wanted, give a PV its reclaim policy Delete and delete its DataVolume; or record \
+             an override to end the teardown with them kept"
                 .into(),
         ];
     };
@@ -990,18 +993,9 @@ mod tests {
             inv.volumes.iter().map(|v| v.infra.as_ref().unwrap().kept).collect::<Vec<_>>(),
             [true, false]
         );
-        // The API cannot say any more (or an override ends it): the stranger
-        // is kept too; the Delete volume still goes.
-        let plan = keep_plan(Some(&inv), &observed, false);
-        assert_eq!(
-            plan.iter()
-                .map(|k| match k {
-                    Keep::Pin { pv, .. } => pv.as_str(),
-                    Keep::Unpin { .. } => "unpin",
-                })
-                .collect::<Vec<_>>(),
-            ["mgmt-1", "mgmt-x"]
-        );
+        // The API cannot say any more (or an override ends it): the same;
+        // a disk no inventory names is not a tenant volume.
+        assert_eq!(keep_plan(Some(&inv), &observed, false), plan);
         // No inventory at all: every disk is kept.
         assert_eq!(keep_plan(None, &observed, false).len(), 3);
         // Kept already: nothing to do; its volume turned Delete: let go,
