@@ -82,3 +82,33 @@ async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_de
         gone_after.as_secs_f64()
     );
 }
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retain_volume_turned_delete_in_the_tenant_is_let_go_and_freed() {
+    use k8s_openapi::api::core::v1::PersistentVolume;
+    use kube::api::{Api, Patch, PatchParams};
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("letgo")).await;
+    t.wait_custody().await;
+    t.with_claims_of(&[("kept", RETAIN_STORAGE_CLASS)]).await;
+    t.delete_parent().await;
+    let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
+    let inv = record.inventory.expect("inventory");
+    let volume = inv.remaining().next().expect("the Retain volume").clone();
+    assert_eq!(t.kept_disks().await.len(), 1, "its disk is kept");
+
+    // What the Blocked message offers the tenant's admin: free it after all.
+    let patch = serde_json::json!({"spec": {"persistentVolumeReclaimPolicy": "Delete"}});
+    Api::<PersistentVolume>::all(t.api.clone())
+        .patch(&volume.pv, &PatchParams::default(), &Patch::Merge(&patch))
+        .await
+        .expect("the tenant's admin turns the volume to Delete");
+    // The worker lets the management PV go (its policy restored), the
+    // driver frees the volume, and the teardown finishes with nothing left.
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+    assert!(t.kept_disks().await.is_empty(), "no disk is kept any more");
+    assert!(
+        env.sim.volumes_of(&t.namespace, &t.name).is_empty(),
+        "the disk was freed"
+    );
+}
