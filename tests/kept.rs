@@ -1,5 +1,6 @@
 //! A disk the record says is kept stays kept (`docs/design.md` §5c), on the
-//! road that deletes everything at once: the tenant's namespace. The
+//! road that deletes everything at once: the tenant's namespace; and a
+//! kept disk whose volume the tenant turns to Delete is let go. The
 //! override road is `retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_storage`
 //! (`tests/faults.rs`), the Proxmox path `tests/kept_proxmox.rs`.
 
@@ -49,11 +50,29 @@ async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_de
         .await
         .expect("override accepted");
     let overridden = Instant::now();
-    t.wait_namespace_gone(Duration::from_secs(240)).await;
-    let gone_after = overridden.elapsed();
+    // Once the tenant is done, the namespace controller deletes its
+    // DataVolumes and their PVCs: the kept disk's PV goes Released and
+    // stays. (The namespace itself goes when helm-controller has let its
+    // children go, on Flux's own retry schedule: not waited for here.)
+    common::wait::eventually("the kept PV Released", Duration::from_secs(120), || async {
+        let pvs = t.kept_disks().await;
+        match pvs.iter().find(|d| d.metadata.name.as_deref() == Some(pv.as_str())) {
+            Some(d) if d.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Released") => Ok(()),
+            other => Err(format!("{:?}", other.map(|d| d.status.clone()))),
+        }
+    })
+    .await;
+    let released_after = overridden.elapsed();
+    assert!(
+        t.datavolumes()
+            .list(&Default::default())
+            .await
+            .map(|l| l.items.is_empty())
+            .unwrap_or(true),
+        "the namespace controller deleted the DataVolumes"
+    );
 
-    // Nothing namespaced is left; the kept disk's PV (cluster-scoped) and
-    // the disk itself are.
+    // The kept disk's PV (cluster-scoped) and the disk itself stay.
     assert_eq!(
         env.sim.volumes_of(&t.namespace, &t.name),
         residue,
@@ -77,9 +96,9 @@ async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_de
         "{annotations:?}"
     );
     eprintln!(
-        "namespace road: inventoried and Blocked {:.1}s after the namespace deletion; namespace gone {:.1}s after the override",
+        "namespace road: inventoried and Blocked {:.1}s after the namespace deletion; the kept PV Released {:.1}s after the override",
         inventoried_after.as_secs_f64(),
-        gone_after.as_secs_f64()
+        released_after.as_secs_f64()
     );
 }
 

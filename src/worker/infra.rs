@@ -360,9 +360,18 @@ pub fn keep_plan(inv: Option<&Inventory>, observed: &Observed, reachable: bool) 
         });
         // Not in an inventory that exists: not a tenant volume (a label
         // alone, which the namespace's editors write) or one still being
-        // provisioned; kept only when there is no inventory at all.
+        // provisioned; kept only when there is no inventory at all. A
+        // volume gone from the tenant whose DataVolume is gone too was freed
+        // by its driver (it deletes a DataVolume only for a Delete volume):
+        // its owner turned it to Delete, and its disk is let go.
+        let freed_by_driver = |v: &crate::record::Volume| {
+            v.gone
+                && v.infra
+                    .as_ref()
+                    .is_some_and(|r| !observed.objects.iter().any(|o| o.name == r.name))
+        };
         let keep = match volume {
-            Some(v) => v.is_kept(),
+            Some(v) => v.is_kept() && !freed_by_driver(v),
             None => inv.is_none() && !reachable,
         };
         let retained = pv.reclaim.as_deref() == Some("Retain");
@@ -1010,6 +1019,28 @@ mod tests {
                 reclaim_was: "Delete".into()
             }]
         );
+        // Gone from the tenant with its DataVolume: freed by the driver, so
+        // turned Delete after the last pass read it; let go.
+        inv.volumes[0].reclaim = "Retain".into();
+        inv.volumes[0].gone = true;
+        assert_eq!(
+            keep_plan(Some(&inv), &observed, true),
+            vec![Keep::Unpin {
+                pv: "mgmt-1".into(),
+                reclaim_was: "Delete".into()
+            }]
+        );
+        // Gone from the tenant but its DataVolume still there (the PV was
+        // deleted by hand, Retain): kept.
+        let with_dv = Observed {
+            objects: vec![Held {
+                name: "pvc-1".into(),
+                ..Default::default()
+            }],
+            ..observed.clone()
+        };
+        assert!(keep_plan(Some(&inv), &with_dv, true).is_empty());
+        inv.volumes[0].gone = false;
         // A PV already being deleted is past keeping.
         let mut going = disk("mgmt-2", "pvc-2", "Delete", None);
         going.deleting = true;
