@@ -179,7 +179,11 @@ async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_stora
         .find(|d| d.metadata.name == infra.pv)
         .unwrap_or_else(|| panic!("the kept disk {:?} is labelled: {disks:?}", infra.pv));
     assert_eq!(
-        pv.spec.as_ref().unwrap().persistent_volume_reclaim_policy.as_deref(),
+        pv.spec
+            .as_ref()
+            .unwrap()
+            .persistent_volume_reclaim_policy
+            .as_deref(),
         Some("Retain")
     );
     // On storage, only the retained disk stays (the freed one's management
@@ -193,20 +197,36 @@ async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_stora
         .expect("override accepted");
     let note = t.wait_event("Warning", "Overridden", |_| true).await;
     let pv_name = infra.pv.clone().unwrap();
-    for needle in ["1 disk stays on storage, kept", pv_name.as_str(), "kubectl get pv -l"] {
-        assert!(note.contains(needle), "the Warning says what stays ({needle:?}): {note}");
+    for needle in [
+        "1 disk stays on storage, kept",
+        pv_name.as_str(),
+        "kubectl get pv -l",
+    ] {
+        assert!(
+            note.contains(needle),
+            "the Warning says what stays ({needle:?}): {note}"
+        );
     }
     t.wait_parent_gone(Duration::from_secs(120)).await;
     // The hook's DataVolume step ran: the Retain disk's DataVolume is gone,
     // its management PV Released, and the disk is still on storage.
     assert!(
-        t.datavolumes().get_opt(&infra.name).await.unwrap().is_none(),
+        t.datavolumes()
+            .get_opt(&infra.name)
+            .await
+            .unwrap()
+            .is_none(),
         "the hook deleted the DataVolume by label"
     );
     common::wait::eventually("the kept PV Released", Duration::from_secs(60), || async {
         let pvs = t.kept_disks().await;
-        match pvs.iter().find(|d| d.metadata.name.as_deref() == Some(pv_name.as_str())) {
-            Some(d) if d.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Released") => Ok(()),
+        match pvs
+            .iter()
+            .find(|d| d.metadata.name.as_deref() == Some(pv_name.as_str()))
+        {
+            Some(d) if d.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Released") => {
+                Ok(())
+            }
             other => Err(format!("{:?}", other.map(|d| d.status.clone()))),
         }
     })

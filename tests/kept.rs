@@ -16,7 +16,8 @@ fn env() -> &'static common::Env {
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_delete_one_is_freed() {
+async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_delete_one_is_freed()
+{
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("nsroad")).await;
     t.wait_custody().await;
@@ -30,7 +31,9 @@ async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_de
     t.delete_namespace().await;
     let record = t.wait_phase(Phase::Blocked, Duration::from_secs(90)).await;
     let inventoried_after = started.elapsed();
-    let inv = record.inventory.expect("inventoried before anything was deleted");
+    let inv = record
+        .inventory
+        .expect("inventoried before anything was deleted");
     let kept = inv
         .volumes
         .iter()
@@ -56,8 +59,13 @@ async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_de
     // children go, on Flux's own retry schedule: not waited for here.)
     common::wait::eventually("the kept PV Released", Duration::from_secs(120), || async {
         let pvs = t.kept_disks().await;
-        match pvs.iter().find(|d| d.metadata.name.as_deref() == Some(pv.as_str())) {
-            Some(d) if d.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Released") => Ok(()),
+        match pvs
+            .iter()
+            .find(|d| d.metadata.name.as_deref() == Some(pv.as_str()))
+        {
+            Some(d) if d.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Released") => {
+                Ok(())
+            }
             other => Err(format!("{:?}", other.map(|d| d.status.clone()))),
         }
     })
@@ -80,13 +88,18 @@ async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_de
     );
     let disks = t.kept_disks().await;
     assert_eq!(
-        disks.iter().map(|d| d.metadata.name.clone().unwrap_or_default()).collect::<Vec<_>>(),
+        disks
+            .iter()
+            .map(|d| d.metadata.name.clone().unwrap_or_default())
+            .collect::<Vec<_>>(),
         vec![pv.clone()],
         "found by its label after the namespace is gone"
     );
     let annotations = disks[0].metadata.annotations.clone().unwrap_or_default();
     assert_eq!(
-        annotations.get("volumes.cozystack.io/kept-for").map(String::as_str),
+        annotations
+            .get("volumes.cozystack.io/kept-for")
+            .map(String::as_str),
         Some(format!("{}/{}", t.namespace, t.name).as_str())
     );
     assert!(

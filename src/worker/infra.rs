@@ -314,7 +314,12 @@ pub async fn observe(
             continue;
         };
         let m = &pv.metadata;
-        if m.labels.as_ref().and_then(|l| l.get(&keys.kept)).map(String::as_str) == Some("true") {
+        if m.labels
+            .as_ref()
+            .and_then(|l| l.get(&keys.kept))
+            .map(String::as_str)
+            == Some("true")
+        {
             held.kept_from = Some(
                 m.annotations
                     .as_ref()
@@ -380,8 +385,19 @@ pub fn keep_plan(inv: Option<&Inventory>, observed: &Observed, reachable: bool) 
                 pv: pv.name.clone(),
                 reclaim_was: pv.reclaim.clone().unwrap_or_else(|| "Delete".into()),
                 volume: volume.map_or_else(
-                    || format!("a disk of the tenant no inventory names (its PVC {})", pv.claim.as_deref().unwrap_or("?")),
-                    |v| format!("tenant volume {} (reclaim policy {})", v.describe(), v.reclaim),
+                    || {
+                        format!(
+                            "a disk of the tenant no inventory names (its PVC {})",
+                            pv.claim.as_deref().unwrap_or("?")
+                        )
+                    },
+                    |v| {
+                        format!(
+                            "tenant volume {} (reclaim policy {})",
+                            v.describe(),
+                            v.reclaim
+                        )
+                    },
                 ),
             }),
             (Some(was), true) if !retained => plan.push(Keep::Pin {
@@ -437,10 +453,9 @@ pub async fn apply_keep(ctx: &Context, t: &TenantRef, plan: &[Keep]) -> Result<(
                 pv,
                 reclaim_was,
                 volume,
-            } => {
-                (
-                    pv,
-                    json!({
+            } => (
+                pv,
+                json!({
                         "metadata": {
                             "labels": {k.kept.as_str(): "true", k.kept_namespace.as_str(): t.namespace},
                             "annotations": {
@@ -450,8 +465,7 @@ pub async fn apply_keep(ctx: &Context, t: &TenantRef, plan: &[Keep]) -> Result<(
                                 k.kept_at.as_str(): crate::record::now_rfc3339(),
                             }},
                         "spec": {"persistentVolumeReclaimPolicy": "Retain"}}),
-                )
-            }
+            ),
             Keep::Unpin { pv, reclaim_was } => (
                 pv,
                 json!({
@@ -462,8 +476,13 @@ pub async fn apply_keep(ctx: &Context, t: &TenantRef, plan: &[Keep]) -> Result<(
                     "spec": {"persistentVolumeReclaimPolicy": reclaim_was}}),
             ),
         };
-        match api.patch(pv, &PatchParams::default(), &Patch::Merge(&patch)).await {
-            Ok(_) => info!(tenant = %t, pv = %pv, keep = matches!(step, Keep::Pin { .. }), "management disk kept or let go"),
+        match api
+            .patch(pv, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => {
+                info!(tenant = %t, pv = %pv, keep = matches!(step, Keep::Pin { .. }), "management disk kept or let go")
+            }
             // Gone meanwhile: nothing left to keep.
             Err(kube::Error::Api(s)) if s.code == 404 => {}
             Err(e) => return Err(e),
@@ -993,13 +1012,19 @@ mod tests {
             vec![Keep::Pin {
                 pv: "mgmt-1".into(),
                 reclaim_was: "Delete".into(),
-                volume: format!("tenant volume {} (reclaim policy Retain)", inv.volumes[0].describe()),
+                volume: format!(
+                    "tenant volume {} (reclaim policy Retain)",
+                    inv.volumes[0].describe()
+                ),
             }]
         );
         let kept = kept_after(&observed, &plan);
         mark_kept(&mut inv, &kept);
         assert_eq!(
-            inv.volumes.iter().map(|v| v.infra.as_ref().unwrap().kept).collect::<Vec<_>>(),
+            inv.volumes
+                .iter()
+                .map(|v| v.infra.as_ref().unwrap().kept)
+                .collect::<Vec<_>>(),
             [true, false]
         );
         // The API cannot say any more (or an override ends it): the same;

@@ -167,7 +167,9 @@ pub fn override_message(ov: &Override, leaves: &Leaves<'_>) -> String {
                     count(i.left(), "volume")
                 )
             }
-            None => format!("{head}: no inventory was taken: the volumes left on storage are unknown"),
+            None => {
+                format!("{head}: no inventory was taken: the volumes left on storage are unknown")
+            }
         };
     };
     let mut parts = Vec::new();
@@ -205,7 +207,10 @@ pub fn override_message(ov: &Override, leaves: &Leaves<'_>) -> String {
             ));
         }
     } else {
-        parts.push("no inventory was taken: every disk of the tenant found on the management side is kept".into());
+        parts.push(
+            "no inventory was taken: every disk of the tenant found on the management side is kept"
+                .into(),
+        );
     }
     if parts.is_empty() {
         parts.push("nothing is left on storage".into());
@@ -579,6 +584,9 @@ mod tests {
                 finder,
             },
         );
-        assert!(m.contains("every disk of the tenant found on the management side is kept"), "{m}");
+        assert!(
+            m.contains("every disk of the tenant found on the management side is kept"),
+            "{m}"
+        );
     }
 }

@@ -104,7 +104,9 @@ pub async fn reconcile(
                 task.abort();
             }
             let record = Record::from_annotations(&ctx.keys, parent.annotations());
-            let ov = record.stamped_override().expect("next saw a stamped override");
+            let ov = record
+                .stamped_override()
+                .expect("next saw a stamped override");
             // Keep what must stay of the disks before custody ends: after
             // it, the hook's and the namespace's deletes reach them.
             let mut inventory = record.inventory.clone();
@@ -125,7 +127,10 @@ pub async fn reconcile(
                 }
                 None => None,
             };
-            let finder = format!("kubectl get pv -l {}={}", ctx.keys.kept_namespace, t.namespace);
+            let finder = format!(
+                "kubectl get pv -l {}={}",
+                ctx.keys.kept_namespace, t.namespace
+            );
             let message = next::override_message(
                 ov,
                 &next::Leaves {

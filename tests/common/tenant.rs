@@ -791,7 +791,10 @@ impl Tenant {
             &volume_gate::profile::Profile::cozystack().annotation_prefix,
         );
         Api::<k8s_openapi::api::core::v1::PersistentVolume>::all(self.management.clone())
-            .list(&ListParams::default().labels(&format!("{}={}", keys.kept_namespace, self.namespace)))
+            .list(
+                &ListParams::default()
+                    .labels(&format!("{}={}", keys.kept_namespace, self.namespace)),
+            )
             .await
             .expect("list kept PVs")
             .items
@@ -1148,7 +1151,10 @@ pub async fn bare_parent(hrs: &Api<DynamicObject>, r: &str) {
             "apps.cozystack.io/application.group": "apps.cozystack.io"}},
         "spec": super::flux::inert_spec("kubernetes")});
     let created = hrs
-        .create(&PostParams::default(), &serde_json::from_value(parent).unwrap())
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(parent).unwrap(),
+        )
         .await
         .expect("create parent");
     assert!(

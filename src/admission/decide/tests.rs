@@ -1383,7 +1383,10 @@ fn a_tenants_disk_may_be_deleted_but_its_infra_labels_are_held_until_done() {
         .reason(),
         "frees-the-disk"
     );
-    for teardown in [facts().deleting().build(), facts().namespace_deleting().build()] {
+    for teardown in [
+        facts().deleting().build(),
+        facts().namespace_deleting().build(),
+    ] {
         let v = delete(&disk, "pvc-1", Some(teardown));
         let message = assert_denied(&v, "infra-disk-uninventoried");
         assert!(message.contains("not inventoried"), "{message}");
@@ -1393,7 +1396,12 @@ fn a_tenants_disk_may_be_deleted_but_its_infra_labels_are_held_until_done() {
         "cannot-judge"
     );
     assert_eq!(
-        delete(&disk, "pvc-1", Some(facts().deleting().phase("Released").build())).reason(),
+        delete(
+            &disk,
+            "pvc-1",
+            Some(facts().deleting().phase("Released").build())
+        )
+        .reason(),
         "done"
     );
 }
