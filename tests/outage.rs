@@ -333,6 +333,7 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
             disks.patch("disk-daily", &pp, &merge(json!({"metadata": {"annotations": {"cdi.kubevirt.io/storage.bind.immediate.requested": "true"}}}))).await.map(drop),
         ),
         ("tenant disk PVC: label", claims.patch("claim-daily", &pp, &merge(json!({"metadata": {"labels": {"app": "down"}}}))).await.map(drop)),
+        ("tenant disk DataVolume: delete", disks.delete("disk-daily", &DeleteParams::default()).await.map(drop)),
         ("tenant parent: spec edit", releases.patch(&r, &pp, &merge(json!({"spec": {"values": {"replicas": 9}}}))).await.map(drop)),
         (
             "tenant parent: annotation",
@@ -407,7 +408,6 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
             claims.patch("claim-daily", &pp, &merge(json!({"metadata": {"labels": {"cluster.x-k8s.io/cluster-name": null}}}))).await.map(drop),
         ),
         ("parent without custody: delete", api(&client, "tenant-newcomer", &hr()).delete("kubernetes-newcomer", &DeleteParams::default()).await.map(drop)),
-        ("tenant disk DataVolume: delete", disks.delete("disk-daily", &DeleteParams::default()).await.map(drop)),
         (
             "CSI release: retargeted",
             releases.patch(&format!("{r}-csi"), &pp, &merge(json!({"spec": {"releaseName": "moved"}}))).await.map(drop),

@@ -897,7 +897,7 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         .await,
         &["relabel", &dv],
     );
-    walk.allowed("datavolume.delete", &dv, dvs.delete(&dv, &dry_delete()))
+    walk.unsent("datavolume.delete", &dv, dvs.delete(&dv, &dry_delete()))
         .await;
     // A tenant in teardown whose volumes no pass could inventory (no API
     // behind it): nothing says yet which of its disks are to be kept.
@@ -909,12 +909,26 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         .delete(r, &DeleteParams::default())
         .await
         .expect("delete the paper parent");
+    let namespace_controller = cp
+        .client_as(
+            volume_gate::admission::gate::NAMESPACE_CONTROLLER,
+            &["system:serviceaccounts", "system:authenticated"],
+        )
+        .await;
     walk.refused(
         "datavolume.delete-uninventoried",
-        dynamic(&admin, &paper, &datavolume_resource())
+        dynamic(&namespace_controller, &paper, &datavolume_resource())
             .delete(&format!("{r}-disk"), &dry_delete())
             .await,
         &["not inventoried", "is being torn down"],
+    );
+    walk.record(
+        "datavolume.delete-by-hand",
+        dynamic(&admin, &paper, &datavolume_resource())
+            .delete(&format!("{r}-disk"), &dry_delete())
+            .await
+            .map(drop)
+            .map_err(|e| format!("refused: {e}")),
     );
 
     walk.finish();

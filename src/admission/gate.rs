@@ -24,7 +24,7 @@ use crate::profile::{Profile, is_object_name};
 use crate::record::Keys;
 
 /// Who deletes a namespace's contents once it is being deleted.
-const NAMESPACE_CONTROLLER: &str = "system:serviceaccount:kube-system:namespace-controller";
+pub const NAMESPACE_CONTROLLER: &str = "system:serviceaccount:kube-system:namespace-controller";
 
 /// Everything a decision needs besides the request.
 pub struct Gate {
@@ -186,9 +186,11 @@ impl Gate {
                             )
                             .await
                         }
-                        // Deleting a disk frees it (what the driver does),
-                        // once the phase has kept what must stay.
-                        Target::InfraDisk { tenant } => {
+                        // Deleting a disk frees it, as the driver does, and
+                        // a hand deleting one decides so. The namespace
+                        // controller deletes everything at once: its deletes
+                        // wait until the phase has kept what must stay.
+                        Target::InfraDisk { tenant } if from_ns_controller => {
                             let tenant = tenant.clone();
                             self.decide_dependent(
                                 &target,
@@ -199,6 +201,7 @@ impl Gate {
                             )
                             .await
                         }
+                        Target::InfraDisk { .. } => Verdict::allow("frees-the-disk"),
                         Target::Unrelated => Verdict::allow("unrelated"),
                     };
                     judged.push((target, verdict));
@@ -1145,6 +1148,32 @@ mod tests {
             warnings[0].contains("meta.helm.sh/release-name"),
             "{warnings:?}"
         );
+        assert!(api.calls().is_empty(), "{:?}", reads(&api));
+    }
+
+    #[tokio::test]
+    async fn only_the_namespace_controllers_disk_deletes_wait_for_the_inventory() {
+        let dv = json!({"apiVersion": "cdi.kubevirt.io/v1beta1", "kind": "DataVolume", "metadata": {"name": "pvc-1",
+            "namespace": NS, "labels": {"cluster.x-k8s.io/cluster-name": "kubernetes-a"}}});
+        let delete = |user: &str| {
+            let body = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+                "uid": "u-1", "kind": {"group": "cdi.kubevirt.io", "version": "v1beta1", "kind": "DataVolume"},
+                "resource": {"group": "cdi.kubevirt.io", "version": "v1beta1", "resource": "datavolumes"},
+                "name": "pvc-1", "namespace": NS, "operation": "DELETE", "userInfo": {"username": user},
+                "oldObject": dv, "dryRun": false}});
+            review::decode(&serde_json::to_vec(&body).unwrap()).unwrap()
+        };
+        // In teardown, no inventory yet: the namespace controller waits.
+        let api = FakeApi::new();
+        api.get(PARENT, parent(true, json!({"volumes.cozystack.io/phase": "Blocked"})));
+        let (_, verdict) = gate(&api).validate(&delete(NAMESPACE_CONTROLLER)).await;
+        assert_eq!(verdict.reason(), "infra-disk-uninventoried");
+        // A hand, or the driver, frees the disk, with nothing read.
+        let api = FakeApi::new();
+        let (_, verdict) = gate(&api)
+            .validate(&delete("system:serviceaccount:tenant-a:kubernetes-a-kcsi"))
+            .await;
+        assert_eq!(verdict, Verdict::allow("frees-the-disk"));
         assert!(api.calls().is_empty(), "{:?}", reads(&api));
     }
 }
