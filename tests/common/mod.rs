@@ -43,22 +43,25 @@ pub fn gated_with(worker_args: Vec<String>) -> &'static Env {
 /// for the PVs before `Blocked`, retries within 1 to 3s): a tenant is held
 /// in teardown, `Blocked`, within seconds.
 pub fn gated_short() -> &'static Env {
-    gated_with(
-        [
-            "--wait-bound",
-            "10s",
-            "--retry-base",
-            "1s",
-            "--retry-max",
-            "3s",
-            "--probe-timeout",
-            "3s",
-            "--lease-duration",
-            "4s",
-        ]
-        .map(String::from)
-        .to_vec(),
-    )
+    gated_with(short_worker_args())
+}
+
+/// The worker flags of [`gated_short`].
+fn short_worker_args() -> Vec<String> {
+    [
+        "--wait-bound",
+        "10s",
+        "--retry-base",
+        "1s",
+        "--retry-max",
+        "3s",
+        "--probe-timeout",
+        "3s",
+        "--lease-duration",
+        "4s",
+    ]
+    .map(String::from)
+    .to_vec()
 }
 
 /// As [`gated_short`], in a world whose tenant volumes have no infra layer
@@ -70,20 +73,7 @@ pub fn gated_one_layer() -> &'static Env {
         let cp = cluster::control_plane();
         let file = cp.state.join("profile-one-layer.yaml");
         std::fs::write(&file, "infra: null\n").expect("write the one-layer profile");
-        let mut args: Vec<String> = [
-            "--wait-bound",
-            "10s",
-            "--retry-base",
-            "1s",
-            "--retry-max",
-            "3s",
-            "--probe-timeout",
-            "3s",
-            "--lease-duration",
-            "4s",
-        ]
-        .map(String::from)
-        .to_vec();
+        let mut args = short_worker_args();
         args.extend(["--profile".to_string(), file.display().to_string()]);
         let profile = volume_gate::profile::Profile {
             infra: None,
