@@ -372,7 +372,7 @@ fn exported() -> BTreeSet<String> {
             outcome: "Released".into(),
         })
         .observe(1.0);
-    m.count_error(ErrorKind::ManagementApi);
+    m.count_error(volume_gate::worker::ErrorKind::ManagementApi.as_str());
     let text = m.encode();
     let mut names = BTreeSet::new();
     for line in text.lines().filter_map(|l| l.strip_prefix("# TYPE ")) {

@@ -1165,7 +1165,10 @@ mod tests {
         };
         // In teardown, no inventory yet: the namespace controller waits.
         let api = FakeApi::new();
-        api.get(PARENT, parent(true, json!({"volumes.cozystack.io/phase": "Blocked"})));
+        api.get(
+            PARENT,
+            parent(true, json!({"volumes.cozystack.io/phase": "Blocked"})),
+        );
         let (_, verdict) = gate(&api).validate(&delete(NAMESPACE_CONTROLLER)).await;
         assert_eq!(verdict.reason(), "infra-disk-uninventoried");
         // A hand, or the driver, frees the disk, with nothing read.

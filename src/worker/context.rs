@@ -12,10 +12,13 @@ use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
 use tokio::sync::Semaphore;
+use tokio::task::JoinHandle;
 use tokio::time::Instant;
 use tracing::{debug, info, warn};
 
-use super::{Settings, TenantRef, custody, identity, next, tenant};
+use super::events::Reason;
+use super::next::Task;
+use super::{ErrorKind, Settings, TenantRef, custody, identity, next, tenant};
 use crate::metrics::{Metrics, OutcomeLabels, PhaseLabels};
 use crate::profile::Profile;
 use crate::record::{Keys, Phase, Record, Update, now_rfc3339, one_line, shorten};
@@ -50,9 +53,31 @@ pub type ParentMeta = PartialObjectMeta<DynamicObject>;
 
 /// When a tenant's next pass may start, and how many have failed in a row.
 #[derive(Clone, Copy)]
-pub(crate) struct Retry {
-    pub at: Instant,
-    pub attempts: u32,
+struct Retry {
+    at: Instant,
+    attempts: u32,
+}
+
+/// What the worker remembers of one tenant between reconciles. Nothing
+/// here is needed to resume after a restart (the record and the APIs are
+/// the truth); it paces the work. One rule evicts it: an entry lives while
+/// its parent is in the store or its phase task runs
+/// ([`Context::housekeeping`]).
+#[derive(Default)]
+struct TenantState {
+    /// The running phase task.
+    task: Option<JoinHandle<()>>,
+    retry: Option<Retry>,
+    /// Attempts to bind the tenant's cluster (see `bind_cluster`).
+    binds: u32,
+    /// Retry requests made after the outcome (`request_retry`).
+    requests: u32,
+    /// When the phase started, for its duration.
+    phase_started: Option<Instant>,
+    /// Since when the tenant's API has been unreachable, as this worker saw
+    /// it (lost on restart: the wait before freeing from the management
+    /// side starts again, never shorter).
+    unreachable_since: Option<Instant>,
 }
 
 pub struct Context {
@@ -66,19 +91,7 @@ pub struct Context {
     pub(crate) parents: Store<ParentMeta>,
     namespaces: Store<PartialObjectMeta<Namespace>>,
     pub(crate) slots: Arc<Semaphore>,
-    /// The running phase task of each tenant.
-    pub(crate) running: Mutex<HashMap<TenantRef, tokio::task::JoinHandle<()>>>,
-    pub(crate) retries: Mutex<HashMap<TenantRef, Retry>>,
-    /// Attempts to bind a tenant's cluster (see `bind_cluster`).
-    binds: Mutex<HashMap<TenantRef, u32>>,
-    /// Retry requests made after each tenant's outcome (`request_retry`).
-    requests_made: Mutex<HashMap<TenantRef, u32>>,
-    /// When each tenant's phase started, for its duration.
-    pub(crate) phase_started: Mutex<HashMap<TenantRef, Instant>>,
-    /// Since when each tenant's API has been unreachable, as this worker saw
-    /// it (lost on restart: the wait before freeing from the management
-    /// side starts again, never shorter).
-    unreachable: Mutex<HashMap<TenantRef, Instant>>,
+    tenants: Mutex<HashMap<TenantRef, TenantState>>,
     /// Reconciles a tenant when its phase task ends.
     trigger: tokio::sync::mpsc::UnboundedSender<ObjectRef<ParentMeta>>,
 }
@@ -114,26 +127,132 @@ impl Context {
             parents: p.parents,
             namespaces: p.namespaces,
             slots: Arc::new(Semaphore::new(p.max_concurrent.max(1))),
-            running: Mutex::new(HashMap::new()),
-            retries: Mutex::new(HashMap::new()),
-            binds: Mutex::new(HashMap::new()),
-            requests_made: Mutex::new(HashMap::new()),
-            phase_started: Mutex::new(HashMap::new()),
-            unreachable: Mutex::new(HashMap::new()),
+            tenants: Mutex::new(HashMap::new()),
             trigger: p.trigger,
+        }
+    }
+
+    /// Reads or changes what the worker remembers of `t`.
+    fn tenant<R>(&self, t: &TenantRef, f: impl FnOnce(&mut TenantState) -> R) -> R {
+        let mut all = self.tenants.lock().expect("lock");
+        f(all.entry(t.clone()).or_default())
+    }
+
+    /// Forgets the tenants whose parent is gone from the store and whose
+    /// phase task is not running: the one eviction rule, run on the
+    /// worker's periodic tick.
+    pub(crate) fn housekeeping(&self) {
+        self.tenants.lock().expect("lock").retain(|t, s| {
+            s.task.as_ref().is_some_and(|h| !h.is_finished())
+                || self.parents.get(&self.object_ref(t)).is_some()
+        });
+        self.refresh_phase_gauge();
+    }
+
+    /// The state of `t`'s phase task, for [`next::next`].
+    pub(crate) fn task_state(&self, t: &TenantRef) -> Task {
+        self.tenant(t, |s| {
+            if s.task.as_ref().is_some_and(|h| !h.is_finished()) {
+                return Task::Running;
+            }
+            s.task = None;
+            match s.retry {
+                Some(r) => Task::RetryIn(r.at.saturating_duration_since(Instant::now())),
+                None => Task::Idle,
+            }
+        })
+    }
+
+    /// Records `t`'s phase task, started now; the phase's duration counts
+    /// from its first pass.
+    pub(crate) fn pass_started(&self, t: &TenantRef, task: JoinHandle<()>) {
+        self.tenant(t, |s| {
+            s.phase_started.get_or_insert_with(Instant::now);
+            s.task = Some(task);
+        });
+    }
+
+    /// Stops `t`'s running pass, if any (an override ends the phase).
+    pub(crate) fn abort_pass(&self, t: &TenantRef) {
+        if let Some(task) = self.tenant(t, |s| s.task.take()) {
+            task.abort();
+        }
+    }
+
+    /// Stops every running pass (shutdown: the next leader resumes them).
+    pub(crate) fn abort_all(&self) {
+        for s in self.tenants.lock().expect("lock").values_mut() {
+            if let Some(task) = s.task.take() {
+                task.abort();
+            }
+        }
+    }
+
+    /// Ends a pass: says so, then asks for the next reconcile. That
+    /// reconcile can run before the pass's task has returned, and would
+    /// otherwise see it running ("its end triggers the next reconcile") and
+    /// wait for an end already past: a Blocked tenant then sat unretried
+    /// until its parent next changed (seen: 100 s, until another test
+    /// restarted the worker).
+    pub(crate) fn pass_over(&self, t: &TenantRef) {
+        self.tenant(t, |s| s.task = None);
+        self.retrigger(t);
+    }
+
+    /// Schedules `t`'s next pass after a failed one, `delay(attempts)` from
+    /// now; returns the attempts so far, this one included, and the delay.
+    pub(crate) fn schedule_retry(
+        &self,
+        t: &TenantRef,
+        delay: impl FnOnce(u32) -> std::time::Duration,
+    ) -> (u32, std::time::Duration) {
+        self.tenant(t, |s| {
+            let attempts = s.retry.map_or(0, |r| r.attempts) + 1;
+            let delay = delay(attempts);
+            s.retry = Some(Retry {
+                at: Instant::now() + delay,
+                attempts,
+            });
+            (attempts, delay)
+        })
+    }
+
+    /// `t`'s phase has an outcome: no retry is due, the phase's duration is
+    /// observed, and its API counts as reachable again.
+    pub(crate) fn outcome_recorded(&self, t: &TenantRef, outcome: &str) {
+        let started = self.tenant(t, |s| {
+            s.retry = None;
+            s.unreachable_since = None;
+            s.phase_started.take()
+        });
+        if let Some(started) = started {
+            self.metrics
+                .phase_seconds
+                .get_or_create(&OutcomeLabels {
+                    outcome: outcome.into(),
+                })
+                .observe(started.elapsed().as_secs_f64());
         }
     }
 
     /// How long `t`'s API has been unreachable, counting from now if it was
     /// reachable until now.
     pub(crate) fn unreachable_for(&self, t: &TenantRef) -> std::time::Duration {
-        let mut m = self.unreachable.lock().expect("lock");
-        m.entry(t.clone()).or_insert_with(Instant::now).elapsed()
+        self.tenant(t, |s| {
+            s.unreachable_since
+                .get_or_insert_with(Instant::now)
+                .elapsed()
+        })
     }
 
-    /// `t`'s API answered, or its phase has an outcome.
+    /// `t`'s API answered.
     pub(crate) fn reachable(&self, t: &TenantRef) {
-        self.unreachable.lock().expect("lock").remove(t);
+        self.tenant(t, |s| s.unreachable_since = None);
+    }
+
+    /// Counts one worker error in `volume_gate_reconcile_errors_total`.
+    pub(crate) fn count_error(&self, kind: ErrorKind) {
+        self.metrics.count_error(kind.as_str());
     }
 
     /// The reference of tenant `t`'s parent in the controller's queue.
@@ -199,7 +318,7 @@ impl Context {
                 .await
             {
                 Ok(_) => {
-                    info!(tenant = %t, "outcome recorded; custody ended in the same write");
+                    info!("outcome recorded; custody ended in the same write");
                     return Ok(Some(()));
                 }
                 Err(kube::Error::Api(s)) if (s.code == 422 || s.code == 409) && attempt < 3 => {
@@ -228,13 +347,7 @@ impl Context {
                 let secs = (jiff::Timestamp::now().as_millisecond() - at.as_millisecond()).max(0);
                 std::time::Duration::from_millis(secs as u64)
             });
-        let made = self
-            .requests_made
-            .lock()
-            .expect("lock")
-            .get(t)
-            .copied()
-            .unwrap_or(0);
+        let made = self.tenant(t, |s| s.requests);
         Some(next::Requests {
             since_last,
             made,
@@ -251,17 +364,14 @@ impl Context {
         self.parent_api(&t.namespace)
             .patch_metadata(&t.name, &PatchParams::default(), &Patch::Merge(&patch))
             .await?;
-        let made = {
-            let mut all = self.requests_made.lock().expect("lock");
-            // Forget tenants whose parent is gone.
-            all.retain(|other, _| {
-                other == t || self.parents.get(&self.object_ref(other)).is_some()
-            });
-            let n = all.entry(t.clone()).or_insert(0);
-            *n += 1;
-            *n
-        };
-        info!(tenant = %t, request = made, "the parent is still there after its outcome: asked its controller to retry the uninstall");
+        let made = self.tenant(t, |s| {
+            s.requests += 1;
+            s.requests
+        });
+        info!(
+            request = made,
+            "the parent is still there after its outcome: asked its controller to retry the uninstall"
+        );
         Ok(made)
     }
 
@@ -294,8 +404,7 @@ impl Context {
         if !is_too_large(e) {
             return false;
         }
-        self.metrics
-            .count_error(crate::metrics::ErrorKind::RecordTooLarge);
+        self.count_error(ErrorKind::RecordTooLarge);
         let parent = format!(
             "{}.{} -n {} {}",
             self.profile.parent.plural, self.profile.parent.group, t.namespace, t.name
@@ -311,8 +420,7 @@ impl Context {
         };
         self.event(
             t,
-            true,
-            "RecordNotWritten",
+            Reason::RecordNotWritten,
             format!(
                 "cannot write the volume-release record on {}/{}: the API server refused it as too large ({}); \
                  {space}. Nothing of the tenant is deleted until its inventory is written, and the teardown \
@@ -327,26 +435,25 @@ impl Context {
     }
 
     /// An Event on the parent; a failure to publish is logged, never fatal.
-    pub async fn event(&self, t: &TenantRef, warning: bool, reason: &str, note: String) {
+    pub async fn event(&self, t: &TenantRef, reason: Reason, note: String) {
         let reference = self.parent_reference(t);
+        let type_ = reason.event_type();
+        let warning = type_ == EventType::Warning;
+        let reason = reason.as_str();
         let ev = Event {
-            type_: if warning {
-                EventType::Warning
-            } else {
-                EventType::Normal
-            },
+            type_,
             reason: reason.to_string(),
             note: Some(shorten(&one_line(&note), 1000, "...")),
             action: "ReleaseVolumes".into(),
             secondary: None,
         };
         if let Err(e) = self.recorder.publish(&ev, &reference).await {
-            warn!(tenant = %t, reason, error = %e, "cannot publish event");
+            warn!(reason, error = %e, "cannot publish event");
         }
         if warning {
-            warn!(tenant = %t, reason, note = %note, "event");
+            warn!(reason, note = %note, "event");
         } else {
-            info!(tenant = %t, reason, note = %note, "event");
+            info!(reason, note = %note, "event");
         }
     }
 
@@ -379,7 +486,7 @@ impl Context {
             .await
         {
             Ok(_) => {
-                info!(tenant = %t, "custody ended: finalizer removed");
+                info!("custody ended: finalizer removed");
                 Ok(())
             }
             // The `test` failed: the finalizers changed since the store saw
@@ -440,12 +547,10 @@ impl Context {
                 // this claim too. Neither acts through the cluster.
                 Vetted::Conflict(why) => Ok((id, Some(why))),
                 Vetted::Misplaced(why) => {
-                    self.metrics
-                        .count_error(crate::metrics::ErrorKind::ClusterConflict);
+                    self.count_error(ErrorKind::ClusterConflict);
                     self.event(
                         t,
-                        true,
-                        "ClusterNotBound",
+                        Reason::ClusterNotBound,
                         format!("the admin kubeconfig does not lead to this tenant's own cluster: {why}; not bound, retried"),
                     )
                     .await;
@@ -467,25 +572,29 @@ impl Context {
                     },
                 )
                 .await?;
-                self.binds.lock().expect("lock").remove(t);
+                self.tenant(t, |s| s.binds = 0);
                 match conflict {
-                    None => self.event(t, false, "ClusterBound", format!("tenant cluster bound: {}; every release pass checks that the admin kubeconfig still reaches it", id.describe())).await,
+                    None => {
+                        let note = format!(
+                            "tenant cluster bound: {}; every release pass checks that the admin kubeconfig still reaches it",
+                            id.describe()
+                        );
+                        self.event(t, Reason::ClusterBound, note).await;
+                    }
                     Some(why) => {
-                        self.metrics.count_error(crate::metrics::ErrorKind::ClusterConflict);
-                        self.event(t, true, "ClusterConflict", why).await;
+                        self.count_error(ErrorKind::ClusterConflict);
+                        self.event(t, Reason::ClusterConflict, why).await;
                     }
                 }
                 Ok(Action::await_change())
             }
             Err(e) => {
-                let attempts = {
-                    let mut binds = self.binds.lock().expect("lock");
-                    let n = binds.entry(t.clone()).or_insert(0);
-                    *n += 1;
-                    *n
-                };
+                let attempts = self.tenant(t, |s| {
+                    s.binds += 1;
+                    s.binds
+                });
                 let delay = s.backoff(attempts);
-                debug!(tenant = %t, error = %e, attempts, retry_in = ?delay, "tenant cluster not bound yet");
+                debug!(error = %e, attempts, retry_in = ?delay, "tenant cluster not bound yet");
                 Ok(Action::requeue(delay))
             }
         }
@@ -548,7 +657,7 @@ impl Context {
     /// Recounts tenants by phase. Only the phase annotation is parsed, and
     /// an inventory only for the few Blocked or Overridden tenants: this runs
     /// over every parent, so it must stay cheap with thousands of them.
-    pub(crate) fn refresh_phase_gauge(&self) {
+    fn refresh_phase_gauge(&self) {
         let mut counts: HashMap<&'static str, i64> = HashMap::new();
         let mut residue = 0i64;
         for p in self.parents.state() {
@@ -580,18 +689,6 @@ impl Context {
                 .set(*counts.get(phase).unwrap_or(&0));
         }
         self.metrics.residue_volumes.set(residue);
-    }
-
-    pub(crate) fn observe_outcome(&self, t: &TenantRef, outcome: &str) {
-        self.reachable(t);
-        if let Some(started) = self.phase_started.lock().expect("lock").remove(t) {
-            self.metrics
-                .phase_seconds
-                .get_or_create(&OutcomeLabels {
-                    outcome: outcome.into(),
-                })
-                .observe(started.elapsed().as_secs_f64());
-        }
     }
 }
 

@@ -7,17 +7,19 @@
 //! own task, at most N at once, so custody of new tenants never waits behind
 //! a slow driver. [`run()`](run::run) is leader election and the controller's wiring.
 //!
-//! - [`context`]: the shared state and the worker's writes to the management API
-//! - [`release`], [`claims`], [`infra`]: the phase's steps, on both layers
+//! - [`context`]: the shared state (one entry per tenant) and the worker's
+//!   writes to the management API
+//! - [`release`]: the phase's steps, on both layers
 //! - [`custody`], [`identity`], [`tenant`]: the finalizer, the cluster binding,
 //!   the tenant API
+//! - [`events`], [`errors`]: the Event reasons and the error kinds, each once
 //! - [`status`]: the `status` command
 
-pub mod claims;
 pub mod context;
 pub mod custody;
+pub mod errors;
+pub mod events;
 pub mod identity;
-pub mod infra;
 pub mod next;
 pub mod reconcile;
 pub mod release;
@@ -25,32 +27,11 @@ pub mod run;
 pub mod status;
 pub mod tenant;
 
-use std::net::SocketAddr;
 use std::time::Duration;
 
 pub use context::Context;
+pub use errors::{ErrorKind, WorkerError};
 pub use run::run;
-
-#[derive(Debug, thiserror::Error)]
-pub enum WorkerError {
-    #[error(transparent)]
-    Profile(#[from] crate::profile::ProfileError),
-    #[error("cannot build a Kubernetes client (in-cluster config or KUBECONFIG): {0}")]
-    Client(#[source] kube::Error),
-    #[error("cannot listen on {addr}: {source}")]
-    Listen {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
-    #[error("leader election on Lease {namespace}/{name} failed: {message}")]
-    Lease {
-        namespace: String,
-        name: String,
-        message: String,
-    },
-    #[error("lost the leader Lease; exiting so a standby takes over cleanly")]
-    LostLeadership,
-}
 
 /// A tenant: its parent release's namespace and name.
 #[derive(Clone, Debug, PartialEq, Eq, Hash)]

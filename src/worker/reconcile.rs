@@ -6,13 +6,12 @@ use std::time::Duration;
 
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
-use tokio::time::Instant;
-use tracing::{error, warn};
+use tracing::{Instrument, error, info_span, instrument, warn};
 
-use super::context::{ParentMeta, Retry};
-use super::next::{self, Next, Seen, Task};
-use super::{Context, TenantRef, release};
-use crate::metrics::ErrorKind;
+use super::context::ParentMeta;
+use super::events::Reason;
+use super::next::{self, Next, Seen};
+use super::{Context, ErrorKind, TenantRef, release};
 use crate::record::{Phase, Record, Update, count, now_rfc3339};
 
 /// Errors of one reconcile.
@@ -33,25 +32,8 @@ impl ReconcileError {
 /// How soon a failed management-API call is tried again.
 const API_RETRY: Duration = Duration::from_secs(5);
 
-/// The state of `t`'s phase task, for [`next::next`].
-fn task_state(ctx: &Context, t: &TenantRef) -> Task {
-    {
-        let mut running = ctx.running.lock().expect("lock");
-        match running.get(t) {
-            Some(task) if !task.is_finished() => return Task::Running,
-            Some(_) => {
-                running.remove(t);
-            }
-            None => {}
-        }
-    }
-    match ctx.retries.lock().expect("lock").get(t) {
-        Some(retry) => Task::RetryIn(retry.at.saturating_duration_since(Instant::now())),
-        None => Task::Idle,
-    }
-}
-
 /// One reconcile of a parent release.
+#[instrument(skip_all, fields(namespace = parent.namespace().unwrap_or_default(), tenant = %parent.name_any()))]
 pub async fn reconcile(
     parent: Arc<ParentMeta>,
     ctx: Arc<Context>,
@@ -67,23 +49,18 @@ pub async fn reconcile(
         in_custody: parent.finalizers().contains(&ctx.profile.custody_finalizer),
         deleting: parent.meta().deletion_timestamp.is_some(),
         namespace_deleting: ctx.namespace_deleting(&t.namespace),
-        task: task_state(&ctx, &t),
+        task: ctx.task_state(&t),
         request: ctx.requests(&t, parent.annotations()),
     };
     match next::next(seen) {
         Next::Ignore | Next::Wait | Next::AwaitPass => Ok(Action::await_change()),
         Next::TakeCustody { bind } => {
             ctx.take_custody(&t, &parent).await?;
-            ctx.event(
-                &t,
-                false,
-                "CustodyTaken",
-                format!(
-                    "finalizer {} added: deleting this tenant will first free its volumes",
-                    ctx.profile.custody_finalizer
-                ),
-            )
-            .await;
+            let note = format!(
+                "finalizer {} added: deleting this tenant will first free its volumes",
+                ctx.profile.custody_finalizer
+            );
+            ctx.event(&t, Reason::CustodyTaken, note).await;
             if bind {
                 Ok(ctx.bind_cluster(&t).await?)
             } else {
@@ -92,7 +69,9 @@ pub async fn reconcile(
         }
         Next::BindCluster => Ok(ctx.bind_cluster(&t).await?),
         Next::DeletedWithoutCustody => {
-            warn!(tenant = %t, "tenant is being deleted without custody; its volumes were not released by volume-gate");
+            warn!(
+                "tenant is being deleted without custody; its volumes were not released by volume-gate"
+            );
             Ok(Action::await_change())
         }
         Next::EndCustody => {
@@ -100,71 +79,12 @@ pub async fn reconcile(
             Ok(Action::await_change())
         }
         Next::Override { record: true } => {
-            if let Some(task) = ctx.running.lock().expect("lock").remove(&t) {
-                task.abort();
-            }
-            let record = Record::from_annotations(&ctx.keys, parent.annotations());
-            let ov = record
-                .stamped_override()
-                .expect("next saw a stamped override");
-            // Keep what must stay of the disks before custody ends: after
-            // it, the hook's and the namespace's deletes reach them.
-            let mut inventory = record.inventory.clone();
-            let kept = match ctx.profile.infra.as_ref() {
-                Some(spec) => {
-                    if let Some(i) = inventory.as_mut() {
-                        crate::worker::infra::attach_refs(i, spec);
-                    }
-                    let observed =
-                        crate::worker::infra::observe(&ctx, &t, spec, inventory.as_ref()).await?;
-                    if let Some(i) = inventory.as_mut() {
-                        crate::worker::infra::note_pvs(i, &observed);
-                    }
-                    Some(
-                        crate::worker::infra::keep(&ctx, &t, &observed, inventory.as_mut(), false)
-                            .await?,
-                    )
-                }
-                None => None,
-            };
-            let finder = format!(
-                "kubectl get pv -l {}={}",
-                ctx.keys.kept_namespace, t.namespace
-            );
-            let message = next::override_message(
-                ov,
-                &next::Leaves {
-                    inventory: inventory.as_ref(),
-                    kept: kept.as_ref(),
-                    finder: &finder,
-                },
-            );
-            {
-                let written = ctx
-                    .write_record(
-                        &t,
-                        &Update {
-                            phase: Some(Phase::Overridden),
-                            message: Some(message.clone()),
-                            inventory,
-                            ..Default::default()
-                        },
-                    )
-                    .await;
-                if let Err(e) = written {
-                    ctx.record_not_written(&t, &e).await;
-                    return Err(e.into());
-                }
-                ctx.event(&t, true, "Overridden", message).await;
-                ctx.observe_outcome(&t, "overridden");
-                ctx.retries.lock().expect("lock").remove(&t);
-            }
+            ctx.abort_pass(&t);
+            record_override(&ctx, &t, &record).await?;
             Ok(Action::await_change())
         }
         Next::Override { record: false } => {
-            if let Some(task) = ctx.running.lock().expect("lock").remove(&t) {
-                task.abort();
-            }
+            ctx.abort_pass(&t);
             // Recorded before; custody ends here (the write that records an
             // outcome ends it too).
             ctx.end_custody(&t, parent.finalizers()).await?;
@@ -176,16 +96,56 @@ pub async fn reconcile(
             Ok(Action::requeue(ctx.settings.backoff(made + 1)))
         }
         Next::StartPass => {
-            ctx.phase_started
-                .lock()
-                .expect("lock")
-                .entry(t.clone())
-                .or_insert_with(Instant::now);
-            let task = tokio::spawn(run_phase(ctx.clone(), t.clone()));
-            ctx.running.lock().expect("lock").insert(t, task);
+            // The pass outlives this reconcile: its span is its own, with
+            // the tenant's names.
+            let span = info_span!("phase", namespace = %t.namespace, tenant = %t.name);
+            let task = tokio::spawn(run_phase(ctx.clone(), t.clone()).instrument(span));
+            ctx.pass_started(&t, task);
             Ok(Action::await_change())
         }
     }
+}
+
+/// Records a stamped override: keeps what must stay of the disks before
+/// custody ends (after it, the hook's and the namespace's deletes reach
+/// them), then writes `Overridden` and says what stays and what goes.
+async fn record_override(ctx: &Context, t: &TenantRef, record: &Record) -> Result<(), kube::Error> {
+    let ov = record
+        .stamped_override()
+        .expect("next saw a stamped override");
+    let mut inventory = record.inventory.clone();
+    let kept = match ctx.profile.infra.as_ref() {
+        Some(spec) => {
+            let observed = release::observe(ctx, t, spec, inventory.as_mut()).await?;
+            Some(release::keep(ctx, t, &observed, inventory.as_mut(), false).await?)
+        }
+        None => None,
+    };
+    let finder = format!(
+        "kubectl get pv -l {}={}",
+        ctx.keys.kept_namespace, t.namespace
+    );
+    let message = next::override_message(
+        ov,
+        &next::Leaves {
+            inventory: inventory.as_ref(),
+            kept: kept.as_ref(),
+            finder: &finder,
+        },
+    );
+    let update = Update {
+        phase: Some(Phase::Overridden),
+        message: Some(message.clone()),
+        inventory,
+        ..Default::default()
+    };
+    if let Err(e) = ctx.write_record(t, &update).await {
+        ctx.record_not_written(t, &e).await;
+        return Err(e);
+    }
+    ctx.event(t, Reason::Overridden, message).await;
+    ctx.outcome_recorded(t, "overridden");
+    Ok(())
 }
 
 /// The phase task: waits for a slot, runs steps 1–7, records the outcome.
@@ -201,15 +161,9 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
         Ok(Some(record)) => record,
         Ok(None) => return,
         Err(e) => {
-            warn!(tenant = %t, error = %e, "cannot read the parent before a release pass; retrying");
-            ctx.retries.lock().expect("lock").insert(
-                t.clone(),
-                Retry {
-                    at: Instant::now() + API_RETRY,
-                    attempts: 0,
-                },
-            );
-            pass_over(&ctx, &t);
+            warn!(error = %e, "cannot read the parent before a release pass; retrying");
+            ctx.schedule_retry(&t, |_| API_RETRY);
+            ctx.pass_over(&t);
             return;
         }
     };
@@ -231,12 +185,11 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
             )
             .await
         {
-            warn!(tenant = %t, error = %e, "cannot record the start of the release");
+            warn!(error = %e, "cannot record the start of the release");
         }
         ctx.event(
             &t,
-            false,
-            "ReleaseStarted",
+            Reason::ReleaseStarted,
             "tenant is being deleted: releasing its volumes before the CSI driver goes".into(),
         )
         .await;
@@ -264,9 +217,8 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
             };
             match ctx.write_record(&t, &update).await {
                 Ok(()) => {
-                    ctx.event(&t, false, "Released", message).await;
-                    ctx.observe_outcome(&t, "released");
-                    ctx.retries.lock().expect("lock").remove(&t);
+                    ctx.event(&t, Reason::Released, message).await;
+                    ctx.outcome_recorded(&t, "released");
                     // Custody ended in the same write.
                     Ok(())
                 }
@@ -278,21 +230,8 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
             message,
             inventory,
         }) => {
-            ctx.metrics.count_error(reason);
-            let attempts = {
-                let mut retries = ctx.retries.lock().expect("lock");
-                let attempts = retries.get(&t).map_or(0, |r| r.attempts) + 1;
-                let delay = ctx.settings.backoff(attempts);
-                retries.insert(
-                    t.clone(),
-                    Retry {
-                        at: Instant::now() + delay,
-                        attempts,
-                    },
-                );
-                attempts
-            };
-            let delay = ctx.settings.backoff(attempts);
+            ctx.count_error(reason);
+            let (attempts, delay) = ctx.schedule_retry(&t, |n| ctx.settings.backoff(n));
             let full = format!(
                 "{message} (attempt {attempts}; retrying in {}s)",
                 delay.as_secs()
@@ -304,7 +243,7 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
                 ..Default::default()
             };
             let written = ctx.write_record(&t, &update).await;
-            ctx.event(&t, true, "Blocked", full).await;
+            ctx.event(&t, Reason::Blocked, full).await;
             written
         }
         Err(e) => Err(e),
@@ -314,35 +253,18 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
         // said once per attempt on the backoff, not every API_RETRY.
         let too_large = ctx.record_not_written(&t, &e).await;
         if !too_large {
-            ctx.metrics.count_error(ErrorKind::ManagementApi);
+            ctx.count_error(ErrorKind::ManagementApi);
         }
-        error!(tenant = %t, error = %e, too_large, "release pass failed on the management API; retrying");
-        let mut retries = ctx.retries.lock().expect("lock");
-        let attempts = retries.get(&t).map_or(0, |r| r.attempts) + 1;
-        let delay = if too_large {
-            ctx.settings.backoff(attempts)
-        } else {
-            API_RETRY
-        };
-        retries.insert(
-            t.clone(),
-            Retry {
-                at: Instant::now() + delay,
-                attempts,
-            },
-        );
+        error!(error = %e, too_large, "release pass failed on the management API; retrying");
+        ctx.schedule_retry(&t, |n| {
+            if too_large {
+                ctx.settings.backoff(n)
+            } else {
+                API_RETRY
+            }
+        });
     }
-    pass_over(&ctx, &t);
-}
-
-/// Ends a pass: says so, then asks for the next reconcile. That reconcile
-/// can run before the pass's task has returned, and would otherwise see it
-/// running ("its end triggers the next reconcile") and wait for an end
-/// already past: a Blocked tenant then sat unretried until its parent next
-/// changed (seen: 100 s, until another test restarted the worker).
-fn pass_over(ctx: &Context, t: &TenantRef) {
-    ctx.running.lock().expect("lock").remove(t);
-    ctx.retrigger(t);
+    ctx.pass_over(&t);
 }
 
 pub(crate) fn error_policy(
@@ -350,7 +272,7 @@ pub(crate) fn error_policy(
     error: &ReconcileError,
     ctx: Arc<Context>,
 ) -> Action {
-    ctx.metrics.count_error(error.kind());
+    ctx.count_error(error.kind());
     warn!(namespace = parent.namespace().unwrap_or_default(), name = %parent.name_any(), error = %error, "reconcile failed");
     Action::requeue(API_RETRY)
 }

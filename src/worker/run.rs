@@ -226,7 +226,7 @@ async fn run_controller(base: Base, namespace: Option<String>, stop: Cancellatio
         loop {
             tokio::select! {
                 _ = gauge_stop.cancelled() => break,
-                _ = tick.tick() => gauge_ctx.refresh_phase_gauge(),
+                _ = tick.tick() => gauge_ctx.housekeeping(),
             }
         }
     });
@@ -260,9 +260,7 @@ async fn run_controller(base: Base, namespace: Option<String>, stop: Cancellatio
             tokio::time::sleep(SHUTDOWN_GRACE).await;
         } => info!(grace = ?SHUTDOWN_GRACE, "stopping with reconciles still running; the next leader resumes them"),
     }
-    for (_, task) in ctx_for_tasks.running.lock().expect("lock").drain() {
-        task.abort();
-    }
+    ctx_for_tasks.abort_all();
 }
 
 fn tokio_stream_from<T: Send + 'static>(

@@ -7,7 +7,7 @@ use k8s_openapi::api::core::v1::Secret;
 use kube::api::Api;
 use kube::config::{KubeConfigOptions, Kubeconfig};
 
-use crate::metrics::ErrorKind;
+use super::ErrorKind;
 use crate::profile::Profile;
 
 /// A kubeconfig larger than this is not a kubeconfig.

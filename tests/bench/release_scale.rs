@@ -51,7 +51,7 @@ use clap::Parser;
 use common::cluster::ControlPlane;
 use common::tenant::Tenant;
 use k8s_openapi::api::core::v1::Pod;
-use scale::{BenchGate, Milestones, Observer, Requests, Workload, fmt_kinds, loadavg, stats};
+use scale::{Milestones, Observer, Requests, Workload, fmt_kinds, loadavg, stats};
 use volume_gate::record::Phase;
 
 #[derive(Parser, Debug)]
@@ -125,11 +125,11 @@ async fn main() {
         cp.management.server,
         cp.state.join("logs").display()
     );
-    let gate = BenchGate::install(cp, "release", &args.worker_args, scale::WORKER_TRACE_LOG).await;
+    let gate = scale::install_gate(cp, "release", &args.worker_args, scale::WORKER_TRACE_LOG).await;
     println!(
         "gate installed: worker flags {:?} (defaults otherwise), worker log {}",
         args.worker_args,
-        gate.worker_log.display()
+        gate.worker_log_path().display()
     );
     let sim = common::sim::Simulator::start(cp, &volume_gate::profile::Profile::cozystack());
     println!("simulator: log {}", sim.process.log.display());
@@ -400,7 +400,7 @@ fn print_round(size: usize, round: usize, g: Option<&GateRun>, b: Option<&Baseli
 /// Deletes the parent and waits for `Released`; counts the worker's requests.
 async fn gated(
     cp: &ControlPlane,
-    gate: &BenchGate,
+    gate: &common::gate::Gate,
     sim: &common::sim::Simulator,
     t: &Tenant,
     poll_ms: u64,
@@ -425,8 +425,13 @@ async fn gated(
     observer.wait_pvs_gone(Duration::from_secs(5)).await;
     // Custody ends right after Released: let those requests land too.
     tokio::time::sleep(Duration::from_secs(2)).await;
-    let requests = scale::count_requests(&gate.worker_log, offset, &cp.management.server, &servers);
-    let worker_steps = worker_steps(&gate.worker_log, offset, wall0, &t.name);
+    let requests = scale::count_requests(
+        &gate.worker_log_path(),
+        offset,
+        &cp.management.server,
+        &servers,
+    );
+    let worker_steps = worker_steps(&gate.worker_log_path(), offset, wall0, &t.name);
     GateRun {
         seconds,
         disks_freed,
@@ -553,7 +558,7 @@ async fn baseline(
         let pods: Vec<Pod> = serde_json::from_value(list["items"].clone()).expect("pods");
         let holding: Vec<(String, String)> = pods
             .iter()
-            .filter(|p| !volume_gate::worker::claims::claims_of(p).is_empty())
+            .filter(|p| !volume_gate::worker::release::claims::claims_of(p).is_empty())
             .map(|p| {
                 (
                     p.metadata.namespace.clone().unwrap_or_default(),

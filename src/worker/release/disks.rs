@@ -1,4 +1,6 @@
-//! The infra layer of a tenant's volumes (`docs/design.md` §5b).
+//! What the management cluster holds of a tenant's disks, and what the
+//! phase does with each: pure functions over listed objects
+//! (`docs/design.md` §5b, §5c). The effects are in `management`.
 //!
 //! In Cozystack a tenant volume is two layers: the tenant's PV, and behind
 //! it a CDI DataVolume in the tenant's namespace of the management cluster,
@@ -7,21 +9,17 @@
 //! the DataVolume's deletion returns before the disk is freed, and when the
 //! tenant API is dead the management cluster is the only truth left.
 //!
-//! What belongs to a tenant there is decided in code ([`select`]): objects
+//! What belongs to a tenant there is decided here ([`select`]): objects
 //! named by the inventory (taken from the tenant's own, bound, API) and
 //! objects carrying the tenant's infra labels. Only objects that are both
-//! are ever deleted by the phase ([`free_deletable`]): a label alone, which
+//! are ever deleted by the phase ([`deletable`]): a label alone, which
 //! whoever edits the namespace can write, never makes the worker delete.
 
 use std::collections::{BTreeMap, BTreeSet, HashSet};
 
-use futures::StreamExt;
-use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Preconditions};
-use tracing::info;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
+use kube::api::ObjectMeta;
 
-use super::claims::{self, ClaimKey};
-use super::{Context, TenantRef};
 use crate::profile::InfraSpec;
 use crate::record::{InfraRef, Inventory, count};
 
@@ -266,72 +264,6 @@ pub fn select(
     out
 }
 
-/// Lists the management cluster and selects what is the tenant's. A cluster
-/// that does not serve the infra API has no infra layer: `served` is false
-/// and nothing else is listed.
-pub async fn observe(
-    ctx: &Context,
-    t: &TenantRef,
-    infra: &InfraSpec,
-    inventory: Option<&Inventory>,
-) -> Result<Observed, kube::Error> {
-    let ar = infra.resource();
-    let objects: Vec<ObjectMeta> = match Api::<kube::api::DynamicObject>::namespaced_with(
-        ctx.client.clone(),
-        &t.namespace,
-        &ar,
-    )
-    .list_metadata(&ListParams::default())
-    .await
-    {
-        Ok(l) => l.items.into_iter().map(|o| o.metadata).collect(),
-        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Observed::default()),
-        Err(e) => return Err(e),
-    };
-    let claims = Api::<PersistentVolumeClaim>::namespaced(ctx.client.clone(), &t.namespace)
-        .list(&ListParams::default())
-        .await?
-        .items;
-    let volumes = Api::<PersistentVolume>::all(ctx.client.clone())
-        .list(&ListParams::default())
-        .await?
-        .items;
-    let mut observed = select(
-        infra,
-        &t.name,
-        &t.namespace,
-        inventory,
-        &objects,
-        &claims,
-        &volumes,
-    );
-    let keys = &ctx.keys;
-    for held in observed.volumes.iter_mut() {
-        let Some(pv) = volumes
-            .iter()
-            .find(|v| v.metadata.name.as_deref() == Some(held.name.as_str()))
-        else {
-            continue;
-        };
-        let m = &pv.metadata;
-        if m.labels
-            .as_ref()
-            .and_then(|l| l.get(&keys.kept))
-            .map(String::as_str)
-            == Some("true")
-        {
-            held.kept_from = Some(
-                m.annotations
-                    .as_ref()
-                    .and_then(|a| a.get(&keys.kept_reclaim_was))
-                    .cloned()
-                    .unwrap_or_else(|| "Delete".into()),
-            );
-        }
-    }
-    Ok(observed)
-}
-
 /// A management PV the worker makes keep its disk, or lets go again.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub enum Keep {
@@ -440,76 +372,6 @@ pub fn mark_kept(inv: &mut Inventory, kept: &BTreeSet<String>) {
     }
 }
 
-/// Carries out a [`keep_plan`] on the management PVs: merge patches of the
-/// worker's own labels and annotations and of the reclaim policy.
-pub async fn apply_keep(ctx: &Context, t: &TenantRef, plan: &[Keep]) -> Result<(), kube::Error> {
-    use kube::api::{Patch, PatchParams};
-    use serde_json::{Value, json};
-    let api = Api::<PersistentVolume>::all(ctx.client.clone());
-    let k = &ctx.keys;
-    for step in plan {
-        let (pv, patch) = match step {
-            Keep::Pin {
-                pv,
-                reclaim_was,
-                volume,
-            } => (
-                pv,
-                json!({
-                        "metadata": {
-                            "labels": {k.kept.as_str(): "true", k.kept_namespace.as_str(): t.namespace},
-                            "annotations": {
-                                k.kept_for.as_str(): format!("{}/{}", t.namespace, t.name),
-                                k.kept_volume.as_str(): crate::record::bounded(volume, 1024),
-                                k.kept_reclaim_was.as_str(): reclaim_was,
-                                k.kept_at.as_str(): crate::record::now_rfc3339(),
-                            }},
-                        "spec": {"persistentVolumeReclaimPolicy": "Retain"}}),
-            ),
-            Keep::Unpin { pv, reclaim_was } => (
-                pv,
-                json!({
-                    "metadata": {
-                        "labels": {k.kept.as_str(): Value::Null, k.kept_namespace.as_str(): Value::Null},
-                        "annotations": {k.kept_for.as_str(): Value::Null, k.kept_volume.as_str(): Value::Null,
-                                        k.kept_reclaim_was.as_str(): Value::Null, k.kept_at.as_str(): Value::Null}},
-                    "spec": {"persistentVolumeReclaimPolicy": reclaim_was}}),
-            ),
-        };
-        match api
-            .patch(pv, &PatchParams::default(), &Patch::Merge(&patch))
-            .await
-        {
-            Ok(_) => {
-                info!(tenant = %t, pv = %pv, keep = matches!(step, Keep::Pin { .. }), "management disk kept or let go")
-            }
-            // Gone meanwhile: nothing left to keep.
-            Err(kube::Error::Api(s)) if s.code == 404 => {}
-            Err(e) => return Err(e),
-        }
-    }
-    Ok(())
-}
-
-/// Keeps what must stay of the tenant's disks ([`keep_plan`]), and records
-/// which in `inv`: the one call the phase and the override make. Returns
-/// the management PVs kept.
-pub async fn keep(
-    ctx: &Context,
-    t: &TenantRef,
-    observed: &Observed,
-    inv: Option<&mut Inventory>,
-    reachable: bool,
-) -> Result<BTreeSet<String>, kube::Error> {
-    let plan = keep_plan(inv.as_deref(), observed, reachable);
-    apply_keep(ctx, t, &plan).await?;
-    let kept = kept_after(observed, &plan);
-    if let Some(inv) = inv {
-        mark_kept(inv, &kept);
-    }
-    Ok(kept)
-}
-
 /// The inventoried volumes the phase may free from the management side:
 /// reclaim policy Delete, and an infra object that is both named by the
 /// inventory and labelled for the tenant.
@@ -526,85 +388,6 @@ pub fn deletable<'a>(inv: &'a Inventory, observed: &Observed) -> Vec<&'a InfraRe
         .filter_map(|v| v.infra.as_ref())
         .filter(|r| labelled.contains(r.name.as_str()))
         .collect()
-}
-
-/// Frees the [`deletable`] volumes from the management side: deletes their
-/// infra objects (guarded by UID), then the Pods that mount their PVCs (the
-/// attachments of a VM of a cluster whose API is gone). Marks them
-/// `freed_here` in `inv`; returns their names.
-pub async fn free_deletable(
-    ctx: &Context,
-    t: &TenantRef,
-    infra: &InfraSpec,
-    inv: &mut Inventory,
-    observed: &Observed,
-) -> Result<Vec<String>, kube::Error> {
-    let names: BTreeSet<String> = deletable(inv, observed)
-        .into_iter()
-        .map(|r| r.name.clone())
-        .collect();
-    if names.is_empty() {
-        return Ok(Vec::new());
-    }
-    let objects = Api::<kube::api::DynamicObject>::namespaced_with(
-        ctx.client.clone(),
-        &t.namespace,
-        &infra.resource(),
-    );
-    for h in observed
-        .objects
-        .iter()
-        .filter(|h| names.contains(&h.name) && !h.deleting)
-    {
-        let dp = DeleteParams {
-            preconditions: h.uid.clone().map(|uid| Preconditions {
-                uid: Some(uid),
-                resource_version: None,
-            }),
-            ..DeleteParams::background()
-        };
-        match objects.delete(&h.name, &dp).await {
-            Ok(_) => {}
-            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
-            Err(e) => return Err(e),
-        }
-        info!(namespace = %t.namespace, tenant = %t.name, object = %h.name, kind = %infra.kind, "infra object deleted: the tenant API is unreachable");
-    }
-    // Their PVCs (same name) are held by pvc-protection while a Pod mounts them.
-    let held: HashSet<ClaimKey> = names
-        .iter()
-        .map(|n| (t.namespace.clone(), n.clone()))
-        .collect();
-    let pods: Vec<Pod> = Api::<Pod>::namespaced(ctx.client.clone(), &t.namespace)
-        .list(&ListParams::default())
-        .await?
-        .items
-        .into_iter()
-        .filter(|p| p.metadata.deletion_timestamp.is_none())
-        .collect();
-    let holding = claims::pods_holding(&pods, &held);
-    let pod_api = Api::<Pod>::namespaced(ctx.client.clone(), &t.namespace);
-    let results: Vec<Result<(), kube::Error>> = futures::stream::iter(holding)
-        .map(|(_, name)| {
-            let api = pod_api.clone();
-            async move {
-                match api.delete(&name, &DeleteParams::default()).await {
-                    Ok(_) => Ok(()),
-                    Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-                    Err(e) => Err(e),
-                }
-            }
-        })
-        .buffer_unordered(8)
-        .collect()
-        .await;
-    results.into_iter().collect::<Result<Vec<()>, _>>()?;
-    for r in inv.volumes.iter_mut().filter_map(|v| v.infra.as_mut()) {
-        if names.contains(&r.name) {
-            r.freed_here = true;
-        }
-    }
-    Ok(names.into_iter().collect())
 }
 
 /// Inventoried volumes whose volumeHandle names nothing on the management

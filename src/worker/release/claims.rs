@@ -102,7 +102,7 @@ pub fn reconcile_inventory(
     inv.total = total.max(present_count);
     inv.freed = inv.total - present_count;
     if let Some(infra) = infra {
-        super::infra::attach_refs(&mut inv, infra);
+        super::disks::attach_refs(&mut inv, infra);
     }
     inv
 }

@@ -1,0 +1,482 @@
+//! The management side of the phase: what the management cluster holds of
+//! a tenant's disks ([`observe`]), keeping what must stay ([`keep`]), freeing
+//! what may go when the tenant API is dead ([`free_deletable`]), and the two
+//! roads that end there: step 7 on the management side
+//! ([`management_layer`]) and a tenant API that cannot be reached
+//! ([`unreachable`]). The decisions are `disks`' pure functions.
+
+use std::collections::{BTreeSet, HashSet};
+
+use futures::StreamExt;
+use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Preconditions};
+use tokio::time::Instant;
+use tracing::{info, warn};
+
+use super::claims::{self, ClaimKey};
+use super::disks::{self, Keep, Observed};
+use super::wait::{NoProgress, wait_gone};
+use super::{Outcome, blocked};
+use crate::profile::InfraSpec;
+use crate::record::{Inventory, Phase, Record, Update, count, now_rfc3339};
+use crate::worker::events::Reason;
+use crate::worker::{Context, ErrorKind, TenantRef};
+
+/// Lists the management cluster and selects what is the tenant's; names in
+/// `inventory` the infra object behind each volume and the management PV
+/// bound behind it now (so a disk can still be waited for once its PVC is
+/// gone). A cluster that does not serve the infra API has no infra layer:
+/// `served` is false and nothing else is listed.
+pub async fn observe(
+    ctx: &Context,
+    t: &TenantRef,
+    infra: &InfraSpec,
+    mut inventory: Option<&mut Inventory>,
+) -> Result<Observed, kube::Error> {
+    if let Some(inv) = inventory.as_deref_mut() {
+        disks::attach_refs(inv, infra);
+    }
+    let ar = infra.resource();
+    let objects: Vec<ObjectMeta> = match Api::<kube::api::DynamicObject>::namespaced_with(
+        ctx.client.clone(),
+        &t.namespace,
+        &ar,
+    )
+    .list_metadata(&ListParams::default())
+    .await
+    {
+        Ok(l) => l.items.into_iter().map(|o| o.metadata).collect(),
+        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(Observed::default()),
+        Err(e) => return Err(e),
+    };
+    let claims = Api::<PersistentVolumeClaim>::namespaced(ctx.client.clone(), &t.namespace)
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let volumes = Api::<PersistentVolume>::all(ctx.client.clone())
+        .list(&ListParams::default())
+        .await?
+        .items;
+    let mut observed = disks::select(
+        infra,
+        &t.name,
+        &t.namespace,
+        inventory.as_deref(),
+        &objects,
+        &claims,
+        &volumes,
+    );
+    let keys = &ctx.keys;
+    for held in observed.volumes.iter_mut() {
+        let Some(pv) = volumes
+            .iter()
+            .find(|v| v.metadata.name.as_deref() == Some(held.name.as_str()))
+        else {
+            continue;
+        };
+        let m = &pv.metadata;
+        if m.labels
+            .as_ref()
+            .and_then(|l| l.get(&keys.kept))
+            .map(String::as_str)
+            == Some("true")
+        {
+            held.kept_from = Some(
+                m.annotations
+                    .as_ref()
+                    .and_then(|a| a.get(&keys.kept_reclaim_was))
+                    .cloned()
+                    .unwrap_or_else(|| "Delete".into()),
+            );
+        }
+    }
+    if let Some(inv) = inventory {
+        disks::note_pvs(inv, &observed);
+    }
+    Ok(observed)
+}
+
+/// Carries out a [`disks::keep_plan`] on the management PVs: merge patches of the
+/// worker's own labels and annotations and of the reclaim policy.
+pub async fn apply_keep(ctx: &Context, t: &TenantRef, plan: &[Keep]) -> Result<(), kube::Error> {
+    use kube::api::{Patch, PatchParams};
+    use serde_json::{Value, json};
+    let api = Api::<PersistentVolume>::all(ctx.client.clone());
+    let k = &ctx.keys;
+    for step in plan {
+        let (pv, patch) = match step {
+            Keep::Pin {
+                pv,
+                reclaim_was,
+                volume,
+            } => (
+                pv,
+                json!({
+                        "metadata": {
+                            "labels": {k.kept.as_str(): "true", k.kept_namespace.as_str(): t.namespace},
+                            "annotations": {
+                                k.kept_for.as_str(): format!("{}/{}", t.namespace, t.name),
+                                k.kept_volume.as_str(): crate::record::bounded(volume, 1024),
+                                k.kept_reclaim_was.as_str(): reclaim_was,
+                                k.kept_at.as_str(): crate::record::now_rfc3339(),
+                            }},
+                        "spec": {"persistentVolumeReclaimPolicy": "Retain"}}),
+            ),
+            Keep::Unpin { pv, reclaim_was } => (
+                pv,
+                json!({
+                    "metadata": {
+                        "labels": {k.kept.as_str(): Value::Null, k.kept_namespace.as_str(): Value::Null},
+                        "annotations": {k.kept_for.as_str(): Value::Null, k.kept_volume.as_str(): Value::Null,
+                                        k.kept_reclaim_was.as_str(): Value::Null, k.kept_at.as_str(): Value::Null}},
+                    "spec": {"persistentVolumeReclaimPolicy": reclaim_was}}),
+            ),
+        };
+        match api
+            .patch(pv, &PatchParams::default(), &Patch::Merge(&patch))
+            .await
+        {
+            Ok(_) => {
+                info!(tenant = %t, pv = %pv, keep = matches!(step, Keep::Pin { .. }), "management disk kept or let go")
+            }
+            // Gone meanwhile: nothing left to keep.
+            Err(kube::Error::Api(s)) if s.code == 404 => {}
+            Err(e) => return Err(e),
+        }
+    }
+    Ok(())
+}
+
+/// Keeps what must stay of the tenant's disks ([`disks::keep_plan`]), and records
+/// which in `inv`: the one call the phase and the override make. Returns
+/// the management PVs kept.
+pub async fn keep(
+    ctx: &Context,
+    t: &TenantRef,
+    observed: &Observed,
+    inv: Option<&mut Inventory>,
+    reachable: bool,
+) -> Result<BTreeSet<String>, kube::Error> {
+    let plan = disks::keep_plan(inv.as_deref(), observed, reachable);
+    apply_keep(ctx, t, &plan).await?;
+    let kept = disks::kept_after(observed, &plan);
+    if let Some(inv) = inv {
+        disks::mark_kept(inv, &kept);
+    }
+    Ok(kept)
+}
+
+/// Frees the [`disks::deletable`] volumes from the management side: deletes their
+/// infra objects (guarded by UID), then the Pods that mount their PVCs (the
+/// attachments of a VM of a cluster whose API is gone). Marks them
+/// `freed_here` in `inv`; returns their names.
+pub async fn free_deletable(
+    ctx: &Context,
+    t: &TenantRef,
+    infra: &InfraSpec,
+    inv: &mut Inventory,
+    observed: &Observed,
+) -> Result<Vec<String>, kube::Error> {
+    let names: BTreeSet<String> = disks::deletable(inv, observed)
+        .into_iter()
+        .map(|r| r.name.clone())
+        .collect();
+    if names.is_empty() {
+        return Ok(Vec::new());
+    }
+    let objects = Api::<kube::api::DynamicObject>::namespaced_with(
+        ctx.client.clone(),
+        &t.namespace,
+        &infra.resource(),
+    );
+    for h in observed
+        .objects
+        .iter()
+        .filter(|h| names.contains(&h.name) && !h.deleting)
+    {
+        let dp = DeleteParams {
+            preconditions: h.uid.clone().map(|uid| Preconditions {
+                uid: Some(uid),
+                resource_version: None,
+            }),
+            ..DeleteParams::background()
+        };
+        match objects.delete(&h.name, &dp).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
+            Err(e) => return Err(e),
+        }
+        info!(namespace = %t.namespace, tenant = %t.name, object = %h.name, kind = %infra.kind, "infra object deleted: the tenant API is unreachable");
+    }
+    // Their PVCs (same name) are held by pvc-protection while a Pod mounts them.
+    let held: HashSet<ClaimKey> = names
+        .iter()
+        .map(|n| (t.namespace.clone(), n.clone()))
+        .collect();
+    let pods: Vec<Pod> = Api::<Pod>::namespaced(ctx.client.clone(), &t.namespace)
+        .list(&ListParams::default())
+        .await?
+        .items
+        .into_iter()
+        .filter(|p| p.metadata.deletion_timestamp.is_none())
+        .collect();
+    let holding = claims::pods_holding(&pods, &held);
+    let pod_api = Api::<Pod>::namespaced(ctx.client.clone(), &t.namespace);
+    let results: Vec<Result<(), kube::Error>> = futures::stream::iter(holding)
+        .map(|(_, name)| {
+            let api = pod_api.clone();
+            async move {
+                match api.delete(&name, &DeleteParams::default()).await {
+                    Ok(_) => Ok(()),
+                    Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                    Err(e) => Err(e),
+                }
+            }
+        })
+        .buffer_unordered(8)
+        .collect()
+        .await;
+    results.into_iter().collect::<Result<Vec<()>, _>>()?;
+    for r in inv.volumes.iter_mut().filter_map(|v| v.infra.as_mut()) {
+        if names.contains(&r.name) {
+            r.freed_here = true;
+        }
+    }
+    Ok(names.into_iter().collect())
+}
+
+/// Step 7 on the management side: the tenant's PVs are gone, and the disks
+/// behind them must be too (DataVolume, its PVC, that PVC's PV). The
+/// DataVolume's deletion returns before its disk is freed, so this waits
+/// for the management PVs as step 6 waits for the tenant's.
+pub(super) async fn management_layer(
+    ctx: &Context,
+    t: &TenantRef,
+    spec: &InfraSpec,
+    mut inv: Inventory,
+    deadline: Instant,
+) -> Result<Outcome, kube::Error> {
+    let observed = observe(ctx, t, spec, Some(&mut inv)).await?;
+    if !observed.served {
+        warn!(namespace = %t.namespace, tenant = %t.name, "the management cluster does not serve {}.{}: no infra layer to check", spec.plural, spec.group);
+    }
+    if observed.is_empty() {
+        return Ok(Outcome::Released {
+            inventory: inv,
+            note: None,
+        });
+    }
+    ctx.write_record(
+        t,
+        &Update {
+            phase: Some(Phase::Releasing),
+            message: Some(format!(
+                "the tenant's {} gone; waiting for the management cluster to free the disks behind them: {}",
+                count(inv.total, "PV"),
+                observed.describe(&spec.kind, 5)
+            )),
+            inventory: Some(inv.clone()),
+            ..Default::default()
+        },
+    )
+    .await?;
+    let disks: HashSet<String> = observed.volumes.iter().map(|h| h.name.clone()).collect();
+    let observed = wait_disks_then_observe(ctx, t, spec, disks, deadline, &mut inv).await?;
+    if observed.is_empty() {
+        return Ok(Outcome::Released {
+            inventory: inv,
+            note: None,
+        });
+    }
+    Ok(blocked(
+        ErrorKind::VolumesRemain,
+        format!(
+            "the tenant's PVs are gone, but the management cluster still holds the disks behind them after {}s: {} \
+             (a finalizer on a {kind}, or a Pod mounting its PVC, keeps a disk; the disk is freed when the management PV goes)",
+            ctx.settings.wait_bound.as_secs(),
+            observed.describe(&spec.kind, 5),
+            kind = spec.kind,
+        ),
+        Some(inv),
+    ))
+}
+
+/// Steps 1–2 failed: the tenant API cannot be reached. Without an infra
+/// layer this is Blocked, as the override's case. With one, the management
+/// cluster is the truth left (`docs/design.md` §5b): a tenant that holds no
+/// disk there is Released; once the API has been unreachable for
+/// `--infra-after`, the inventoried volumes with reclaim policy Delete are
+/// freed from there; what has no recorded policy, or Retain, is kept.
+pub(super) async fn unreachable(
+    ctx: &Context,
+    t: &TenantRef,
+    record: &Record,
+    kind: ErrorKind,
+    why: String,
+) -> Result<Outcome, kube::Error> {
+    let previous = record.inventory.clone();
+    let Some(spec) = ctx.profile.infra.as_ref() else {
+        return Ok(blocked(kind, why, previous));
+    };
+    if kind == ErrorKind::KubeconfigForbidden {
+        // The worker's own RBAC is wrong: nothing says the tenant is dead.
+        return Ok(blocked(kind, why, previous));
+    }
+    let unreachable_for = ctx.unreachable_for(t);
+    let mut inv = previous.clone();
+    let observed = observe(ctx, t, spec, inv.as_mut()).await?;
+    if !observed.served {
+        return Ok(blocked(
+            kind,
+            format!(
+                "{why}; the management cluster does not serve {}.{}, so the disks cannot be read there either",
+                spec.plural, spec.group
+            ),
+            previous,
+        ));
+    }
+    // The tenant cannot say which of its disks are meant to stay: what no
+    // inventory names as Delete is kept (docs/design.md §5c).
+    keep(ctx, t, &observed, inv.as_mut(), false).await?;
+    let labels = spec
+        .labels_of(&t.name)
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    if observed.is_empty() && disks::unmapped(inv.as_ref()).is_empty() {
+        return Ok(released_from_management(ctx, inv, &why, &labels, spec));
+    }
+
+    let mut freed = Vec::new();
+    if let Some(i) = inv.as_mut() {
+        let deletable = disks::deletable(i, &observed).len();
+        if deletable > 0 && unreachable_for < ctx.settings.infra_after {
+            let left = ctx.settings.infra_after.saturating_sub(unreachable_for);
+            return Ok(blocked(
+                kind,
+                format!(
+                    "{why}; the management cluster holds {}; if the tenant API stays unreachable {}s more, \
+                     the phase frees from there the {} inventoried with reclaim policy Delete",
+                    observed.describe(&spec.kind, 5),
+                    left.as_secs().max(1),
+                    count(deletable, "volume"),
+                ),
+                inv,
+            ));
+        }
+        freed = free_deletable(ctx, t, spec, i, &observed).await?;
+    }
+    let mut observed = observed;
+    if !freed.is_empty() {
+        let i = inv.as_mut().expect("freed from an inventory");
+        let message = format!(
+            "the tenant API cannot be reached ({why}): freeing {} from the management side ({} deleted, and the Pods mounting their PVCs)",
+            count(freed.len(), "volume"),
+            spec.kind
+        );
+        ctx.write_record(
+            t,
+            &Update {
+                phase: Some(Phase::Releasing),
+                message: Some(message.clone()),
+                inventory: Some(i.clone()),
+                ..Default::default()
+            },
+        )
+        .await?;
+        ctx.event(t, Reason::FreedFromManagement, message).await;
+        // The disks of what was freed: the PVs of their PVCs, or recorded.
+        let disks: HashSet<String> = observed
+            .claims
+            .iter()
+            .filter(|c| freed.contains(&c.name))
+            .filter_map(|c| c.detail.clone())
+            .chain(
+                i.volumes
+                    .iter()
+                    .filter_map(|v| v.infra.as_ref())
+                    .filter(|r| freed.contains(&r.name))
+                    .filter_map(|r| r.pv.clone()),
+            )
+            .collect();
+        let deadline = Instant::now() + ctx.settings.wait_bound;
+        observed = wait_disks_then_observe(ctx, t, spec, disks, deadline, i).await?;
+        let marked = disks::mark_gone(i, &observed);
+        ctx.metrics.volumes_freed.inc_by(marked as u64);
+        if observed.is_empty() && disks::unmapped(inv.as_ref()).is_empty() {
+            return Ok(released_from_management(ctx, inv, &why, &labels, spec));
+        }
+    }
+
+    // What is kept, and why.
+    let mut parts = vec![
+        why,
+        format!(
+            "the management cluster holds {}",
+            observed.describe(&spec.kind, 5)
+        ),
+    ];
+    parts.extend(disks::kept_reasons(inv.as_ref(), &observed, spec, &labels));
+    Ok(blocked(kind, parts.join("; "), inv))
+}
+
+/// Waits (until `deadline`) for the management PVs `disks` to go, then
+/// lists the management side again and records the PVs it sees in `inv`.
+async fn wait_disks_then_observe(
+    ctx: &Context,
+    t: &TenantRef,
+    spec: &InfraSpec,
+    disks: HashSet<String>,
+    deadline: Instant,
+    inv: &mut Inventory,
+) -> Result<Observed, kube::Error> {
+    wait_gone(
+        Api::<PersistentVolume>::all(ctx.client.clone()),
+        disks,
+        deadline,
+        &NoProgress,
+    )
+    .await?;
+    observe(ctx, t, spec, Some(inv)).await
+}
+
+/// `Released` decided from the management side: nothing of the tenant is
+/// left there. Every inventoried volume is gone; the note says how.
+fn released_from_management(
+    ctx: &Context,
+    inv: Option<Inventory>,
+    why: &str,
+    labels: &str,
+    spec: &InfraSpec,
+) -> Outcome {
+    let mut inventory = inv.unwrap_or_else(|| Inventory::new(now_rfc3339(), Vec::new()));
+    let mut newly = 0;
+    for v in inventory.volumes.iter_mut().filter(|v| !v.gone) {
+        v.gone = true;
+        newly += 1;
+    }
+    inventory.freed = inventory.total;
+    ctx.metrics.volumes_freed.inc_by(newly as u64);
+    let freed_here = inventory
+        .volumes
+        .iter()
+        .filter(|v| v.infra.as_ref().is_some_and(|r| r.freed_here))
+        .count();
+    let note = if freed_here > 0 {
+        format!(
+            "the tenant API cannot be reached ({why}); {} freed from the management side, and nothing of the tenant is left there",
+            count(freed_here, "volume")
+        )
+    } else {
+        format!(
+            "the tenant API cannot be reached ({why}), and the management cluster holds no disk of it \
+             (no {kind}, PVC or PV labelled {labels} or named by the inventory)",
+            kind = spec.kind
+        )
+    };
+    Outcome::Released {
+        inventory,
+        note: Some(note),
+    }
+}

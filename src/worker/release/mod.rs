@@ -1,0 +1,433 @@
+//! The volume-release phase (`docs/design.md` §5, steps 1–7) for one tenant.
+//!
+//! [`run`] reads as the steps. Each step returns `Result<_, Stop>`: the
+//! first that cannot go on ends the pass, with the tenant's state as its
+//! [`Outcome`] or with a management-API error to retry. Every step is
+//! idempotent and reads its state from the APIs, so a worker killed
+//! anywhere resumes: the inventory is in the record, the claims are being
+//! deleted or gone, and the PVs tell how far the driver got.
+//!
+//! - [`claims`] (pure): the inventory from the tenant's PVs; the Pods that
+//!   hold claims.
+//! - [`disks`] (pure): what the management cluster holds of the tenant's
+//!   disks, which to keep, which the phase may free.
+//! - `tenant_side`: the deletes in the tenant cluster (steps 4–5).
+//! - `management`: the management side (step 7 there, keeping disks, and
+//!   the road of a tenant API that cannot be reached).
+//! - `wait`: a watch until named objects are gone (step 6).
+
+pub mod claims;
+pub mod disks;
+mod management;
+mod tenant_side;
+mod wait;
+
+use std::collections::{BTreeSet, HashSet};
+
+use k8s_openapi::api::core::v1::PersistentVolume;
+use kube::api::Api;
+use tokio::time::Instant;
+use tracing::{info, instrument, warn};
+
+pub use management::{keep, observe};
+pub use tenant_side::FREEZE_QUOTA;
+
+use super::context::Vetted;
+use super::events::Reason;
+use super::{Context, ErrorKind, TenantRef, identity, tenant};
+use crate::record::{ClusterIdentity, Inventory, Phase, Record, Update, count, now_rfc3339};
+use wait::{NoProgress, WaitProgress, wait_gone};
+
+/// Where the phase ended up on this pass.
+#[derive(Debug)]
+pub enum Outcome {
+    /// Every inventoried PV is gone, and with the profile's infra layer
+    /// every disk behind them; `note` says how, when it is not the usual way.
+    Released {
+        inventory: Inventory,
+        note: Option<String>,
+    },
+    /// Something stands in the way; retried with backoff.
+    Blocked {
+        reason: ErrorKind,
+        message: String,
+        inventory: Option<Inventory>,
+    },
+}
+
+/// Why a step ended the pass before step 7.
+enum Stop {
+    /// The tenant's state: recorded as the pass's outcome.
+    Outcome(Outcome),
+    /// The management API failed: the pass is tried again soon.
+    Management(kube::Error),
+}
+
+impl From<kube::Error> for Stop {
+    fn from(e: kube::Error) -> Self {
+        Stop::Management(e)
+    }
+}
+
+impl From<Outcome> for Stop {
+    fn from(o: Outcome) -> Self {
+        Stop::Outcome(o)
+    }
+}
+
+type Step<T> = Result<T, Stop>;
+
+fn blocked(reason: ErrorKind, message: String, inventory: Option<Inventory>) -> Outcome {
+    Outcome::Blocked {
+        reason,
+        message,
+        inventory,
+    }
+}
+
+/// Runs steps 1–7 once. `Err` is a management-API failure (requeue);
+/// everything about the tenant is an [`Outcome`].
+#[instrument(name = "pass", skip_all)]
+pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcome, kube::Error> {
+    match pass(ctx, t, record).await {
+        Ok(outcome) | Err(Stop::Outcome(outcome)) => Ok(outcome),
+        Err(Stop::Management(e)) => Err(e),
+    }
+}
+
+async fn pass(ctx: &Context, t: &TenantRef, record: &Record) -> Step<Outcome> {
+    let tenant = reach(ctx, t, record).await?;
+    let bound = same_cluster(ctx, t, &tenant, record.cluster.as_ref(), &record.inventory).await?;
+    let deadline = Instant::now() + ctx.settings.wait_bound;
+    let mut inventory = record.inventory.clone();
+    loop {
+        let taken = take_inventory(ctx, t, &tenant, &inventory).await?;
+        inventory = Some(taken.clone());
+        delete_claims(&tenant, &inventory).await?;
+        let contents_left = wait_for_volumes(ctx, t, &tenant, &taken, deadline, &inventory).await?;
+
+        // Step 7: the outcome, from a fresh list, of the same cluster.
+        same_cluster(ctx, t, &tenant, Some(&bound), &inventory).await?;
+        let pvs = tenant_side::list_pvs(&tenant.client)
+            .await
+            .map_err(tenant.failed("listing PersistentVolumes", &inventory))?;
+        let now = claims::reconcile_inventory(
+            Some(&taken),
+            &pvs,
+            &now_rfc3339(),
+            ctx.profile.infra.as_ref(),
+        );
+        let newly_freed = now.freed.saturating_sub(taken.freed);
+        ctx.metrics.volumes_freed.inc_by(newly_freed as u64);
+        inventory = Some(now.clone());
+        if now.total > taken.total && Instant::now() < deadline {
+            warn!("new volumes appeared while releasing; another pass");
+            continue;
+        }
+        return Ok(outcome(ctx, t, now, contents_left, deadline).await?);
+    }
+}
+
+/// The tenant's API for one pass, and the Secret that leads to it.
+struct TenantSide {
+    api: tenant::TenantApi,
+    client: kube::Client,
+    /// `namespace/name` of the admin kubeconfig Secret.
+    secret: String,
+}
+
+impl TenantSide {
+    /// A failed tenant-API call while `doing`: the pass ends `Blocked`,
+    /// keeping the inventory it has.
+    fn failed<'a>(
+        &'a self,
+        doing: &'a str,
+        inventory: &'a Option<Inventory>,
+    ) -> impl FnOnce(kube::Error) -> Stop + 'a {
+        move |e| {
+            Stop::Outcome(blocked(
+                ErrorKind::TenantApiError,
+                format!("tenant API {} failed while {doing}: {e}", self.api.server),
+                inventory.clone(),
+            ))
+        }
+    }
+}
+
+/// Steps 1–2: the admin kubeconfig, and an API server that answers behind
+/// it. A tenant that cannot be reached takes the management side's road.
+#[instrument(name = "reach", skip_all)]
+async fn reach(ctx: &Context, t: &TenantRef, record: &Record) -> Step<TenantSide> {
+    let s = &ctx.settings;
+    let api = tenant::connect(
+        &ctx.client,
+        &ctx.profile,
+        &t.namespace,
+        &t.name,
+        s.request_timeout,
+    )
+    .await;
+    let answered = match api {
+        Ok(api) => tenant::probe_ready(&api, s.probe_timeout)
+            .await
+            .map(|()| api),
+        Err(e) => Err(e),
+    };
+    let api = match answered {
+        Ok(api) => api,
+        Err(e) => {
+            return Err(
+                management::unreachable(ctx, t, record, e.kind(), e.to_string())
+                    .await?
+                    .into(),
+            );
+        }
+    };
+    ctx.reachable(t);
+    Ok(TenantSide {
+        client: api.client.clone(),
+        api,
+        secret: format!(
+            "{}/{}",
+            t.namespace,
+            ctx.profile.kubeconfig_secret_name(&t.name)
+        ),
+    })
+}
+
+/// Step 3: the inventory, before any deletion, written to the record. A
+/// disk whose tenant volume is not Delete is kept before anything can
+/// delete it, and before the inventory that says so is written: the gate
+/// lets a tenant's disks be deleted in teardown only once it is
+/// (`docs/design.md` §5c).
+#[instrument(name = "inventory", skip_all)]
+async fn take_inventory(
+    ctx: &Context,
+    t: &TenantRef,
+    tenant: &TenantSide,
+    previous: &Option<Inventory>,
+) -> Step<Inventory> {
+    let pvs = tenant_side::list_pvs(&tenant.client)
+        .await
+        .map_err(tenant.failed("listing PersistentVolumes", previous))?;
+    let mut inv = claims::reconcile_inventory(
+        previous.as_ref(),
+        &pvs,
+        &now_rfc3339(),
+        ctx.profile.infra.as_ref(),
+    );
+    if let Some(spec) = ctx.profile.infra.as_ref() {
+        let observed = management::observe(ctx, t, spec, Some(&mut inv)).await?;
+        management::keep(ctx, t, &observed, Some(&mut inv), true).await?;
+    }
+    let message = format!(
+        "inventory taken: {} ({} left); deleting claims",
+        count(inv.total, "volume"),
+        inv.left()
+    );
+    ctx.write_record(
+        t,
+        &Update {
+            phase: Some(Phase::Releasing),
+            message: Some(message),
+            inventory: Some(inv.clone()),
+            ..Default::default()
+        },
+    )
+    .await?;
+    match previous {
+        None => {
+            let note = format!(
+                "{} inventoried before any deletion",
+                count(inv.total, "volume")
+            );
+            ctx.event(t, Reason::InventoryTaken, note).await;
+        }
+        Some(old) if old.total != inv.total => {
+            let note = format!(
+                "now {}: new ones appeared while releasing",
+                count(inv.total, "volume")
+            );
+            ctx.event(t, Reason::InventoryGrew, note).await;
+        }
+        Some(_) => {}
+    }
+    Ok(inv)
+}
+
+/// Step 4: stop new claims, delete every claim, then the Pods holding them.
+#[instrument(name = "delete_claims", skip_all)]
+async fn delete_claims(tenant: &TenantSide, inventory: &Option<Inventory>) -> Step<()> {
+    let tc = &tenant.client;
+    tenant_side::freeze_claims(tc)
+        .await
+        .map_err(tenant.failed("creating the claim freeze quota", inventory))?;
+    let claims = tenant_side::delete_claims(tc)
+        .await
+        .map_err(tenant.failed("deleting PersistentVolumeClaims", inventory))?;
+    let pods = tenant_side::delete_holding_pods(tc, &claims)
+        .await
+        .map_err(tenant.failed("deleting the Pods that mount claims", inventory))?;
+    info!(
+        claims = claims.len(),
+        pods, "claims and holding pods deleted"
+    );
+    Ok(())
+}
+
+/// Steps 5–6: the snapshots, when that API is installed, then a wait (until
+/// `deadline`) for the tenant's PVs and the snapshot contents to go.
+/// Returns the contents still there.
+#[instrument(name = "wait", skip_all)]
+async fn wait_for_volumes(
+    ctx: &Context,
+    t: &TenantRef,
+    tenant: &TenantSide,
+    taken: &Inventory,
+    deadline: Instant,
+    inventory: &Option<Inventory>,
+) -> Step<BTreeSet<String>> {
+    let contents = tenant_side::release_snapshots(&tenant.client)
+        .await
+        .map_err(tenant.failed("deleting VolumeSnapshots", inventory))?;
+    let waited: HashSet<String> = taken
+        .remaining()
+        .filter(|v| !v.is_retain())
+        .map(|v| v.pv.clone())
+        .collect();
+    let progress = WaitProgress {
+        ctx,
+        tenant: t,
+        inventory: taken.clone(),
+    };
+    wait_gone(
+        Api::<PersistentVolume>::all(tenant.client.clone()),
+        waited,
+        deadline,
+        &progress,
+    )
+    .await
+    .map_err(tenant.failed("watching PersistentVolumes", inventory))?;
+    match contents {
+        Some((api, names)) => Ok(wait_gone(api, names, deadline, &NoProgress)
+            .await
+            .map_err(tenant.failed("watching VolumeSnapshotContents", inventory))?),
+        None => Ok(BTreeSet::new()),
+    }
+}
+
+/// Step 7's verdict on the inventory as it is now: `Released` when nothing
+/// is left (after the management side, with an infra layer), else
+/// `Blocked` naming what is left and why.
+async fn outcome(
+    ctx: &Context,
+    t: &TenantRef,
+    inv: Inventory,
+    contents_left: BTreeSet<String>,
+    deadline: Instant,
+) -> Result<Outcome, kube::Error> {
+    let remaining: Vec<_> = inv.remaining().filter(|v| !v.is_retain()).collect();
+    let retained: Vec<_> = inv.remaining().filter(|v| v.is_retain()).collect();
+    if remaining.is_empty() && retained.is_empty() && contents_left.is_empty() {
+        return match &ctx.profile.infra {
+            None => Ok(Outcome::Released {
+                inventory: inv,
+                note: None,
+            }),
+            Some(spec) => management::management_layer(ctx, t, spec, inv, deadline).await,
+        };
+    }
+    let mut parts = Vec::new();
+    if !remaining.is_empty() {
+        parts.push(format!(
+            "{} of {} not freed within {}s (is the CSI driver running?): {}",
+            remaining.len(),
+            count(inv.total, "volume"),
+            ctx.settings.wait_bound.as_secs(),
+            remaining
+                .iter()
+                .map(|v| v.describe())
+                .collect::<Vec<_>>()
+                .join(", ")
+        ));
+    }
+    if !retained.is_empty() {
+        parts.push(format!(
+            "{} with reclaim policy Retain, kept on storage by design (on the management side too: their \
+             PVs there now have reclaim policy Retain); set persistentVolumeReclaimPolicy to Delete in the \
+             tenant to free them, or record an override to end the teardown with them kept: {}",
+            count(retained.len(), "volume"),
+            retained.iter().map(|v| v.describe()).collect::<Vec<_>>().join(", ")
+        ));
+    }
+    if !contents_left.is_empty() {
+        parts.push(format!(
+            "{} VolumeSnapshotContents not deleted: {}",
+            contents_left.len(),
+            contents_left.iter().cloned().collect::<Vec<_>>().join(", ")
+        ));
+    }
+    let reason = if remaining.is_empty() && contents_left.is_empty() {
+        ErrorKind::RetainResidue
+    } else {
+        ErrorKind::VolumesRemain
+    };
+    Ok(blocked(reason, parts.join("; "), Some(inv)))
+}
+
+/// Checks that the tenant's API reaches the cluster bound to the tenant,
+/// binding it first if none is. A mismatch, a cluster that does not say who
+/// it is, or one another parent holds ends the pass `Blocked`, keeping
+/// `inventory`.
+#[instrument(name = "same_cluster", skip_all)]
+async fn same_cluster(
+    ctx: &Context,
+    t: &TenantRef,
+    tenant: &TenantSide,
+    bound: Option<&ClusterIdentity>,
+    inventory: &Option<Inventory>,
+) -> Step<ClusterIdentity> {
+    let stop = |reason: ErrorKind, message: String| -> Stop {
+        blocked(reason, message, inventory.clone()).into()
+    };
+    let secret = &tenant.secret;
+    let seen = identity::observe(&tenant.api, ctx.settings.probe_timeout, &now_rfc3339())
+        .await
+        .map_err(|e| stop(e.kind(), e.to_string()))?;
+    let (id, write) = match identity::check(bound, &seen, secret) {
+        identity::Check::Same => (bound.cloned().unwrap_or(seen), false),
+        identity::Check::Bind(id) | identity::Check::Pin(id) => (id, true),
+        identity::Check::Different { message } => {
+            return Err(stop(ErrorKind::ClusterMismatch, message));
+        }
+    };
+    let binding = bound.is_none();
+    let conflict = match ctx.vet_cluster(t, &id, binding).await? {
+        Vetted::Ours => None,
+        Vetted::Misplaced(why) => {
+            let message = format!(
+                "the admin kubeconfig Secret {secret} does not lead to this tenant's own cluster: {why}. Nothing is \
+                 deleted or counted as freed through it. Restore the Secret, or record an override to abandon the \
+                 volumes"
+            );
+            return Err(stop(ErrorKind::ClusterConflict, message));
+        }
+        Vetted::Conflict(why) => Some(why),
+    };
+    if write {
+        // Recorded even in conflict: the other parent's passes see it too.
+        ctx.write_record(
+            t,
+            &Update {
+                cluster: Some(id.clone()),
+                ..Default::default()
+            },
+        )
+        .await?;
+        info!(server = %id.server, binding, "tenant cluster bound at a release pass");
+    }
+    match conflict {
+        None => Ok(id),
+        Some(why) => Err(stop(ErrorKind::ClusterConflict, why)),
+    }
+}
