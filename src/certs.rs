@@ -442,7 +442,12 @@ fn san_type(san: &str) -> Result<SanType, CertsError> {
     if name.is_empty() || san.len() > 253 {
         return Err(invalid("a DNS name has 1 to 253 characters"));
     }
-    if !name.split('.').all(is_dns_label) {
+    // DNS is case-insensitive: a SAN may be written in capitals.
+    if !name
+        .to_ascii_lowercase()
+        .split('.')
+        .all(crate::names::is_label)
+    {
         return Err(invalid(
             "each dot-separated label must be 1-63 letters, digits or '-', not starting or ending with '-'",
         ));
@@ -452,7 +457,7 @@ fn san_type(san: &str) -> Result<SanType, CertsError> {
 }
 
 fn check_dns_label(flag: &'static str, value: &str) -> Result<(), CertsError> {
-    if is_dns_label(value) && !value.chars().any(|c| c.is_ascii_uppercase()) {
+    if crate::names::is_label(value) {
         Ok(())
     } else {
         Err(CertsError::InvalidName {
@@ -460,13 +465,6 @@ fn check_dns_label(flag: &'static str, value: &str) -> Result<(), CertsError> {
             value: value.to_string(),
         })
     }
-}
-
-fn is_dns_label(label: &str) -> bool {
-    (1..=63).contains(&label.len())
-        && label.chars().all(|c| c.is_ascii_alphanumeric() || c == '-')
-        && !label.starts_with('-')
-        && !label.ends_with('-')
 }
 
 /// Writes through a temporary file and a rename, so a reader (the webhook's

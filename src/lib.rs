@@ -4,6 +4,8 @@
 //! The layout is the architecture:
 //! - [`profile`] alone knows the platform's names (Cozystack by default);
 //! - [`record`] alone knows the annotation keys of the release record;
+//! - [`names`] is Kubernetes' name rules, [`text`] how text is bounded for
+//!   people (logs, records, Events);
 //! - [`admission`] holds the gate's decisions as pure functions, the fresh
 //!   reads they need, and a thin HTTP layer;
 //! - [`worker`] takes custody of tenants and runs the volume-release phase;
@@ -21,11 +23,13 @@ pub mod admission;
 pub mod args;
 pub mod certs;
 pub mod metrics;
+pub mod names;
 pub mod profile;
 pub mod record;
 pub mod telemetry;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;
+pub mod text;
 pub mod tls;
 pub mod worker;
 

@@ -221,7 +221,7 @@ impl InfraSpec {
     pub fn object_of(&self, handle: &str) -> Option<String> {
         let (prefix, suffix) = self.handle.split_once(NAME_PLACEHOLDER)?;
         let name = handle.strip_prefix(prefix)?.strip_suffix(suffix)?;
-        is_object_name(name).then(|| name.to_string())
+        crate::names::is_subdomain(name).then(|| name.to_string())
     }
 
     fn validate(&self) -> Result<(), String> {
@@ -696,26 +696,6 @@ impl Profile {
             self.parent.plural, self.parent.group, self.annotation_prefix
         )
     }
-}
-
-/// Whether `s` is a DNS-1123 subdomain: what Kubernetes allows as the name
-/// of a namespace or of most objects (a HelmRelease among them), and so
-/// safe in a URL path. A tenant marker that is not one names no tenant
-/// that can exist.
-pub fn is_object_name(s: &str) -> bool {
-    let b = s.as_bytes();
-    !b.is_empty()
-        && b.len() <= 253
-        && b[0].is_ascii_alphanumeric()
-        && b[b.len() - 1].is_ascii_alphanumeric()
-        && s.split('.').all(|label| {
-            !label.is_empty()
-                && label
-                    .bytes()
-                    .all(|c| c.is_ascii_lowercase() || c.is_ascii_digit() || c == b'-')
-                && !label.starts_with('-')
-                && !label.ends_with('-')
-        })
 }
 
 /// Extracts the tenant from a name matching `pattern` (one `{tenant}`).

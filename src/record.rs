@@ -13,6 +13,8 @@ use std::str::FromStr;
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 
+use crate::text::{bounded, count, one_line};
+
 /// The inventory annotation is bounded so the parent stays well under the
 /// API server's 256 KiB limit on all annotations together.
 pub const MAX_INVENTORY_BYTES: usize = 96 * 1024;
@@ -79,28 +81,6 @@ impl Space {
             self.total, self.others,
         )
     }
-}
-
-/// `s`, cut at a character boundary to at most `max` bytes with the cut
-/// stated, so a shortened value is never mistaken for the whole one.
-pub fn bounded(s: &str, max: usize) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    shorten(s, max, &format!("…[{} bytes]", s.len()))
-}
-
-/// `s` whole if it fits in `max` bytes; otherwise cut at a character
-/// boundary and ended with `suffix`, the two together within `max`.
-pub fn shorten(s: &str, max: usize, suffix: &str) -> String {
-    if s.len() <= max {
-        return s.to_string();
-    }
-    let mut cut = max.saturating_sub(suffix.len());
-    while !s.is_char_boundary(cut) {
-        cut -= 1;
-    }
-    format!("{}{suffix}", &s[..cut])
 }
 
 /// The current time as the record writes it (RFC 3339, seconds, UTC).
@@ -404,24 +384,6 @@ impl Update {
     }
 }
 
-/// `1 volume`, `3 volumes`: a count with its noun.
-pub fn count(n: usize, noun: &str) -> String {
-    if n == 1 {
-        format!("1 {noun}")
-    } else {
-        format!("{n} {noun}s")
-    }
-}
-
-/// Messages are one human line, bounded.
-pub fn one_line(s: &str) -> String {
-    shorten(
-        &s.split_whitespace().collect::<Vec<_>>().join(" "),
-        1024,
-        "...",
-    )
-}
-
 #[cfg(test)]
 mod tests {
 
@@ -496,13 +458,6 @@ mod tests {
                 .ends_with("…[200000 bytes]"),
             "{text}"
         );
-    }
-
-    #[test]
-    fn bounded_cuts_at_a_char_boundary_and_states_the_length() {
-        assert_eq!(bounded("short", 10), "short");
-        let cut = bounded(&"é".repeat(600), 64);
-        assert!(cut.len() <= 64 && cut.ends_with("…[1200 bytes]"), "{cut}");
     }
 
     #[test]
@@ -638,13 +593,5 @@ mod tests {
         let m = u.annotations(&keys());
         assert_eq!(m.len(), 2);
         assert_eq!(m["volumes.cozystack.io/message"], "a b");
-    }
-
-    #[test]
-    fn messages_are_bounded_on_a_char_boundary() {
-        let long = "é".repeat(2000);
-        let s = one_line(&long);
-        assert!(s.len() <= 1024 + 3);
-        assert!(s.ends_with("..."));
     }
 }

@@ -5,7 +5,8 @@
 use std::collections::BTreeMap;
 
 use crate::admission::review::SpecView;
-use crate::profile::{GroupKind, Profile, is_object_name, tenant_from_name};
+use crate::names::is_subdomain as is_object_name;
+use crate::profile::{GroupKind, Profile, tenant_from_name};
 use crate::record::{Keys, Record};
 
 /// What an admitted object is to the gate.
@@ -350,7 +351,7 @@ pub fn impossible_marker_warnings(markers: &[(String, String)]) -> Vec<String> {
             format!(
                 "volume-gate: {k}={:?} names no tenant that can exist (not a DNS-1123 name), so this object protects \
                  no volume and is not held",
-                crate::record::bounded(v, 80)
+                crate::text::bounded(v, 80)
             )
         })
         .collect()

@@ -20,7 +20,8 @@ use super::decide::{
 };
 use super::review;
 use crate::metrics::Metrics;
-use crate::profile::{Profile, is_object_name};
+use crate::names::is_subdomain as is_object_name;
+use crate::profile::Profile;
 use crate::record::Keys;
 
 /// Who deletes a namespace's contents once it is being deleted.

@@ -404,7 +404,7 @@ pub fn respond(uid: &str, verdict: &Verdict, patch: Option<&json_patch::Patch>) 
 
 /// Warnings over 256 characters may be dropped by clients; keep them whole.
 fn truncate_warning(w: &str) -> String {
-    crate::record::shorten(w, 256, "...")
+    crate::text::shorten(w, 256, "...")
 }
 
 #[cfg(test)]

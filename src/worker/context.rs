@@ -21,7 +21,8 @@ use super::next::Task;
 use super::{ErrorKind, Settings, TenantRef, custody, identity, next, tenant};
 use crate::metrics::{Metrics, OutcomeLabels, PhaseLabels};
 use crate::profile::Profile;
-use crate::record::{Keys, Phase, Record, Update, now_rfc3339, one_line, shorten};
+use crate::record::{Keys, Phase, Record, Update, now_rfc3339};
+use crate::text::{one_line, shorten};
 
 /// Whether the API server refused a write because the object would be
 /// too large: its annotations over their 256 KiB (422 "Too long"), or the
@@ -427,7 +428,7 @@ impl Context {
                  waits; the worker retries on its backoff",
                 t.namespace,
                 t.name,
-                crate::record::bounded(&e.to_string(), 300)
+                crate::text::bounded(&e.to_string(), 300)
             ),
         )
         .await;

@@ -5,7 +5,8 @@
 
 use std::time::Duration;
 
-use crate::record::{Inventory, Override, Phase, Record, count};
+use crate::record::{Inventory, Override, Phase, Record};
+use crate::text::count;
 
 /// The state of the tenant's release-phase task in this worker.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]

@@ -12,7 +12,8 @@ use super::context::ParentMeta;
 use super::events::Reason;
 use super::next::{self, Next, Seen};
 use super::{Context, ErrorKind, TenantRef, release};
-use crate::record::{Phase, Record, Update, count, now_rfc3339};
+use crate::record::{Phase, Record, Update, now_rfc3339};
+use crate::text::count;
 
 /// Errors of one reconcile.
 #[derive(Debug, thiserror::Error)]

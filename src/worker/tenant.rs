@@ -264,7 +264,7 @@ pub async fn probe_ready(api: &TenantApi, timeout: Duration) -> Result<(), Tenan
         Ok(Ok(body)) if body.trim() == "ok" => Ok(()),
         Ok(Ok(body)) => Err(TenantAccessError::NotReady {
             server: api.server.clone(),
-            message: crate::record::one_line(&body),
+            message: crate::text::one_line(&body),
         }),
         Ok(Err(e)) => match e {
             kube::Error::Api(s) => Err(TenantAccessError::NotReady {

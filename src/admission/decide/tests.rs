@@ -1477,7 +1477,7 @@ fn markers_that_name_no_possible_tenant_make_no_identity_and_are_warned_of() {
 
 #[test]
 fn the_object_name_check_is_dns_1123_subdomain() {
-    use crate::profile::is_object_name;
+    use crate::names::is_subdomain as is_object_name;
     for ok in ["a", "kubernetes-prod", "a.b-c.d", "0abc", &"a".repeat(253)] {
         assert!(is_object_name(ok), "{ok}");
     }

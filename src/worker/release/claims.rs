@@ -6,7 +6,8 @@ use std::collections::{BTreeSet, HashMap, HashSet};
 use k8s_openapi::api::core::v1::{PersistentVolume, Pod};
 
 use crate::profile::InfraSpec;
-use crate::record::{Inventory, MAX_FIELD_BYTES, Volume, bounded};
+use crate::record::{Inventory, MAX_FIELD_BYTES, Volume};
+use crate::text::bounded;
 
 /// A claim, `namespace/name`.
 pub type ClaimKey = (String, String);

@@ -21,7 +21,8 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::api::ObjectMeta;
 
 use crate::profile::InfraSpec;
-use crate::record::{InfraRef, Inventory, count};
+use crate::record::{InfraRef, Inventory};
+use crate::text::count;
 
 /// One management object of the tenant's disks, as last listed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]

@@ -11,14 +11,15 @@ use futures::StreamExt;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Preconditions};
 use tokio::time::Instant;
-use tracing::{info, warn};
+use tracing::{info, instrument, warn};
 
 use super::claims::{self, ClaimKey};
 use super::disks::{self, Keep, Observed};
 use super::wait::{NoProgress, wait_gone};
 use super::{Outcome, blocked};
 use crate::profile::InfraSpec;
-use crate::record::{Inventory, Phase, Record, Update, count, now_rfc3339};
+use crate::record::{Inventory, Phase, Record, Update, now_rfc3339};
+use crate::text::count;
 use crate::worker::events::Reason;
 use crate::worker::{Context, ErrorKind, TenantRef};
 
@@ -116,7 +117,7 @@ pub async fn apply_keep(ctx: &Context, t: &TenantRef, plan: &[Keep]) -> Result<(
                             "labels": {k.kept.as_str(): "true", k.kept_namespace.as_str(): t.namespace},
                             "annotations": {
                                 k.kept_for.as_str(): format!("{}/{}", t.namespace, t.name),
-                                k.kept_volume.as_str(): crate::record::bounded(volume, 1024),
+                                k.kept_volume.as_str(): crate::text::bounded(volume, 1024),
                                 k.kept_reclaim_was.as_str(): reclaim_was,
                                 k.kept_at.as_str(): crate::record::now_rfc3339(),
                             }},
@@ -137,7 +138,7 @@ pub async fn apply_keep(ctx: &Context, t: &TenantRef, plan: &[Keep]) -> Result<(
             .await
         {
             Ok(_) => {
-                info!(tenant = %t, pv = %pv, keep = matches!(step, Keep::Pin { .. }), "management disk kept or let go")
+                info!(pv = %pv, keep = matches!(step, Keep::Pin { .. }), "management disk kept or let go")
             }
             // Gone meanwhile: nothing left to keep.
             Err(kube::Error::Api(s)) if s.code == 404 => {}
@@ -150,6 +151,7 @@ pub async fn apply_keep(ctx: &Context, t: &TenantRef, plan: &[Keep]) -> Result<(
 /// Keeps what must stay of the tenant's disks ([`disks::keep_plan`]), and records
 /// which in `inv`: the one call the phase and the override make. Returns
 /// the management PVs kept.
+#[instrument(name = "keep_disks", skip_all)]
 pub async fn keep(
     ctx: &Context,
     t: &TenantRef,
@@ -170,6 +172,7 @@ pub async fn keep(
 /// infra objects (guarded by UID), then the Pods that mount their PVCs (the
 /// attachments of a VM of a cluster whose API is gone). Marks them
 /// `freed_here` in `inv`; returns their names.
+#[instrument(name = "free_from_management", skip_all)]
 pub async fn free_deletable(
     ctx: &Context,
     t: &TenantRef,
@@ -206,7 +209,7 @@ pub async fn free_deletable(
             Err(kube::Error::Api(s)) if s.code == 404 || s.code == 409 => {}
             Err(e) => return Err(e),
         }
-        info!(namespace = %t.namespace, tenant = %t.name, object = %h.name, kind = %infra.kind, "infra object deleted: the tenant API is unreachable");
+        info!(object = %h.name, kind = %infra.kind, "infra object deleted: the tenant API is unreachable");
     }
     // Their PVCs (same name) are held by pvc-protection while a Pod mounts them.
     let held: HashSet<ClaimKey> = names
@@ -249,6 +252,7 @@ pub async fn free_deletable(
 /// behind them must be too (DataVolume, its PVC, that PVC's PV). The
 /// DataVolume's deletion returns before its disk is freed, so this waits
 /// for the management PVs as step 6 waits for the tenant's.
+#[instrument(name = "management_layer", skip_all)]
 pub(super) async fn management_layer(
     ctx: &Context,
     t: &TenantRef,
@@ -258,7 +262,10 @@ pub(super) async fn management_layer(
 ) -> Result<Outcome, kube::Error> {
     let observed = observe(ctx, t, spec, Some(&mut inv)).await?;
     if !observed.served {
-        warn!(namespace = %t.namespace, tenant = %t.name, "the management cluster does not serve {}.{}: no infra layer to check", spec.plural, spec.group);
+        warn!(
+            "the management cluster does not serve {}.{}: no infra layer to check",
+            spec.plural, spec.group
+        );
     }
     if observed.is_empty() {
         return Ok(Outcome::Released {
@@ -307,6 +314,7 @@ pub(super) async fn management_layer(
 /// disk there is Released; once the API has been unreachable for
 /// `--infra-after`, the inventoried volumes with reclaim policy Delete are
 /// freed from there; what has no recorded policy, or Retain, is kept.
+#[instrument(name = "unreachable", skip_all)]
 pub(super) async fn unreachable(
     ctx: &Context,
     t: &TenantRef,

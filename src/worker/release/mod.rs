@@ -35,7 +35,8 @@ pub use tenant_side::FREEZE_QUOTA;
 use super::context::Vetted;
 use super::events::Reason;
 use super::{Context, ErrorKind, TenantRef, identity, tenant};
-use crate::record::{ClusterIdentity, Inventory, Phase, Record, Update, count, now_rfc3339};
+use crate::record::{ClusterIdentity, Inventory, Phase, Record, Update, now_rfc3339};
+use crate::text::count;
 use wait::{NoProgress, WaitProgress, wait_gone};
 
 /// Where the phase ended up on this pass.

@@ -54,7 +54,7 @@ impl Progress for WaitProgress<'_> {
             ..Default::default()
         };
         if let Err(e) = self.ctx.write_record(self.tenant, &update).await {
-            warn!(namespace = %self.tenant.namespace, tenant = %self.tenant.name, error = %e, "cannot record progress");
+            warn!(error = %e, "cannot record progress");
         }
     }
 }

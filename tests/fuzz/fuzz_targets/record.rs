@@ -30,7 +30,8 @@ use std::time::Instant;
 use arbitrary::Arbitrary;
 use common::{AnnKey, AnnVal, InvSpec};
 use libfuzzer_sys::fuzz_target;
-use volume_gate::record::{Inventory, Keys, MAX_INVENTORY_BYTES, MAX_TAKEN_AT_BYTES, Phase, Record, Update, Volume, bounded, one_line};
+use volume_gate::record::{Inventory, Keys, MAX_INVENTORY_BYTES, MAX_TAKEN_AT_BYTES, Phase, Record, Update, Volume};
+use volume_gate::text::{bounded, one_line};
 
 static KEYS: LazyLock<Keys> = LazyLock::new(|| Keys::new(common::PREFIX));
 

@@ -1,0 +1,70 @@
+//! Text as volume-gate writes it for people: bounded, one line, counted.
+//! Everything a tenant can write reaches logs, records and Events only
+//! through these, so nothing it writes can flood them.
+
+/// `s`, cut at a character boundary to at most `max` bytes with the cut
+/// stated, so a shortened value is never mistaken for the whole one.
+pub fn bounded(s: &str, max: usize) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    shorten(s, max, &format!("…[{} bytes]", s.len()))
+}
+
+/// `s` whole if it fits in `max` bytes; otherwise cut at a character
+/// boundary and ended with `suffix`, the two together within `max`.
+pub fn shorten(s: &str, max: usize, suffix: &str) -> String {
+    if s.len() <= max {
+        return s.to_string();
+    }
+    let mut cut = max.saturating_sub(suffix.len());
+    while !s.is_char_boundary(cut) {
+        cut -= 1;
+    }
+    format!("{}{suffix}", &s[..cut])
+}
+
+/// `1 volume`, `3 volumes`: a count with its noun.
+pub fn count(n: usize, noun: &str) -> String {
+    if n == 1 {
+        format!("1 {noun}")
+    } else {
+        format!("{n} {noun}s")
+    }
+}
+
+/// Messages are one human line, bounded.
+pub fn one_line(s: &str) -> String {
+    shorten(
+        &s.split_whitespace().collect::<Vec<_>>().join(" "),
+        1024,
+        "...",
+    )
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn bounded_cuts_at_a_char_boundary_and_states_the_length() {
+        assert_eq!(bounded("short", 10), "short");
+        let cut = bounded(&"é".repeat(600), 64);
+        assert!(cut.len() <= 64 && cut.ends_with("…[1200 bytes]"), "{cut}");
+    }
+
+    #[test]
+    fn messages_are_bounded_on_a_char_boundary() {
+        let long = "é".repeat(2000);
+        let s = one_line(&long);
+        assert!(s.len() <= 1024 + 3);
+        assert!(s.ends_with("..."));
+    }
+
+    #[test]
+    fn a_count_names_its_noun_in_the_right_number() {
+        assert_eq!(count(1, "volume"), "1 volume");
+        assert_eq!(count(0, "volume"), "0 volumes");
+        assert_eq!(count(3, "PV"), "3 PVs");
+    }
+}
