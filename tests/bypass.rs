@@ -9,7 +9,7 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::tenant::{Tenant, base64, kcp_resource, resource, tcp_resource};
+use common::tenant::{Tenant, TenantOptions, base64, kcp_resource, resource, tcp_resource};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::ApiResource;
@@ -199,7 +199,11 @@ async fn a_kubeconfig_copied_from_another_tenant_blocks_and_the_other_tenants_cl
     let env = env();
     // Tenant B shares the namespace: its kubeconfig is readable there.
     let a = Tenant::create(env.cp, &env.cp.unique("victim")).await;
-    let b = Tenant::create_in(env.cp, &a.namespace, &env.cp.unique("bystander")).await;
+    let b = Tenant::create(
+        env.cp,
+        TenantOptions::new(&env.cp.unique("bystander")).in_namespace(&a.namespace),
+    )
+    .await;
     for t in [&a, &b] {
         t.wait_custody().await;
         t.with_held_claims(&["data"]).await;
@@ -262,7 +266,11 @@ async fn a_kubeconfig_copied_from_another_tenant_blocks_and_the_other_tenants_cl
 async fn a_kubeconfig_swapped_while_blocked_does_not_turn_blocked_into_released() {
     let env = env();
     let a = Tenant::create(env.cp, &env.cp.unique("stuck")).await;
-    let b = Tenant::create_in(env.cp, &a.namespace, &env.cp.unique("empty")).await;
+    let b = Tenant::create(
+        env.cp,
+        TenantOptions::new(&env.cp.unique("empty")).in_namespace(&a.namespace),
+    )
+    .await;
     a.wait_custody().await;
     a.with_held_claims(&["x", "y"]).await;
     a.wait_cluster_bound().await;

@@ -5,7 +5,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::tenant::{STORAGE_CLASS, Tenant};
+use common::tenant::{STORAGE_CLASS, Tenant, TenantOptions};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams};
 use serde_json::json;
@@ -192,10 +192,9 @@ async fn a_silent_tenant_api_blocks_loudly_and_an_authorized_override_finishes_t
     let env = env();
     // The hook as it was at the incident: upstream's later DataVolume step
     // would delete the abandoned disk's DataVolume by label after the override.
-    let t = Tenant::create_with(
+    let t = Tenant::create(
         env.cp,
-        &env.cp.unique("silent"),
-        json!({"deleteDataVolumes": false}),
+        TenantOptions::new(&env.cp.unique("silent")).values(json!({"deleteDataVolumes": false})),
     )
     .await;
     t.wait_custody().await;
@@ -509,7 +508,7 @@ async fn a_hook_that_passes_early_cannot_uninstall_the_csi_controllers_identity_
         m.contains("failed to delete release")
     })
     .await;
-    let flux_log = common::flux::flux(env.cp).await.log();
+    let flux_log = common::flux::running(env.cp).await.log();
     let refused = flux_log
         .lines()
         .filter(|l| {

@@ -13,7 +13,7 @@ mod common;
 
 use std::time::Duration;
 
-use common::tenant::Tenant;
+use common::tenant::{Tenant, TenantOptions};
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use volume_gate::record::Phase;
@@ -186,7 +186,11 @@ async fn an_api_dead_after_the_inventory_is_released_from_the_management_side_an
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenant_dead_from_the_start_that_holds_no_disk_is_released_with_no_override() {
     let env = env();
-    let t = Tenant::create_with(env.cp, &env.cp.unique("never"), json!({"nodes": 0})).await;
+    let t = Tenant::create(
+        env.cp,
+        TenantOptions::new(&env.cp.unique("never")).values(json!({"nodes": 0})),
+    )
+    .await;
     t.wait_custody().await;
     env.cp.cluster_down(&t.cluster.name);
 

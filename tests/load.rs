@@ -14,7 +14,7 @@ use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
 
 use common::gate::helmrelease_resource;
-use common::tenant::Tenant;
+use common::tenant::{Tenant, TenantOptions};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
@@ -75,7 +75,13 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
             async move {
                 tokio::task::spawn_blocking(move || {
                     handle.block_on(async move {
-                        let t = Tenant::create_light(cp, NAMESPACE, &format!("load-{i:02}")).await;
+                        let t = Tenant::create(
+                            cp,
+                            TenantOptions::new(&format!("load-{i:02}"))
+                                .in_namespace(NAMESPACE)
+                                .light(),
+                        )
+                        .await;
                         t.wait_custody().await;
                         t.with_held_claims(&["data", "wal"]).await;
                         (i, t)

@@ -141,13 +141,11 @@ async fn wait_synced(seen: &Arc<Mutex<Seen>>, what: &str) {
     .await;
 }
 
+/// Every (phase, message) a parent showed, in order.
+type Shown = Arc<Mutex<Vec<(Option<Phase>, Option<String>)>>>;
+
 /// Records every (phase, message) the parent shows until it is gone.
-fn follow_record(
-    t: &Tenant,
-) -> (
-    Arc<Mutex<Vec<(Option<Phase>, Option<String>)>>>,
-    tokio::task::JoinHandle<()>,
-) {
+fn follow_record(t: &Tenant) -> (Shown, tokio::task::JoinHandle<()>) {
     let seen = Arc::new(Mutex::new(Vec::new()));
     let (api, name, s) = (t.hr_api(), t.name.clone(), seen.clone());
     let task = tokio::spawn(async move {
@@ -291,20 +289,22 @@ async fn a_tenants_volume_snapshot_is_deleted_by_the_worker_and_storage_keeps_no
     // Nothing but the worker deletes VolumeSnapshots in this world (the hook
     // and Flux never touch the tenant cluster's objects), and it had to be
     // done while the driver was still there to free the snapshot.
-    let vs_seen = vs_seen.lock().unwrap();
-    assert!(
-        vs_seen.terminating.iter().any(|n| n == "data-snap"),
-        "the VolumeSnapshot was deleted: {vs_seen:?}"
-    );
-    assert!(
-        vs_seen.deleted.iter().any(|n| n == "data-snap"),
-        "and went: {vs_seen:?}"
-    );
-    let vsc_seen = vsc_seen.lock().unwrap();
-    assert!(
-        vsc_seen.deleted.contains(&content_name),
-        "its content {content_name} went: {vsc_seen:?}"
-    );
+    {
+        let vs_seen = vs_seen.lock().unwrap();
+        assert!(
+            vs_seen.terminating.iter().any(|n| n == "data-snap"),
+            "the VolumeSnapshot was deleted: {vs_seen:?}"
+        );
+        assert!(
+            vs_seen.deleted.iter().any(|n| n == "data-snap"),
+            "and went: {vs_seen:?}"
+        );
+        let vsc_seen = vsc_seen.lock().unwrap();
+        assert!(
+            vsc_seen.deleted.contains(&content_name),
+            "its content {content_name} went: {vsc_seen:?}"
+        );
+    }
 
     let log = env.sim.log();
     let tenant_key = format!(" {}/{} ", t.namespace, t.name);

@@ -15,7 +15,7 @@ use common::cluster::repo_root;
 use common::flux::ready_condition;
 use common::history::Seen;
 use common::sim::JobRun;
-use common::tenant::{Tenant, kcp_resource, tcp_resource};
+use common::tenant::{Tenant, TenantOptions, kcp_resource, tcp_resource};
 use common::wait::eventually;
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, ApiResource, DeleteParams, DynamicObject};
@@ -681,10 +681,9 @@ fn driver_deleted_a_datavolume(env: &common::Env, t: &Tenant) -> bool {
 async fn without_the_gate_the_incident_era_hook_leaks_both_layers() {
     let _serial = common::serial();
     let env = env();
-    let t = Tenant::create_with(
+    let t = Tenant::create(
         env.cp,
-        &env.cp.unique("leak2"),
-        json!({"deleteDataVolumes": false}),
+        TenantOptions::new(&env.cp.unique("leak2")).values(json!({"deleteDataVolumes": false})),
     )
     .await;
     t.incident_workload().await;

@@ -40,10 +40,10 @@ use std::time::{Duration, Instant};
 use clap::Parser;
 use common::cluster::ControlPlane;
 use common::gate::helmrelease_resource;
-use common::tenant::Tenant;
+use common::tenant::{Tenant, TenantOptions};
 use futures::StreamExt;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
-use scale::{BenchGate, Workload, loadavg, meminfo, mib, proc_mem, stats};
+use scale::{Workload, loadavg, meminfo, mib, proc_mem, stats};
 use serde_json::Value;
 use volume_gate::record::{Keys, Phase, Record};
 
@@ -112,7 +112,7 @@ async fn main() {
         cp.state.join("logs").display()
     );
     let first = args.max_concurrent.first().copied().unwrap_or(4);
-    let mut gate = BenchGate::install(cp, "conc", &worker_args(first), "info").await;
+    let mut gate = scale::install_gate(cp, "conc", &worker_args(first), "info").await;
     let sim = common::sim::Simulator::start(cp, &volume_gate::profile::Profile::cozystack());
     let workload = Workload {
         claims: 3,
@@ -159,7 +159,7 @@ async fn main() {
     let mut results = Vec::new();
     for (i, &m) in args.max_concurrent.iter().enumerate() {
         if i > 0 || m != first {
-            gate.start_worker(&worker_args(m), "info").await;
+            gate.restart_worker_with(worker_args(m)).await;
         }
         println!(
             "\n== --max-concurrent-releases {m}: building {} tenants",
@@ -309,7 +309,7 @@ async fn build_tenants(
                 }
                 let t = tokio::task::spawn_blocking(move || {
                     handle.block_on(async move {
-                        let t = Tenant::create_light(cp, &format!("tenant-{app}"), &app).await;
+                        let t = Tenant::create(cp, TenantOptions::new(&app).light()).await;
                         t.wait_custody().await;
                         w.create(&t, 4, Duration::from_secs(600)).await;
                         t

@@ -37,8 +37,8 @@ use std::time::{Duration, Instant};
 
 use clap::Parser;
 use common::history::Seen;
-use common::tenant::Tenant;
-use scale::{BenchGate, loadavg, stats};
+use common::tenant::{Tenant, TenantOptions};
+use scale::{loadavg, stats};
 use volume_gate::record::Phase;
 
 #[derive(Parser, Debug)]
@@ -98,7 +98,7 @@ async fn round(
     for phase in &args.phases {
         for _ in 0..args.reps {
             let app = cp.unique("b");
-            let t = Tenant::create_light(cp, &format!("tenant-{app}"), &app).await;
+            let t = Tenant::create(cp, TenantOptions::new(&app).light()).await;
             t.wait_custody().await;
             t.with_held_claims(&["a", "b"]).await;
             t.set_free_after(sim, phase).await;
@@ -156,12 +156,20 @@ async fn round(
 async fn main() {
     let args = Args::parse();
     let cp = common::cluster::control_plane();
-    let mut gate = BenchGate::install(cp, "flux", &common::gate::test_worker_args(), "info").await;
+    let mut gate = scale::install_gate(cp, "flux", &common::gate::test_worker_args(), "info").await;
     let sim: &'static common::sim::Simulator = Box::leak(Box::new(common::sim::Simulator::start(
         cp,
         &volume_gate::profile::Profile::cozystack(),
     )));
-    common::flux::flux_with(cp, "750ms", "15m", args.flux_concurrent).await;
+    common::flux::flux_with(
+        cp,
+        common::flux::FluxConfig {
+            min_retry_delay: "750ms",
+            max_retry_delay: "15m",
+            concurrent: args.flux_concurrent,
+        },
+    )
+    .await;
     let cores = std::thread::available_parallelism().map_or(0, |n| n.get());
     println!(
         "machine: {cores} cores; helm-controller retry delays 750ms..15m (its defaults), --concurrent={}; phases {:?}, {} per phase",
@@ -178,7 +186,7 @@ async fn main() {
         .expect("write profile");
     let mut worker_args = common::gate::test_worker_args();
     worker_args.extend(["--profile".to_string(), file.display().to_string()]);
-    gate.start_worker(&worker_args, "info").await;
+    gate.restart_worker_with(worker_args).await;
     let without = round(cp, sim, &args, "without request").await;
 
     println!(

@@ -41,7 +41,7 @@ use common::cluster::ControlPlane;
 use common::gate::helmrelease_resource;
 use futures::StreamExt;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams, PostParams};
-use scale::{BenchGate, Mem, mib, proc_mem, stats};
+use scale::{Mem, mib, proc_mem, stats};
 use serde_json::{Value, json};
 
 #[derive(Parser, Debug)]
@@ -176,9 +176,10 @@ async fn main() {
         args.rounds
     );
     let col = |rs: &[Round], f: &dyn Fn(&Round) -> Option<u64>| {
-        stats(&rs.iter().filter_map(f).map(|k| mib(k)).collect::<Vec<_>>())
+        stats(&rs.iter().filter_map(f).map(mib).collect::<Vec<_>>())
     };
-    let lines: Vec<(&str, Box<dyn Fn(&Round) -> Option<u64>>)> = vec![
+    type Line = (&'static str, Box<dyn Fn(&Round) -> Option<u64>>);
+    let lines: Vec<Line> = vec![
         (
             "worker VmRSS after sync+custody",
             Box::new(|r: &Round| Some(r.worker_synced.rss)),
@@ -334,7 +335,7 @@ async fn measure(
 ) -> Round {
     let mut r = Round::default();
     let t0 = Instant::now();
-    let gate = BenchGate::install(cp, tag, &[], "info").await;
+    let gate = scale::install_gate(cp, tag, &[], "info").await;
     if tenants > 0 {
         wait_custody(client, tenants).await;
         r.custody_seconds = t0.elapsed().as_secs_f64();

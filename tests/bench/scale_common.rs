@@ -1,13 +1,12 @@
-//! Shared pieces of the scale benchmarks (benchmarks 3–5):
-//! the gate installed as the fixture installs it but with worker flags and
-//! request tracing of our choosing, per-request accounting from the worker's
+//! Shared pieces of the scale benchmarks (benchmarks 3–6):
+//! the fixture's gate with worker flags and request tracing of our choosing, per-request accounting from the worker's
 //! own log, process memory from /proc, workloads of many claims, and small
-//! statistics. Used by `release_scale.rs`, `footprint.rs` and
-//! `concurrency.rs` through `#[path]`, beside `tests/common`.
+//! statistics. Used by `release_scale.rs`, `footprint.rs`, `concurrency.rs`
+//! and `flux_resume.rs` through `#[path]`, beside `tests/common`.
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};
-use std::path::{Path, PathBuf};
+use std::path::Path;
 use std::process::Command;
 use std::sync::{Arc, Mutex};
 use std::time::{Duration, Instant};
@@ -18,11 +17,7 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, ObjectMeta, PostPa
 use kube::runtime::watcher;
 
 use crate::common::cluster::ControlPlane;
-use crate::common::gate::{
-    NAMESPACE, WEBHOOK_SA, WORKER_SA, binary, free_port, helmrelease_resource, http_get,
-};
-use crate::common::manifests;
-use crate::common::process::Process;
+use crate::common::gate::{Gate, GateConfig, helmrelease_resource};
 use crate::common::tenant::{STORAGE_CLASS, Tenant};
 use crate::common::wait::eventually;
 
@@ -172,245 +167,20 @@ impl std::fmt::Display for Stats {
 
 // ---------------------------------------------------------------- the gate
 
-/// volume-gate installed as `tests/common/gate.rs` installs it (manifests,
-/// RBAC, TokenRequest identities, shipped webhook configurations pointed at
-/// a local webhook), with the worker's flags and log filter chosen here.
-pub struct BenchGate {
-    pub webhook: Process,
-    pub worker: Option<Process>,
-    pub webhook_port: u16,
-    pub webhook_admin: u16,
-    pub worker_admin: u16,
-    pub worker_log: PathBuf,
-    worker_kubeconfig: PathBuf,
-    log_dir: PathBuf,
-    tag: String,
-    generation: usize,
-}
-
-impl BenchGate {
-    /// Installs RBAC and CRDs, starts the webhook, applies the webhook
-    /// configurations, starts the worker with `worker_args` and waits until
-    /// it leads and the API server calls both webhooks.
-    pub async fn install(
-        cp: &ControlPlane,
-        tag: &str,
-        worker_args: &[String],
-        worker_log_filter: &str,
-    ) -> BenchGate {
-        let client = cp.management_client().await;
-        let docs = manifests::base_documents();
-        for doc in docs
-            .iter()
-            .filter(|d| !manifests::is_workload(d) && !manifests::is_webhook_configuration(d))
-        {
-            manifests::apply(&client, doc).await;
-        }
-        crate::common::gate::apply_crds(cp).await;
-
-        let certs = cp.state.join(format!("bench-certs-{tag}"));
-        let ca_bundle = crate::common::gate::generate_certs(&certs);
-
-        let log_dir = cp.state.join("logs");
-        let webhook_port = free_port();
-        let webhook_admin = free_port();
-        let mut cmd = Command::new(binary());
-        cmd.arg("webhook")
-            .arg(format!("--listen=127.0.0.1:{webhook_port}"))
-            .arg(format!("--admin-listen=127.0.0.1:{webhook_admin}"))
-            .arg("--tls-cert")
-            .arg(certs.join("tls.crt"))
-            .arg("--tls-key")
-            .arg(certs.join("tls.key"))
-            .env(
-                "KUBECONFIG",
-                cp.service_account_kubeconfig(NAMESPACE, WEBHOOK_SA).await,
-            )
-            // One JSON line per decision, as shipped; warnings only, so the
-            // log's own cost is not what a burst measures.
-            .env("RUST_LOG", "warn");
-        let webhook = Process::start(
-            "webhook",
-            cmd,
-            log_dir.join(format!("bench-webhook-{tag}.log")),
-        );
-        wait_admin_ready(webhook_admin, &webhook).await;
-
-        let base = format!("https://127.0.0.1:{webhook_port}");
-        for doc in docs
-            .iter()
-            .filter(|d| manifests::is_webhook_configuration(d))
-        {
-            manifests::apply(&client, &manifests::point_at_local(doc, &base, &ca_bundle)).await;
-        }
-        let worker_kubeconfig = cp.service_account_kubeconfig(NAMESPACE, WORKER_SA).await;
-        let mut gate = BenchGate {
-            webhook,
-            worker: None,
-            webhook_port,
-            webhook_admin,
-            worker_admin: 0,
-            worker_log: PathBuf::new(),
-            worker_kubeconfig,
-            log_dir,
-            tag: tag.to_string(),
-            generation: 0,
-        };
-        gate.start_worker(worker_args, worker_log_filter).await;
-        wait_webhooks_active(cp).await;
-        gate
-    }
-
-    /// Starts a worker (stopping the previous one first) and waits until it
-    /// leads: its controller is running.
-    pub async fn start_worker(&mut self, args: &[String], log_filter: &str) {
-        if let Some(old) = self.worker.take() {
-            old.kill(libc::SIGTERM);
-        }
-        self.worker_admin = free_port();
-        let mut cmd = Command::new(binary());
-        cmd.arg("worker")
-            .arg(format!("--admin-listen=127.0.0.1:{}", self.worker_admin))
-            .args(args)
-            .arg(format!(
-                "--identity=bench-worker-{}-{}",
-                self.tag, self.generation
-            ))
-            .env("KUBECONFIG", &self.worker_kubeconfig)
-            .env("POD_NAMESPACE", NAMESPACE)
-            .env("RUST_LOG", log_filter);
-        self.worker_log = self
-            .log_dir
-            .join(format!("bench-worker-{}-{}.log", self.tag, self.generation));
-        self.generation += 1;
-        let worker = Process::start("worker", cmd, self.worker_log.clone());
-        wait_admin_ready(self.worker_admin, &worker).await;
-        let log = self.worker_log.clone();
-        eventually("worker leading", Duration::from_secs(120), || {
-            let log = log.clone();
-            async move {
-                let text = std::fs::read_to_string(&log).unwrap_or_default();
-                if text.contains("leading: starting the controller") {
-                    Ok(())
-                } else {
-                    Err("not leading yet".into())
-                }
-            }
-        })
-        .await;
-        self.worker = Some(worker);
-    }
-
-    pub fn worker_pid(&self) -> u32 {
-        self.worker
-            .as_ref()
-            .and_then(|w| w.pid())
-            .expect("worker running")
-    }
-
-    pub fn webhook_pid(&self) -> u32 {
-        self.webhook.pid().expect("webhook running")
-    }
-
-    pub fn worker_log_len(&self) -> u64 {
-        std::fs::metadata(&self.worker_log)
-            .map(|m| m.len())
-            .unwrap_or(0)
-    }
-
-    pub async fn worker_metrics(&self) -> String {
-        http_get(self.worker_admin, "/metrics")
-            .await
-            .map(|(_, b)| b)
-            .unwrap_or_default()
-    }
-
-    pub async fn webhook_metrics(&self) -> String {
-        http_get(self.webhook_admin, "/metrics")
-            .await
-            .map(|(_, b)| b)
-            .unwrap_or_default()
-    }
-
-    /// Removes the webhook configurations and stops both processes: the
-    /// API server no longer calls a webhook that is gone.
-    pub async fn uninstall(mut self, cp: &ControlPlane) {
-        let client = cp.management_client().await;
-        for (kind, plural) in [
-            (
-                "ValidatingWebhookConfiguration",
-                "validatingwebhookconfigurations",
-            ),
-            (
-                "MutatingWebhookConfiguration",
-                "mutatingwebhookconfigurations",
-            ),
-        ] {
-            let ar = kube::core::ApiResource::from_gvk_with_plural(
-                &kube::core::GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", kind),
-                plural,
-            );
-            let api: Api<DynamicObject> = Api::all_with(client.clone(), &ar);
-            let _ = api.delete("volume-gate", &DeleteParams::default()).await;
-        }
-        if let Some(w) = self.worker.take() {
-            w.kill(libc::SIGTERM);
-        }
-        self.webhook.kill(libc::SIGTERM);
-        // The API server's webhook cache lags the deletion: wait until a
-        // parent create is no longer mutated.
-        cp.namespace("volume-gate-probe").await;
-        let api: Api<DynamicObject> =
-            Api::namespaced_with(client, "volume-gate-probe", &helmrelease_resource());
-        let probe = parent_object("volume-gate-probe", "kubernetes-probe", json_spec_small());
-        eventually(
-            "webhooks gone from the API server",
-            Duration::from_secs(60),
-            || {
-                let (api, probe) = (api.clone(), probe.clone());
-                async move {
-                    match api
-                        .create(
-                            &PostParams {
-                                dry_run: true,
-                                ..Default::default()
-                            },
-                            &probe,
-                        )
-                        .await
-                    {
-                        Ok(o) if o.metadata.finalizers.as_ref().is_none_or(|f| f.is_empty()) => {
-                            Ok(())
-                        }
-                        other => Err(format!("{other:?}")),
-                    }
-                }
-            },
-        )
-        .await;
-    }
-}
-
-async fn wait_admin_ready(admin_port: u16, process: &Process) {
-    eventually(
-        &format!("{} /readyz", process.name),
-        Duration::from_secs(60),
-        || async {
-            if !process.alive() {
-                panic!("{} exited; its log:\n{}", process.name, process.log_text());
-            }
-            match http_get(admin_port, "/readyz").await {
-                Ok((200, _)) => Ok(()),
-                Ok((code, body)) => Err(format!("{code} {body}")),
-                Err(e) => Err(e),
-            }
-        },
-    )
-    .await;
-}
-
-fn json_spec_small() -> serde_json::Value {
-    serde_json::json!({"spec": crate::common::flux::inert_spec("kubernetes")})
+/// volume-gate installed by the fixture's installer (`common::gate`), its
+/// files named by `tag`, with `worker_args` and the worker's log filter
+/// chosen here (see `GateConfig::bench`); returns once the worker leads
+/// and the API server calls both webhooks.
+pub async fn install_gate(
+    cp: &ControlPlane,
+    tag: &str,
+    worker_args: &[String],
+    worker_log_filter: &str,
+) -> Gate {
+    let gate =
+        Gate::install_configured(cp, GateConfig::bench(tag, worker_args, worker_log_filter)).await;
+    gate.wait_leading().await;
+    gate
 }
 
 /// A parent HelmRelease with Cozystack's labels and `body` (`{"spec": ...}`).
@@ -440,69 +210,6 @@ pub fn parent_object(namespace: &str, name: &str, body: serde_json::Value) -> Dy
     };
     o.data = body;
     o
-}
-
-/// Same probe as the fixture: the forged record is refused (validating
-/// webhook active) and an honest parent gets the custody finalizer
-/// (mutating webhook active).
-async fn wait_webhooks_active(cp: &ControlPlane) {
-    let client = cp.management_client().await;
-    cp.namespace("volume-gate-probe").await;
-    let api: Api<DynamicObject> =
-        Api::namespaced_with(client, "volume-gate-probe", &helmrelease_resource());
-    let mut probe = parent_object("volume-gate-probe", "kubernetes-probe", json_spec_small());
-    probe.metadata.annotations = Some(
-        [(
-            "volumes.cozystack.io/phase".to_string(),
-            "Released".to_string(),
-        )]
-        .into(),
-    );
-    eventually(
-        "webhooks active in the API server",
-        Duration::from_secs(60),
-        || {
-            let (api, probe) = (api.clone(), probe.clone());
-            async move {
-                match api
-                    .create(
-                        &PostParams {
-                            dry_run: true,
-                            ..Default::default()
-                        },
-                        &probe,
-                    )
-                    .await
-                {
-                    Err(kube::Error::Api(s)) if s.message.contains("volume-gate") => {}
-                    other => return Err(format!("validating webhook not active yet: {other:?}")),
-                }
-                let mut honest = probe.clone();
-                honest.metadata.annotations = None;
-                let created = api
-                    .create(
-                        &PostParams {
-                            dry_run: true,
-                            ..Default::default()
-                        },
-                        &honest,
-                    )
-                    .await
-                    .map_err(|e| e.to_string())?;
-                if created
-                    .metadata
-                    .finalizers
-                    .unwrap_or_default()
-                    .contains(&"volumes.cozystack.io/release".to_string())
-                {
-                    Ok(())
-                } else {
-                    Err("mutating webhook not active yet".into())
-                }
-            }
-        },
-    )
-    .await;
 }
 
 // ---------------------------------------------------------------- request accounting

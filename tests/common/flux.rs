@@ -40,22 +40,60 @@ pub struct Flux {
     pub charts: ChartServer,
 }
 
-/// This test binary's helm-controller, started on first use.
-pub async fn flux(cp: &ControlPlane) -> &'static Flux {
-    flux_with(cp, MIN_RETRY_DELAY, MAX_RETRY_DELAY, CONCURRENT).await
+/// How helm-controller runs: its retry delays of a failed reconcile and
+/// its workers. The default is the tests' ([`MIN_RETRY_DELAY`],
+/// [`MAX_RETRY_DELAY`], [`CONCURRENT`]).
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct FluxConfig {
+    pub min_retry_delay: &'static str,
+    pub max_retry_delay: &'static str,
+    pub concurrent: u32,
 }
 
-/// As [`flux`], started with these retry delays if this is the first use
-/// (a benchmark measuring Flux's own retries starts it with Flux's defaults).
-pub async fn flux_with(
-    cp: &ControlPlane,
-    min_retry_delay: &str,
-    max_retry_delay: &str,
-    concurrent: u32,
-) -> &'static Flux {
-    static FLUX: tokio::sync::OnceCell<Flux> = tokio::sync::OnceCell::const_new();
-    FLUX.get_or_init(|| Flux::start_with(cp, min_retry_delay, max_retry_delay, concurrent))
-        .await
+impl Default for FluxConfig {
+    fn default() -> Self {
+        FluxConfig {
+            min_retry_delay: MIN_RETRY_DELAY,
+            max_retry_delay: MAX_RETRY_DELAY,
+            concurrent: CONCURRENT,
+        }
+    }
+}
+
+static FLUX: tokio::sync::OnceCell<(FluxConfig, Flux)> = tokio::sync::OnceCell::const_new();
+
+/// This test binary's helm-controller with the default configuration,
+/// started on first use (see [`flux_with`]).
+pub async fn flux(cp: &ControlPlane) -> &'static Flux {
+    flux_with(cp, FluxConfig::default()).await
+}
+
+/// This test binary's helm-controller, started on first use with `config`
+/// (a benchmark measuring Flux's own retries starts it with Flux's
+/// defaults). Panics if it was started with another configuration: a
+/// binary has one helm-controller.
+pub async fn flux_with(cp: &ControlPlane, config: FluxConfig) -> &'static Flux {
+    let (started, flux) = FLUX
+        .get_or_init(|| async { (config.clone(), Flux::start_with(cp, &config).await) })
+        .await;
+    assert!(
+        *started == config,
+        "this test binary's helm-controller was started with\n  {started:?}\nand a caller asks for\n  {config:?}\n\
+         a binary has one helm-controller: give every caller the same configuration"
+    );
+    flux
+}
+
+/// The helm-controller this test binary runs, whatever its configuration
+/// (an environment's, see `common::env`), or one started with the default
+/// configuration if there is none yet: for those that only need a
+/// helm-controller to install what they create (tenants), not a particular
+/// one.
+pub async fn running(cp: &ControlPlane) -> &'static Flux {
+    match FLUX.get() {
+        Some((_, flux)) => flux,
+        None => flux(cp).await,
+    }
 }
 
 /// The spec of a HelmRelease that Flux leaves alone (suspended; its chart
@@ -114,14 +152,14 @@ async fn controller_identity(cp: &ControlPlane, client: &kube::Client) -> PathBu
 impl Flux {
     /// Installs Flux's real CRDs (replacing the fixture's HelmRelease CRD)
     /// and starts helm-controller with the ExternalArtifact feature gate,
-    /// these retry delays (helm-controller's own defaults are 750ms and
-    /// 15m) and `concurrent` workers (its default: 4). Tests use [`flux`].
-    pub async fn start_with(
-        cp: &ControlPlane,
-        min_retry_delay: &str,
-        max_retry_delay: &str,
-        concurrent: u32,
-    ) -> Flux {
+    /// `config`'s retry delays (helm-controller's own defaults are 750ms
+    /// and 15m) and workers (its default: 4). Tests use [`flux`].
+    pub async fn start_with(cp: &ControlPlane, config: &FluxConfig) -> Flux {
+        let FluxConfig {
+            min_retry_delay,
+            max_retry_delay,
+            concurrent,
+        } = config;
         let dir = flux_dir();
         let client = cp.management_client().await;
         let mut files: Vec<PathBuf> = std::fs::read_dir(dir.join("crds"))

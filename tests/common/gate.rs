@@ -4,12 +4,13 @@
 //! shipped webhook configurations pointed at the local webhook.
 
 use std::net::TcpListener;
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Duration;
 
-use kube::api::{Api, DynamicObject, ObjectMeta, PostParams};
+use kube::api::{Api, DeleteParams, DynamicObject, ObjectMeta, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
+use volume_gate::record::Keys;
 
 use super::cluster::{ControlPlane, client_from};
 use super::manifests;
@@ -90,6 +91,88 @@ pub fn test_worker_args() -> Vec<String> {
     .to_vec()
 }
 
+/// How the gate runs: the worker's flags, the log filters of both
+/// processes, the webhook's certificate reload interval, and the names of
+/// its files. The tests' gate is [`GateConfig::tests`]; a benchmark's,
+/// [`GateConfig::bench`].
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct GateConfig {
+    /// `None`: the tests' names (certificates in `gate-certs`, logs
+    /// `volume-gate-webhook.log` and `volume-gate-worker-N.log`, worker
+    /// identities `test-worker-N`); `Some(tag)`: a benchmark's
+    /// (`bench-certs-TAG`, `bench-webhook-TAG.log`, `bench-worker-TAG-N.log`
+    /// and identities `bench-worker-TAG-N`).
+    pub tag: Option<String>,
+    pub worker_args: Vec<String>,
+    /// `RUST_LOG` of the webhook and of the worker.
+    pub webhook_log_filter: String,
+    pub worker_log_filter: String,
+    /// The webhook's `--cert-reload-interval`; `None`: its default.
+    pub cert_reload_interval: Option<String>,
+    /// How long the API server may take to call both webhooks once they
+    /// are configured.
+    pub webhooks_active_within: Duration,
+}
+
+impl GateConfig {
+    /// The tests' gate: both processes log at `info`, the webhook reloads
+    /// its certificate every 500ms.
+    pub fn tests(worker_args: Vec<String>) -> GateConfig {
+        GateConfig {
+            tag: None,
+            worker_args,
+            webhook_log_filter: "info".into(),
+            worker_log_filter: "info".into(),
+            cert_reload_interval: Some("500ms".into()),
+            webhooks_active_within: Duration::from_secs(30),
+        }
+    }
+
+    /// A benchmark's gate, its files named by `tag`: the webhook logs
+    /// warnings only (one JSON line per decision, as shipped, would make
+    /// the log's own cost what a burst measures) and reloads its
+    /// certificate at its default interval; the worker logs with
+    /// `worker_log_filter`.
+    pub fn bench(tag: &str, worker_args: &[String], worker_log_filter: &str) -> GateConfig {
+        GateConfig {
+            tag: Some(tag.to_string()),
+            worker_args: worker_args.to_vec(),
+            webhook_log_filter: "warn".into(),
+            worker_log_filter: worker_log_filter.into(),
+            cert_reload_interval: None,
+            webhooks_active_within: Duration::from_secs(60),
+        }
+    }
+
+    fn certs_dir(&self) -> String {
+        match &self.tag {
+            None => "gate-certs".into(),
+            Some(tag) => format!("bench-certs-{tag}"),
+        }
+    }
+
+    fn webhook_log(&self) -> String {
+        match &self.tag {
+            None => "volume-gate-webhook.log".into(),
+            Some(tag) => format!("bench-webhook-{tag}.log"),
+        }
+    }
+
+    fn worker_log(&self, generation: usize) -> String {
+        match &self.tag {
+            None => format!("volume-gate-worker-{generation}.log"),
+            Some(tag) => format!("bench-worker-{tag}-{generation}.log"),
+        }
+    }
+
+    fn worker_identity(&self, generation: usize) -> String {
+        match &self.tag {
+            None => format!("test-worker-{generation}"),
+            Some(tag) => format!("bench-worker-{tag}-{generation}"),
+        }
+    }
+}
+
 pub struct Gate {
     pub webhook: Process,
     pub worker: Option<Process>,
@@ -97,19 +180,28 @@ pub struct Gate {
     pub webhook_admin: u16,
     pub worker_admin: u16,
     pub certs: PathBuf,
+    pub config: GateConfig,
+    webhook_kubeconfig: PathBuf,
     worker_kubeconfig: PathBuf,
-    worker_args: Vec<String>,
     log_dir: PathBuf,
     restarts: usize,
 }
 
 impl Gate {
-    /// Installs the gate; returns once the API server calls both webhooks.
+    /// Installs the tests' gate; returns once the API server calls both webhooks.
     pub async fn install(cp: &ControlPlane) -> Gate {
         Self::install_with(cp, test_worker_args()).await
     }
 
+    /// As [`Gate::install`], with these worker flags.
     pub async fn install_with(cp: &ControlPlane, worker_args: Vec<String>) -> Gate {
+        Self::install_configured(cp, GateConfig::tests(worker_args)).await
+    }
+
+    /// Installs RBAC and CRDs, starts the webhook, applies the shipped
+    /// webhook configurations pointed at it, starts the worker; returns
+    /// once it is ready and the API server calls both webhooks.
+    pub async fn install_configured(cp: &ControlPlane, config: GateConfig) -> Gate {
         let client = cp.management_client().await;
         let docs = manifests::base_documents();
         for doc in docs
@@ -120,9 +212,9 @@ impl Gate {
         }
         apply_crds(cp).await;
 
-        let certs = cp.state.join("gate-certs");
+        let certs = cp.state.join(config.certs_dir());
         let ca_bundle = generate_certs(&certs);
-        let mut gate = Gate::start_webhook(cp, certs, free_port(), worker_args).await;
+        let mut gate = Gate::start_webhook_configured(cp, certs, free_port(), config).await;
 
         let base = format!("https://127.0.0.1:{}", gate.webhook_port);
         for doc in docs
@@ -135,34 +227,39 @@ impl Gate {
         gate
     }
 
-    /// Starts the webhook as ServiceAccount `volume-gate/volume-gate-webhook`
-    /// (which must exist), serving the certificate in `certs` on
-    /// `webhook_port`, and waits until it is ready; no worker yet.
+    /// Starts the tests' webhook as ServiceAccount
+    /// `volume-gate/volume-gate-webhook` (which must exist), serving the
+    /// certificate in `certs` on `webhook_port`, and waits until it is
+    /// ready; no worker yet.
     pub async fn start_webhook(
         cp: &ControlPlane,
         certs: PathBuf,
         webhook_port: u16,
         worker_args: Vec<String>,
     ) -> Gate {
+        Self::start_webhook_configured(cp, certs, webhook_port, GateConfig::tests(worker_args))
+            .await
+    }
+
+    /// As [`Gate::start_webhook`], configured by `config`.
+    pub async fn start_webhook_configured(
+        cp: &ControlPlane,
+        certs: PathBuf,
+        webhook_port: u16,
+        config: GateConfig,
+    ) -> Gate {
         let log_dir = cp.state.join("logs");
-        let webhook_admin = free_port();
-        let mut cmd = Command::new(binary());
-        cmd.arg("webhook")
-            .arg(format!("--listen=127.0.0.1:{webhook_port}"))
-            .arg(format!("--admin-listen=127.0.0.1:{webhook_admin}"))
-            .arg("--tls-cert")
-            .arg(certs.join("tls.crt"))
-            .arg("--tls-key")
-            .arg(certs.join("tls.key"))
-            .arg("--cert-reload-interval=500ms")
-            .env(
-                "KUBECONFIG",
-                cp.service_account_kubeconfig(NAMESPACE, WEBHOOK_SA).await,
-            )
-            .env("RUST_LOG", "info");
-        let webhook = Process::start("webhook", cmd, log_dir.join("volume-gate-webhook.log"));
-        wait_ready(webhook_admin, &webhook).await;
+        let webhook_kubeconfig = cp.service_account_kubeconfig(NAMESPACE, WEBHOOK_SA).await;
         let worker_kubeconfig = cp.service_account_kubeconfig(NAMESPACE, WORKER_SA).await;
+        let webhook_admin = free_port();
+        let webhook = spawn_webhook(
+            &config,
+            &certs,
+            (webhook_port, webhook_admin),
+            &webhook_kubeconfig,
+            &log_dir,
+        );
+        wait_ready(webhook_admin, &webhook).await;
         Gate {
             webhook,
             worker: None,
@@ -170,11 +267,25 @@ impl Gate {
             webhook_admin,
             worker_admin: 0,
             certs,
+            config,
+            webhook_kubeconfig,
             worker_kubeconfig,
-            worker_args,
             log_dir,
             restarts: 0,
         }
+    }
+
+    /// A webhook process started as this gate starts its webhook: same
+    /// port, admin port, certificates, ServiceAccount and log. The caller
+    /// stops the running one first.
+    pub fn spawn_webhook(&self) -> Process {
+        spawn_webhook(
+            &self.config,
+            &self.certs,
+            (self.webhook_port, self.webhook_admin),
+            &self.webhook_kubeconfig,
+            &self.log_dir,
+        )
     }
 
     /// Starts the worker, waits until it is ready and the API server calls
@@ -182,25 +293,63 @@ impl Gate {
     pub async fn start_worker_and_wait(&mut self, cp: &ControlPlane) {
         self.start_worker();
         wait_ready(self.worker_admin, self.worker.as_ref().unwrap()).await;
-        wait_webhooks_active(cp).await;
+        wait_webhooks_active_within(cp, self.config.webhooks_active_within).await;
+    }
+
+    /// The command line of this gate's worker, with admin port `admin_port`
+    /// and identity `identity`: the worker's flags, ServiceAccount and log
+    /// filter.
+    pub fn worker_command(&self, admin_port: u16, identity: &str) -> Command {
+        let mut cmd = Command::new(binary());
+        cmd.arg("worker")
+            .arg(format!("--admin-listen=127.0.0.1:{admin_port}"))
+            .args(&self.config.worker_args)
+            .arg(format!("--identity={identity}"))
+            .env("KUBECONFIG", &self.worker_kubeconfig)
+            .env("POD_NAMESPACE", NAMESPACE)
+            .env("RUST_LOG", &self.config.worker_log_filter);
+        cmd
     }
 
     /// Starts a worker (after a kill, a fresh one: the restart scenario).
     pub fn start_worker(&mut self) {
         self.worker_admin = free_port();
-        let mut cmd = Command::new(binary());
-        cmd.arg("worker")
-            .arg(format!("--admin-listen=127.0.0.1:{}", self.worker_admin))
-            .args(&self.worker_args)
-            .arg(format!("--identity=test-worker-{}", self.restarts))
-            .env("KUBECONFIG", &self.worker_kubeconfig)
-            .env("POD_NAMESPACE", NAMESPACE)
-            .env("RUST_LOG", "info");
-        let log = self
-            .log_dir
-            .join(format!("volume-gate-worker-{}.log", self.restarts));
+        let cmd = self.worker_command(
+            self.worker_admin,
+            &self.config.worker_identity(self.restarts),
+        );
+        let log = self.log_dir.join(self.config.worker_log(self.restarts));
         self.restarts += 1;
         self.worker = Some(Process::start("worker", cmd, log));
+    }
+
+    /// Stops the running worker (SIGTERM), starts one with `worker_args`
+    /// instead, and waits until it is ready and leads.
+    pub async fn restart_worker_with(&mut self, worker_args: Vec<String>) {
+        if let Some(old) = self.worker.take() {
+            old.kill(libc::SIGTERM);
+        }
+        self.config.worker_args = worker_args;
+        self.start_worker();
+        wait_ready(self.worker_admin, self.worker.as_ref().unwrap()).await;
+        self.wait_leading().await;
+    }
+
+    /// Waits until the running worker leads: its controller is running.
+    pub async fn wait_leading(&self) {
+        let log = self.worker_log_path();
+        eventually("worker leading", Duration::from_secs(120), || {
+            let log = log.clone();
+            async move {
+                let text = std::fs::read_to_string(&log).unwrap_or_default();
+                if text.contains("leading: starting the controller") {
+                    Ok(())
+                } else {
+                    Err("not leading yet".into())
+                }
+            }
+        })
+        .await;
     }
 
     /// SIGKILLs the worker, as a crash would.
@@ -232,22 +381,47 @@ impl Gate {
 
     /// The identity the running worker was started with.
     pub fn worker_identity(&self) -> String {
-        format!("test-worker-{}", self.restarts.saturating_sub(1))
+        self.config.worker_identity(self.restarts.saturating_sub(1))
     }
 
+    /// The log of every worker this gate started, in order.
     pub fn worker_log(&self) -> String {
         let mut all = String::new();
         for i in 0..self.restarts {
             all.push_str(
-                &std::fs::read_to_string(self.log_dir.join(format!("volume-gate-worker-{i}.log")))
+                &std::fs::read_to_string(self.log_dir.join(self.config.worker_log(i)))
                     .unwrap_or_default(),
             );
         }
         all
     }
 
+    /// The log file of the worker started last.
+    pub fn worker_log_path(&self) -> PathBuf {
+        self.log_dir
+            .join(self.config.worker_log(self.restarts.saturating_sub(1)))
+    }
+
+    /// The size of [`Gate::worker_log_path`] now: where what comes next starts.
+    pub fn worker_log_len(&self) -> u64 {
+        std::fs::metadata(self.worker_log_path())
+            .map(|m| m.len())
+            .unwrap_or(0)
+    }
+
     pub fn webhook_log(&self) -> String {
         self.webhook.log_text()
+    }
+
+    pub fn worker_pid(&self) -> u32 {
+        self.worker
+            .as_ref()
+            .and_then(|w| w.pid())
+            .expect("worker running")
+    }
+
+    pub fn webhook_pid(&self) -> u32 {
+        self.webhook.pid().expect("webhook running")
     }
 
     pub async fn worker_metrics(&self) -> String {
@@ -255,6 +429,62 @@ impl Gate {
             .await
             .map(|(_, b)| b)
             .unwrap_or_default()
+    }
+
+    pub async fn webhook_metrics(&self) -> String {
+        http_get(self.webhook_admin, "/metrics")
+            .await
+            .map(|(_, b)| b)
+            .unwrap_or_default()
+    }
+
+    /// Removes the webhook configurations and stops both processes; returns
+    /// once the API server no longer calls a webhook that is gone.
+    pub async fn uninstall(mut self, cp: &ControlPlane) {
+        let client = cp.management_client().await;
+        for (kind, plural) in [
+            (
+                "ValidatingWebhookConfiguration",
+                "validatingwebhookconfigurations",
+            ),
+            (
+                "MutatingWebhookConfiguration",
+                "mutatingwebhookconfigurations",
+            ),
+        ] {
+            let ar = ApiResource::from_gvk_with_plural(
+                &GroupVersionKind::gvk("admissionregistration.k8s.io", "v1", kind),
+                plural,
+            );
+            let api: Api<DynamicObject> = Api::all_with(client.clone(), &ar);
+            let _ = api.delete("volume-gate", &DeleteParams::default()).await;
+        }
+        if let Some(w) = self.worker.take() {
+            w.kill(libc::SIGTERM);
+        }
+        self.webhook.kill(libc::SIGTERM);
+        // The API server's webhook cache lags the deletion: wait until a
+        // parent create is no longer mutated.
+        cp.namespace("volume-gate-probe").await;
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(client, "volume-gate-probe", &helmrelease_resource());
+        let probe = probe_parent();
+        eventually(
+            "webhooks gone from the API server",
+            Duration::from_secs(60),
+            || {
+                let (api, probe) = (api.clone(), probe.clone());
+                async move {
+                    match api.create(&dry_run(), &probe).await {
+                        Ok(o) if o.metadata.finalizers.as_ref().is_none_or(|f| f.is_empty()) => {
+                            Ok(())
+                        }
+                        other => Err(format!("{other:?}")),
+                    }
+                }
+            },
+        )
+        .await;
     }
 }
 
@@ -332,6 +562,32 @@ pub async fn http_get(port: u16, path: &str) -> Result<(u16, String), String> {
     Ok((status, body))
 }
 
+/// The webhook as `config` runs it, serving the certificate in `certs` on
+/// `ports` (listen, admin) as the ServiceAccount of `kubeconfig`, its log
+/// in `log_dir`.
+fn spawn_webhook(
+    config: &GateConfig,
+    certs: &Path,
+    (port, admin): (u16, u16),
+    kubeconfig: &Path,
+    log_dir: &Path,
+) -> Process {
+    let mut cmd = Command::new(binary());
+    cmd.arg("webhook")
+        .arg(format!("--listen=127.0.0.1:{port}"))
+        .arg(format!("--admin-listen=127.0.0.1:{admin}"))
+        .arg("--tls-cert")
+        .arg(certs.join("tls.crt"))
+        .arg("--tls-key")
+        .arg(certs.join("tls.key"));
+    if let Some(interval) = &config.cert_reload_interval {
+        cmd.arg(format!("--cert-reload-interval={interval}"));
+    }
+    cmd.env("KUBECONFIG", kubeconfig)
+        .env("RUST_LOG", &config.webhook_log_filter);
+    Process::start("webhook", cmd, log_dir.join(config.webhook_log()))
+}
+
 async fn wait_ready(admin_port: u16, process: &Process) {
     eventually(
         &format!("{} /readyz", process.name),
@@ -350,93 +606,76 @@ async fn wait_ready(admin_port: u16, process: &Process) {
     .await;
 }
 
-/// The API server's webhook configuration cache lags the objects: probe it
-/// with dry-run requests until both webhooks answer.
-pub async fn wait_webhooks_active(cp: &ControlPlane) {
-    let client = cp.management_client().await;
-    cp.namespace("volume-gate-probe").await;
-    let api: Api<DynamicObject> =
-        Api::namespaced_with(client, "volume-gate-probe", &helmrelease_resource());
+fn dry_run() -> PostParams {
+    PostParams {
+        dry_run: true,
+        ..Default::default()
+    }
+}
+
+/// The parent the webhook probes create (dry run): Cozystack's labels, and
+/// a spec Flux's own CRD schema admits (it is validated before the
+/// validating webhooks are called), where that CRD is installed.
+fn probe_parent() -> DynamicObject {
+    let profile = volume_gate::profile::Profile::cozystack();
     let mut probe = DynamicObject::new("kubernetes-probe", &helmrelease_resource());
     probe.metadata = ObjectMeta {
         name: Some("kubernetes-probe".into()),
-        labels: Some(
-            [
-                (
-                    "apps.cozystack.io/application.kind".to_string(),
-                    "Kubernetes".to_string(),
-                ),
-                (
-                    "apps.cozystack.io/application.group".to_string(),
-                    "apps.cozystack.io".to_string(),
-                ),
-            ]
-            .into(),
-        ),
-        annotations: Some(
-            [(
-                "volumes.cozystack.io/phase".to_string(),
-                "Released".to_string(),
-            )]
-            .into(),
-        ),
+        labels: Some(profile.parent.match_labels.clone()),
         ..Default::default()
     };
-    // A spec Flux's own CRD schema admits (it is validated before the
-    // validating webhooks are called), where that CRD is installed.
     probe.data = serde_json::json!({"spec": {
         "interval": "10m",
         "chartRef": {"kind": "ExternalArtifact", "name": "probe"},
     }});
-    eventually(
-        "webhooks active in the API server",
-        Duration::from_secs(30),
-        || {
-            let (api, probe) = (api.clone(), probe.clone());
-            async move {
-                // The forged record must be refused by the validating webhook.
-                match api
-                    .create(
-                        &PostParams {
-                            dry_run: true,
-                            ..Default::default()
-                        },
-                        &probe,
-                    )
-                    .await
-                {
-                    // The gate's own refusal, not the API server's word that it
-                    // could not call it (which also names the webhook).
-                    Err(kube::Error::Api(s))
-                        if s.message.contains("volume-gate")
-                            && !s.message.contains("failed calling webhook") => {}
-                    other => return Err(format!("validating webhook not active yet: {other:?}")),
-                }
-                let mut honest = probe.clone();
-                honest.metadata.annotations = None;
-                let created = api
-                    .create(
-                        &PostParams {
-                            dry_run: true,
-                            ..Default::default()
-                        },
-                        &honest,
-                    )
-                    .await
-                    .map_err(|e| e.to_string())?;
-                if created
-                    .metadata
-                    .finalizers
-                    .unwrap_or_default()
-                    .contains(&"volumes.cozystack.io/release".to_string())
-                {
-                    Ok(())
-                } else {
-                    Err("mutating webhook not active yet".into())
-                }
+    probe
+}
+
+/// The API server's webhook configuration cache lags the objects: probe it
+/// with dry-run requests until both webhooks answer.
+pub async fn wait_webhooks_active(cp: &ControlPlane) {
+    wait_webhooks_active_within(cp, Duration::from_secs(30)).await
+}
+
+/// As [`wait_webhooks_active`], within `bound`.
+pub async fn wait_webhooks_active_within(cp: &ControlPlane, bound: Duration) {
+    let profile = volume_gate::profile::Profile::cozystack();
+    let keys = Keys::new(&profile.annotation_prefix);
+    let client = cp.management_client().await;
+    cp.namespace("volume-gate-probe").await;
+    let api: Api<DynamicObject> =
+        Api::namespaced_with(client, "volume-gate-probe", &helmrelease_resource());
+    let mut forged = probe_parent();
+    forged.metadata.annotations = Some([(keys.phase.clone(), "Released".to_string())].into());
+    eventually("webhooks active in the API server", bound, || {
+        let (api, forged) = (api.clone(), forged.clone());
+        let finalizer = profile.custody_finalizer.clone();
+        async move {
+            // The forged record must be refused by the validating webhook.
+            match api.create(&dry_run(), &forged).await {
+                // The gate's own refusal, not the API server's word that it
+                // could not call it (which also names the webhook).
+                Err(kube::Error::Api(s))
+                    if s.message.contains("volume-gate")
+                        && !s.message.contains("failed calling webhook") => {}
+                other => return Err(format!("validating webhook not active yet: {other:?}")),
             }
-        },
-    )
+            let created = api
+                .create(&dry_run(), &probe_parent())
+                .await
+                .map_err(|e| e.to_string())?;
+            if created
+                .metadata
+                .finalizers
+                .unwrap_or_default()
+                .contains(&finalizer)
+            {
+                Ok(())
+            } else {
+                Err("mutating webhook not active yet".into())
+            }
+        }
+    })
     .await;
 }
 

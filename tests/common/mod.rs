@@ -19,34 +19,156 @@ pub mod wait;
 
 use std::sync::OnceLock;
 
+/// The platform the fixture builds and the gate is configured for: the
+/// Cozystack profile. Its names (`R-csi`, `R-admin-kubeconfig`, the custody
+/// finalizer, the record's prefix) are what tests use, not copies of them.
+pub fn profile() -> volume_gate::profile::Profile {
+    volume_gate::profile::Profile::cozystack()
+}
+
+/// The record's annotation keys under [`profile`]'s prefix.
+pub fn keys() -> volume_gate::record::Keys {
+    volume_gate::record::Keys::new(&profile().annotation_prefix)
+}
+
 /// The gate and the simulator, shared by the tests of a binary.
 pub struct Env {
     pub cp: &'static cluster::ControlPlane,
     /// `None` without the gate.
     pub gate: Option<std::sync::Mutex<gate::Gate>>,
     pub sim: sim::Simulator,
+    /// What it was started with.
+    pub config: EnvConfig,
 }
 
-/// Control plane, simulator and gate, started once per test binary. Async
-/// set-up runs on a runtime of its own: each test has its own runtime.
-pub fn gated() -> &'static Env {
-    gated_with(gate::test_worker_args())
+/// What a test binary's shared environment is: whether the gate runs (and
+/// its worker's flags), the world the simulator plays (with or without an
+/// infra layer), and helm-controller's configuration. A binary has one
+/// control plane and so one environment: [`env`] starts it with the first
+/// caller's configuration and refuses any other.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub struct EnvConfig {
+    /// The worker's flags; `None`: no gate (only its CRDs), the world as it was.
+    pub worker_args: Option<Vec<String>>,
+    /// The tenant volumes' layers.
+    pub layers: Layers,
+    pub flux: flux::FluxConfig,
 }
 
-/// As [`gated`], with these worker flags (the first caller's win).
-pub fn gated_with(worker_args: Vec<String>) -> &'static Env {
+/// Whether tenant volumes have an infra layer on the management cluster.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Layers {
+    /// Cozystack's KubeVirt path: each tenant volume is a DataVolume whose
+    /// management PV holds the disk (the Cozystack profile).
+    Infra,
+    /// The Proxmox path of the seed's incident: the tenant's CSI driver
+    /// holds each disk itself (profile `infra: null`, for the simulator and,
+    /// with the gate, the worker).
+    TenantOnly,
+}
+
+impl EnvConfig {
+    /// The gate with the worker flags for tests ([`gate::test_worker_args`]).
+    pub fn gated() -> EnvConfig {
+        EnvConfig::gated_with(gate::test_worker_args())
+    }
+
+    /// The gate with these worker flags.
+    pub fn gated_with(worker_args: Vec<String>) -> EnvConfig {
+        EnvConfig {
+            worker_args: Some(worker_args),
+            layers: Layers::Infra,
+            flux: flux::FluxConfig::default(),
+        }
+    }
+
+    /// The gate with short bounds for the attack tests (a pass waits 10s
+    /// for the PVs before `Blocked`, retries within 1 to 3s): a tenant is
+    /// held in teardown, `Blocked`, within seconds.
+    pub fn gated_short() -> EnvConfig {
+        EnvConfig::gated_with(short_worker_args())
+    }
+
+    /// No gate: the world as it was.
+    pub fn ungated() -> EnvConfig {
+        EnvConfig {
+            worker_args: None,
+            layers: Layers::Infra,
+            flux: flux::FluxConfig::default(),
+        }
+    }
+
+    /// This configuration with tenant volumes of no infra layer.
+    pub fn tenant_only(self) -> EnvConfig {
+        EnvConfig {
+            layers: Layers::TenantOnly,
+            ..self
+        }
+    }
+
+    /// This configuration with helm-controller retrying a failed reconcile
+    /// after `min_retry_delay`, growing to `max_retry_delay`.
+    pub fn flux_retry(self, min_retry_delay: &'static str, max_retry_delay: &'static str) -> Self {
+        EnvConfig {
+            flux: flux::FluxConfig {
+                min_retry_delay,
+                max_retry_delay,
+                ..self.flux
+            },
+            ..self
+        }
+    }
+
+    /// The profile of this world: Cozystack's, without the infra layer
+    /// for [`Layers::TenantOnly`].
+    pub fn profile(&self) -> volume_gate::profile::Profile {
+        match self.layers {
+            Layers::Infra => volume_gate::profile::Profile::cozystack(),
+            Layers::TenantOnly => volume_gate::profile::Profile {
+                infra: None,
+                ..volume_gate::profile::Profile::cozystack()
+            },
+        }
+    }
+}
+
+/// This test binary's environment: control plane, simulator and (if
+/// configured) the gate, started once with `config`. Async set-up runs on
+/// a runtime of its own: each test has its own runtime.
+///
+/// Panics if the environment was already started with another
+/// configuration: one control plane carries one gate, one simulator and
+/// one helm-controller, so a test asking for another would silently run
+/// in a world it did not ask for.
+pub fn env(config: EnvConfig) -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| start_env(Some(worker_args)))
+    let env = ENV.get_or_init(|| start_env(config.clone()));
+    assert!(
+        env.config == config,
+        "this test binary's shared environment was started with\n  {:?}\nand a caller asks for\n  {:?}\n\
+         one control plane carries one environment: give every test of a binary the same configuration",
+        env.config,
+        config
+    );
+    env
 }
 
-/// As [`gated`], with short bounds for the attack tests (a pass waits 10s
-/// for the PVs before `Blocked`, retries within 1 to 3s): a tenant is held
-/// in teardown, `Blocked`, within seconds.
+/// The gate with the worker flags for tests: [`EnvConfig::gated`].
+pub fn gated() -> &'static Env {
+    env(EnvConfig::gated())
+}
+
+/// The gate with these worker flags: [`EnvConfig::gated_with`].
+pub fn gated_with(worker_args: Vec<String>) -> &'static Env {
+    env(EnvConfig::gated_with(worker_args))
+}
+
+/// The gate with short bounds for the attack tests: [`EnvConfig::gated_short`].
 pub fn gated_short() -> &'static Env {
-    gated_with(short_worker_args())
+    env(EnvConfig::gated_short())
 }
 
-/// The worker flags of [`gated_short`].
+/// The worker flags of [`EnvConfig::gated_short`].
 fn short_worker_args() -> Vec<String> {
     [
         "--wait-bound",
@@ -68,86 +190,48 @@ fn short_worker_args() -> Vec<String> {
 /// (the Proxmox path: the tenant's CSI driver holds each disk itself); the
 /// worker runs with a profile whose `infra` is null.
 pub fn gated_one_layer() -> &'static Env {
-    static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| {
-        let cp = cluster::control_plane();
-        let file = cp.state.join("profile-one-layer.yaml");
-        std::fs::write(&file, "infra: null\n").expect("write the one-layer profile");
-        let mut args = short_worker_args();
-        args.extend(["--profile".to_string(), file.display().to_string()]);
-        let profile = volume_gate::profile::Profile {
-            infra: None,
-            ..volume_gate::profile::Profile::cozystack()
-        };
-        start_env_with(
-            Some(args),
-            (flux::MIN_RETRY_DELAY, flux::MAX_RETRY_DELAY),
-            profile,
-        )
-    })
+    env(EnvConfig::gated_short().tenant_only())
 }
 
 /// Control plane and simulator without the gate: the world as it was.
 pub fn ungated() -> &'static Env {
-    static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| start_env(None))
+    env(EnvConfig::ungated())
 }
 
 /// As [`ungated`], in a world whose tenant volumes have no infra layer:
 /// the tenant's CSI driver holds each disk itself, as on the Proxmox path
 /// of the seed's incident (profile `infra: null`).
 pub fn ungated_one_layer() -> &'static Env {
-    static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| {
-        let profile = volume_gate::profile::Profile {
-            infra: None,
-            ..volume_gate::profile::Profile::cozystack()
-        };
-        start_env_with(
-            None,
-            (flux::MIN_RETRY_DELAY, flux::MAX_RETRY_DELAY),
-            profile,
-        )
-    })
+    env(EnvConfig::ungated().tenant_only())
 }
 
 /// As [`ungated`], with helm-controller retrying a failed reconcile after
-/// `min_retry_delay` growing to `max_retry_delay` (the first caller's win):
-/// for tests of Flux's own retries.
+/// `min_retry_delay` growing to `max_retry_delay`: for tests of Flux's own
+/// retries.
 pub fn ungated_with_flux_retry(
     min_retry_delay: &'static str,
     max_retry_delay: &'static str,
 ) -> &'static Env {
-    static ENV: OnceLock<Env> = OnceLock::new();
-    ENV.get_or_init(|| {
-        start_env_with(
-            None,
-            (min_retry_delay, max_retry_delay),
-            volume_gate::profile::Profile::cozystack(),
-        )
-    })
+    env(EnvConfig::ungated().flux_retry(min_retry_delay, max_retry_delay))
 }
 
-/// The control plane, the gate with `worker_args` (none: only the CRDs),
-/// Flux's real helm-controller (`flux::flux`), and the simulator; tenants
-/// are installed by helm-controller (`Tenant::create`).
-fn start_env(worker_args: Option<Vec<String>>) -> Env {
-    start_env_with(
-        worker_args,
-        (flux::MIN_RETRY_DELAY, flux::MAX_RETRY_DELAY),
-        volume_gate::profile::Profile::cozystack(),
-    )
-}
-
-/// As [`start_env`], with helm-controller's retry delays and the profile
-/// the simulator plays (the worker's is Cozystack's); Flux's real CRDs
-/// (HelmRelease among them) are installed before any test runs.
-fn start_env_with(
-    worker_args: Option<Vec<String>>,
-    flux_retry: (&'static str, &'static str),
-    profile: volume_gate::profile::Profile,
-) -> Env {
+/// The control plane, the gate as `config` says (none: only the CRDs),
+/// Flux's real helm-controller (`flux::flux_with`; its real CRDs, with
+/// HelmRelease, are installed before any test runs), and the simulator
+/// playing `config`'s profile; tenants are installed by helm-controller
+/// (`Tenant::create`).
+fn start_env(config: EnvConfig) -> Env {
     let cp = cluster::control_plane();
+    let profile = config.profile();
+    let worker_args = config.worker_args.clone().map(|mut args| {
+        if config.layers == Layers::TenantOnly {
+            let file = cp.state.join("profile-one-layer.yaml");
+            std::fs::write(&file, "infra: null\n").expect("write the one-layer profile");
+            args.extend(["--profile".to_string(), file.display().to_string()]);
+        }
+        args
+    });
+    let flux_config = config.flux.clone();
     let gate = std::thread::spawn(move || {
         let rt = tokio::runtime::Runtime::new().unwrap();
         let gate = match worker_args {
@@ -157,12 +241,7 @@ fn start_env_with(
                 None
             }
         };
-        rt.block_on(flux::flux_with(
-            cp,
-            flux_retry.0,
-            flux_retry.1,
-            flux::CONCURRENT,
-        ));
+        rt.block_on(flux::flux_with(cp, flux_config));
         gate
     })
     .join()
@@ -172,11 +251,18 @@ fn start_env_with(
         cp,
         gate: gate.map(std::sync::Mutex::new),
         sim,
+        config,
     }
 }
 
 /// Serializes tests that disturb shared processes (killing the worker).
-pub fn serial() -> std::sync::MutexGuard<'static, ()> {
+pub fn serial() -> Serial {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner())
+    Serial(LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
 }
+
+/// A test's turn among those that disturb shared processes, held for the
+/// whole test. It is held across awaits by design: each test runs on a
+/// runtime of its own, so no task of the holder's runtime waits for it;
+/// tests of other runtimes block until it is dropped.
+pub struct Serial(std::sync::MutexGuard<'static, ()>);

@@ -1,0 +1,392 @@
+//! A Cozystack tenant Kubernetes cluster, built as Cozystack builds it: the
+//! namespace, the parent and child HelmReleases with the real labels, the
+//! control plane objects, and `R-admin-kubeconfig` pointing at a real tenant
+//! API server of the harness; and workloads with claims inside it.
+//!
+//! [`Tenant`] is made here ([`Tenant::create`], [`Tenant::attach`]); what
+//! it does is grouped by where it acts:
+//!
+//! - `parent`: the parent release and the record on it, read from its history;
+//! - `workload`: inside the tenant cluster (claims, Pods, what is bound);
+//! - `access`: who may reach and act on it (its admin kubeconfig, overrides);
+//! - `driver`: the simulated CSI driver and control plane;
+//! - `management`: its disks and namespace on the management cluster.
+
+mod access;
+mod driver;
+mod management;
+mod parent;
+mod workload;
+
+use std::collections::BTreeMap;
+use std::time::Duration;
+
+use k8s_openapi::api::core::v1::Secret;
+use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
+use kube::core::{ApiResource, GroupVersionKind};
+use serde_json::{Value, json};
+
+use super::cluster::{ClusterInfo, ControlPlane, client_from};
+use super::flux::{FLUX_FINALIZER, Flux, ready_condition};
+use super::gate::helmrelease_resource;
+use super::history::ParentHistory;
+use super::wait::eventually;
+
+// Re-exported where they were before the split; each test binary uses some.
+#[allow(unused_imports)]
+pub use access::wait_authorized;
+#[allow(unused_imports)]
+pub use management::{
+    InfraObjects, bare_parent, delete_unreleasable_disk, paper_parent, unreleasable_disk,
+    wait_namespace_gone,
+};
+
+pub const STORAGE_CLASS: &str = "sim";
+
+pub const RETAIN_STORAGE_CLASS: &str = "sim-retain";
+
+pub const CLUSTER_ANNOTATION: &str = "harness.volume-gate.test/cluster";
+
+/// The simulated kubelet's node (simNodeName in the harness).
+pub const SIM_NODE: &str = "sim-node";
+
+pub fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)
+}
+
+pub fn kcp_resource() -> ApiResource {
+    resource(
+        "controlplane.cluster.x-k8s.io",
+        "v1alpha1",
+        "KamajiControlPlane",
+        "kamajicontrolplanes",
+    )
+}
+
+pub fn tcp_resource() -> ApiResource {
+    resource(
+        "kamaji.clastix.io",
+        "v1alpha1",
+        "TenantControlPlane",
+        "tenantcontrolplanes",
+    )
+}
+
+pub fn datavolume_resource() -> ApiResource {
+    resource("cdi.kubevirt.io", "v1beta1", "DataVolume", "datavolumes")
+}
+
+pub struct Tenant {
+    /// The tenant namespace in the management cluster.
+    pub namespace: String,
+    /// R, the parent release's name.
+    pub name: String,
+    pub cluster: ClusterInfo,
+    pub management: kube::Client,
+    pub api: kube::Client,
+    /// Every version of the parent release since before it was created.
+    pub history: ParentHistory,
+}
+
+/// What [`Tenant::create`] makes: tenant `app` (parent `kubernetes-<app>`)
+/// in namespace `tenant-<app>` unless another is named (a namespace may hold
+/// several tenants), on a tenant cluster of its own, with the tenant
+/// chart's default values unless some are given (`nodes`,
+/// `deleteDataVolumes`; see the chart's values.yaml). A bare name is the
+/// default tenant of that name:
+///
+/// ```ignore
+/// Tenant::create(cp, "a").await;
+/// Tenant::create(cp, TenantOptions::new("b").in_namespace(&ns).light()).await;
+/// ```
+#[derive(Clone, Debug)]
+pub struct TenantOptions {
+    pub app: String,
+    /// `None`: `tenant-<app>`.
+    pub namespace: Option<String>,
+    pub cluster: TenantCluster,
+    /// Chart values over `hookTimeout: 10s`.
+    pub values: Value,
+}
+
+/// The tenant cluster a tenant's admin kubeconfig leads to.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum TenantCluster {
+    /// A full one of its own (API server, controller manager, scheduler):
+    /// the one the control plane started with if no tenant has it yet,
+    /// else one started now.
+    Own,
+    /// A light one of its own, started now: no scheduler, Pods are placed
+    /// on the simulated node by `spec.nodeName`.
+    Light,
+}
+
+impl TenantOptions {
+    pub fn new(app: &str) -> TenantOptions {
+        TenantOptions {
+            app: app.to_string(),
+            namespace: None,
+            cluster: TenantCluster::Own,
+            values: json!({}),
+        }
+    }
+
+    /// In `namespace`, which may hold other tenants.
+    pub fn in_namespace(self, namespace: &str) -> TenantOptions {
+        TenantOptions {
+            namespace: Some(namespace.to_string()),
+            ..self
+        }
+    }
+
+    /// On a light tenant cluster of its own ([`TenantCluster::Light`]).
+    pub fn light(self) -> TenantOptions {
+        TenantOptions {
+            cluster: TenantCluster::Light,
+            ..self
+        }
+    }
+
+    /// With these chart values.
+    pub fn values(self, values: Value) -> TenantOptions {
+        TenantOptions { values, ..self }
+    }
+}
+
+impl From<&str> for TenantOptions {
+    fn from(app: &str) -> TenantOptions {
+        TenantOptions::new(app)
+    }
+}
+
+impl From<&String> for TenantOptions {
+    fn from(app: &String) -> TenantOptions {
+        TenantOptions::new(app)
+    }
+}
+
+impl TenantCluster {
+    fn start(self, cp: &ControlPlane) -> ClusterInfo {
+        static FIRST: std::sync::atomic::AtomicBool = std::sync::atomic::AtomicBool::new(true);
+        match self {
+            TenantCluster::Own if FIRST.swap(false, std::sync::atomic::Ordering::SeqCst) => {
+                cp.cluster_up(&cp.first_tenant_cluster)
+            }
+            TenantCluster::Own => cp.cluster_up(&cp.unique("t")),
+            TenantCluster::Light => cp.cluster_up_with(&cp.unique("l"), true),
+        }
+    }
+}
+
+fn obj(ar: &ApiResource, ns: &str, name: &str, labels: Value, body: Value) -> DynamicObject {
+    let mut o = DynamicObject::new(name, ar).within(ns);
+    o.metadata.labels = serde_json::from_value(labels).unwrap();
+    o.data = body;
+    o
+}
+
+/// The labels Cozystack's API writes on the parent release of Kubernetes
+/// application `r`: the profile's, its application name, and Flux's shard.
+pub fn parent_labels(r: &str) -> BTreeMap<String, String> {
+    let profile = super::profile();
+    let mut labels = profile.parent.match_labels.clone();
+    labels.insert(
+        "apps.cozystack.io/application.name".into(),
+        r.trim_start_matches(profile.parent.name_prefix.as_str())
+            .into(),
+    );
+    labels.insert("sharding.fluxcd.io/key".into(), "shard1".into());
+    labels
+}
+
+/// The data of an admin kubeconfig Secret holding `kubeconfig` under each
+/// of the profile's keys.
+pub fn kubeconfig_data(kubeconfig: &[u8]) -> Value {
+    let encoded = base64(kubeconfig);
+    Value::Object(
+        super::profile()
+            .kubeconfig
+            .keys
+            .into_iter()
+            .map(|k| (k, json!(encoded)))
+            .collect(),
+    )
+}
+
+impl Tenant {
+    /// Creates the tenant `options` describe, installed the way Cozystack
+    /// installs it, by this test binary's real helm-controller: Kamaji's part (the TenantControlPlane
+    /// and its admin kubeconfig) first, then the parent HelmRelease of the
+    /// tenant chart (`tests/fixtures/charts/kubernetes`), which installs the
+    /// CSI controller and its identity, the KamajiControlPlane, the child
+    /// releases and the pre-delete hook; the children install into the
+    /// tenant cluster. Returns once the parent and R-csi are Ready.
+    pub async fn create(cp: &ControlPlane, options: impl Into<TenantOptions>) -> Tenant {
+        let TenantOptions {
+            app,
+            namespace,
+            cluster,
+            values,
+        } = options.into();
+        let cluster = cluster.start(cp);
+        let flux = super::flux::running(cp).await;
+        let management = cp.management_client().await;
+        let api = client_from(&cluster.kubeconfig).await;
+        let profile = super::profile();
+        let namespace = namespace.unwrap_or_else(|| format!("tenant-{app}"));
+        let name = format!("{}{app}", profile.parent.name_prefix);
+        cp.namespace(&namespace).await;
+        for (artifact, chart) in [
+            ("chart-kubernetes", "kubernetes"),
+            ("chart-csi", "csi"),
+            ("chart-demo", "demo"),
+        ] {
+            flux.publish_chart(&management, &namespace, artifact, chart)
+                .await;
+        }
+        let hrs = Api::namespaced_with(management.clone(), &namespace, &helmrelease_resource());
+        let history = ParentHistory::open(hrs.clone(), &name).await;
+        let t = Tenant {
+            namespace,
+            name,
+            cluster,
+            management,
+            api,
+            history,
+        };
+        t.create_control_plane().await;
+        let mut all_values = json!({"hookTimeout": "10s"});
+        if let (Some(all), Some(extra)) = (all_values.as_object_mut(), values.as_object()) {
+            all.extend(extra.clone());
+        }
+        let mut parent = t.parent_object(json!({"spec": {
+            "interval": "10m",
+            "chartRef": {"kind": "ExternalArtifact", "name": "chart-kubernetes"},
+            "values": all_values,
+        }}));
+        parent.metadata.finalizers = Some(vec![FLUX_FINALIZER.into()]);
+        hrs.create(&PostParams::default(), &parent)
+            .await
+            .expect("create parent HelmRelease");
+        for release in [t.name.clone(), profile.csi_release_name(&t.name)] {
+            wait_ready(&hrs, &release, flux).await;
+        }
+        t
+    }
+
+    /// A handle on a parent `name` in `namespace` that a test makes itself,
+    /// not through the chart, and whose admin kubeconfig leads to `cluster`
+    /// (its own, or one it borrows). Call it before creating the parent:
+    /// its history starts here.
+    pub async fn attach(
+        cp: &ControlPlane,
+        namespace: &str,
+        name: &str,
+        cluster: &ClusterInfo,
+    ) -> Tenant {
+        let management = cp.management_client().await;
+        let hrs = Api::namespaced_with(management.clone(), namespace, &helmrelease_resource());
+        Tenant {
+            namespace: namespace.to_string(),
+            name: name.to_string(),
+            api: client_from(&cluster.kubeconfig).await,
+            cluster: cluster.clone(),
+            management,
+            history: ParentHistory::open(hrs, name).await,
+        }
+    }
+
+    /// The parent release with Cozystack's labels (what its API writes for
+    /// a Kubernetes application) and `body`.
+    fn parent_object(&self, body: Value) -> DynamicObject {
+        obj(
+            &helmrelease_resource(),
+            &self.namespace,
+            &self.name,
+            json!(parent_labels(&self.name)),
+            body,
+        )
+    }
+
+    /// What Kamaji makes of the KamajiControlPlane: the TenantControlPlane
+    /// (served by this tenant's harness API server) and the admin
+    /// kubeconfig Secret it owns.
+    async fn create_control_plane(&self) {
+        let (ns, r) = (self.namespace.as_str(), self.name.as_str());
+        let kubeconfig_secret = super::profile().kubeconfig_secret_name(r);
+        let pp = PostParams::default();
+        let tcps: Api<DynamicObject> =
+            Api::namespaced_with(self.management.clone(), ns, &tcp_resource());
+        let mut tcp = obj(&tcp_resource(), ns, r, json!({}), json!({"spec": {}}));
+        tcp.metadata.annotations = Some(BTreeMap::from([(
+            CLUSTER_ANNOTATION.to_string(),
+            self.cluster.name.clone(),
+        )]));
+        let tcp = tcps
+            .create(&pp, &tcp)
+            .await
+            .expect("create TenantControlPlane");
+        // Where Kamaji says the tenant's API server is.
+        let endpoint = self
+            .cluster
+            .server
+            .trim_start_matches("https://")
+            .trim_end_matches('/')
+            .to_string();
+        tcps.patch_status(
+            r,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"status": {"controlPlaneEndpoint": endpoint}})),
+        )
+        .await
+        .expect("TenantControlPlane status");
+
+        let kubeconfig = std::fs::read(&self.cluster.kubeconfig).expect("tenant kubeconfig");
+        let secret: Secret = serde_json::from_value(json!({
+            "metadata": {
+                "name": kubeconfig_secret,
+                "namespace": ns,
+                "labels": {"kamaji.clastix.io/name": r, "kamaji.clastix.io/component": "admin-kubeconfig"},
+                "ownerReferences": [{
+                    "apiVersion": "kamaji.clastix.io/v1alpha1", "kind": "TenantControlPlane",
+                    "name": r, "uid": tcp.metadata.uid.clone().expect("tcp uid"),
+                }],
+            },
+            "data": kubeconfig_data(&kubeconfig),
+        }))
+        .unwrap();
+        Api::<Secret>::namespaced(self.management.clone(), ns)
+            .create(&pp, &secret)
+            .await
+            .expect("create admin kubeconfig Secret");
+    }
+}
+
+pub fn base64(bytes: &[u8]) -> String {
+    use base64::Engine;
+    base64::engine::general_purpose::STANDARD.encode(bytes)
+}
+
+/// Waits until helm-controller reports HelmRelease `name` Ready=True.
+pub async fn wait_ready(hrs: &Api<DynamicObject>, name: &str, flux: &Flux) {
+    eventually(
+        &format!("HelmRelease {name} Ready=True"),
+        Duration::from_secs(120),
+        || {
+            assert!(
+                flux.process.alive(),
+                "helm-controller exited; its log:\n{}",
+                flux.log()
+            );
+            let hrs = hrs.clone();
+            async move {
+                let hr = hrs.get(name).await.map_err(|e| e.to_string())?;
+                match ready_condition(&hr) {
+                    Some((s, _, _)) if s == "True" => Ok(()),
+                    other => Err(format!("{other:?}")),
+                }
+            }
+        },
+    )
+    .await
+}
