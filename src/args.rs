@@ -1,5 +1,6 @@
-//! Command-line arguments of the two long-running roles, and the one
-//! duration parser they share.
+//! Command-line arguments: what every command shares (the profile), what
+//! both long-running roles share ([`CommonArgs`]), each role's own, and the
+//! one duration parser.
 
 use std::net::SocketAddr;
 use std::path::PathBuf;
@@ -17,14 +18,37 @@ pub const DEFAULT_MAX_BODY_BYTES: usize = 24 * 1024 * 1024;
 /// The worker's username as the shipped manifests name its ServiceAccount.
 pub const DEFAULT_WORKER_IDENTITY: &str = "system:serviceaccount:volume-gate:volume-gate-worker";
 
+/// `--profile`, which every command takes.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct ProfileArg {
+    /// Platform profile (YAML); Cozystack when absent.
+    #[arg(long = "profile", env = "VOLUME_GATE_PROFILE")]
+    pub file: Option<PathBuf>,
+}
+
+impl ProfileArg {
+    pub fn path(&self) -> Option<&std::path::Path> {
+        self.file.as_deref()
+    }
+}
+
+/// What the webhook and the worker both take (`runtime::Runtime`).
 #[derive(clap::Args, Debug, Clone)]
-pub struct WebhookArgs {
-    /// HTTPS address for admission reviews.
-    #[arg(long, default_value = "0.0.0.0:8443", env = "VOLUME_GATE_LISTEN")]
-    pub listen: SocketAddr,
+pub struct CommonArgs {
     /// Plain-HTTP address for /healthz, /readyz and /metrics.
     #[arg(long, default_value = "0.0.0.0:8080", env = "VOLUME_GATE_ADMIN_LISTEN")]
     pub admin_listen: SocketAddr,
+    #[command(flatten)]
+    pub profile: ProfileArg,
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct WebhookArgs {
+    #[command(flatten)]
+    pub common: CommonArgs,
+    /// HTTPS address for admission reviews.
+    #[arg(long, default_value = "0.0.0.0:8443", env = "VOLUME_GATE_LISTEN")]
+    pub listen: SocketAddr,
     /// Serving certificate (PEM); reloaded when it changes.
     #[arg(long, default_value = "/etc/volume-gate/tls/tls.crt")]
     pub tls_cert: PathBuf,
@@ -34,9 +58,6 @@ pub struct WebhookArgs {
     /// How often to re-read the certificate and key.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     pub cert_reload_interval: Duration,
-    /// Platform profile (YAML); Cozystack when absent.
-    #[arg(long, env = "VOLUME_GATE_PROFILE")]
-    pub profile: Option<PathBuf>,
     /// The worker's username: the only identity that writes the record and
     /// removes the custody finalizer.
     #[arg(long, default_value = DEFAULT_WORKER_IDENTITY, env = "VOLUME_GATE_WORKER_IDENTITY")]
@@ -48,12 +69,8 @@ pub struct WebhookArgs {
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct WorkerArgs {
-    /// Plain-HTTP address for /healthz, /readyz and /metrics.
-    #[arg(long, default_value = "0.0.0.0:8080", env = "VOLUME_GATE_ADMIN_LISTEN")]
-    pub admin_listen: SocketAddr,
-    /// Platform profile (YAML); Cozystack when absent.
-    #[arg(long, env = "VOLUME_GATE_PROFILE")]
-    pub profile: Option<PathBuf>,
+    #[command(flatten)]
+    pub common: CommonArgs,
     /// At most this many tenants are released at once.
     #[arg(long, default_value_t = 4)]
     pub max_concurrent_releases: usize,
@@ -91,9 +108,8 @@ pub struct WorkerArgs {
 /// `volume-gate profile`: print the effective profile.
 #[derive(clap::Args, Debug, Clone)]
 pub struct ProfileArgs {
-    /// A profile file to check and print; Cozystack's when absent.
-    #[arg(long, env = "VOLUME_GATE_PROFILE")]
-    pub profile: Option<PathBuf>,
+    #[command(flatten)]
+    pub profile: ProfileArg,
 }
 
 /// A duration as operators write it: `500ms`, `10s`, `5m`, `1h30m`, or a bare

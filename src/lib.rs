@@ -12,7 +12,9 @@
 //! - [`args`] is the command line of both roles;
 //! - [`metrics`] is every metric exported;
 //! - [`tls`] and [`certs`] serve and mint the webhook's certificates;
-//! - [`admin`] is the plain-HTTP health and metrics port;
+//! - [`admin`] is the plain-HTTP health and metrics port, and [`runtime`]
+//!   what both roles start the same way (profile, client, metrics, admin
+//!   port, shutdown);
 //! - `testing` (unit tests, or the `testing` feature) is a scripted API
 //!   server for in-process tests.
 //!
@@ -26,6 +28,7 @@ pub mod metrics;
 pub mod names;
 pub mod profile;
 pub mod record;
+pub mod runtime;
 pub mod telemetry;
 #[cfg(any(test, feature = "testing"))]
 pub mod testing;

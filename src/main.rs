@@ -71,7 +71,7 @@ fn main() -> ExitCode {
                 .await
                 .map_err(|e| e.to_string()),
             Command::Profile(args) => {
-                volume_gate::profile::Profile::load_or_default(args.profile.as_deref())
+                volume_gate::profile::Profile::load_or_default(args.profile.path())
                     .map_err(|e| e.to_string())
                     .and_then(|p| serde_json::to_string_pretty(&p).map_err(|e| e.to_string()))
                     .map(|json| println!("{json}"))

@@ -2,7 +2,6 @@
 //! its metrics and log line, and the `webhook` command. What is decided is
 //! in [`super::gate`] (the facts) and [`super::decide`] (the judgement).
 
-use std::net::SocketAddr;
 use std::sync::Arc;
 use std::time::{Duration, Instant};
 
@@ -13,15 +12,14 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http_body_util::{BodyExt, Limited};
-use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::decide::{Verdict, cannot_judge};
 use super::gate::Gate;
 use super::review::{self, Invalid};
 use crate::args::WebhookArgs;
-use crate::metrics::{DecisionLabels, EndpointLabels, Metrics};
-use crate::profile::Profile;
+use crate::metrics::{DecisionLabels, EndpointLabels};
+use crate::runtime::Runtime;
 
 /// The API server sends a review at once; its own timeout is at most 30s.
 const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
@@ -29,16 +27,9 @@ const BODY_READ_TIMEOUT: Duration = Duration::from_secs(10);
 #[derive(Debug, thiserror::Error)]
 pub enum WebhookError {
     #[error(transparent)]
-    Profile(#[from] crate::profile::ProfileError),
-    #[error("cannot build a Kubernetes client (in-cluster config or KUBECONFIG): {0}")]
-    Client(#[source] kube::Error),
+    Boot(#[from] crate::runtime::BootError),
     #[error(transparent)]
     Tls(#[from] crate::tls::TlsError),
-    #[error("cannot listen on {addr}: {source}")]
-    Listen {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
     #[error("server failed: {0}")]
     Serve(#[source] std::io::Error),
 }
@@ -220,58 +211,31 @@ fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
 
 /// `volume-gate webhook`: serve until SIGTERM/SIGINT, then drain.
 pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
-    let profile = Profile::load_or_default(args.profile.as_deref())?;
-    let client = kube::Client::try_default()
-        .await
-        .map_err(WebhookError::Client)?;
-    let metrics = Metrics::new();
+    let rt = Runtime::start(&args.common).await?;
     let gate = Arc::new(Gate::new(
-        profile,
+        rt.profile.clone(),
         args.worker_identity.clone(),
-        client.clone(),
-        metrics.clone(),
+        rt.client.clone(),
+        rt.metrics.clone(),
     ));
-    let shutdown = CancellationToken::new();
-
     let certs = crate::tls::CertReloader::load(&args.tls_cert, &args.tls_key)?;
-    certs.spawn_reload(args.cert_reload_interval, shutdown.clone());
+    certs.spawn_reload(args.cert_reload_interval, rt.shutdown.clone());
     let tls_config = crate::tls::server_config(certs);
-
-    let listener = tokio::net::TcpListener::bind(args.listen)
-        .await
-        .map_err(|source| WebhookError::Listen {
-            addr: args.listen,
-            source,
-        })?;
-    let admin_listener = tokio::net::TcpListener::bind(args.admin_listen)
-        .await
-        .map_err(|source| WebhookError::Listen {
-            addr: args.admin_listen,
-            source,
-        })?;
+    let listener = crate::runtime::listen(args.listen).await?;
     info!(
         listen = %listener.local_addr().map_err(WebhookError::Serve)?,
-        admin = %admin_listener.local_addr().map_err(WebhookError::Serve)?,
+        admin = %rt.admin_addr,
         profile = %gate.profile.name,
         worker_identity = %gate.worker_identity,
         "volume-gate webhook serving"
     );
-    let readiness = Arc::new(crate::admin::ApiServerReadiness::new(client));
-    let admin = tokio::spawn(crate::admin::serve_admin(
-        admin_listener,
-        metrics,
-        readiness,
-        shutdown.clone(),
-    ));
-    tokio::spawn(crate::shutdown_on_signal(shutdown.clone()));
     let served = crate::tls::serve(
         listener,
         tls_config,
         router(gate, args.max_body_bytes),
-        shutdown.clone(),
+        rt.shutdown.clone(),
     )
     .await;
-    shutdown.cancel();
-    let _ = admin.await;
+    rt.finish().await;
     served.map_err(WebhookError::Serve)
 }

@@ -125,9 +125,8 @@ pub struct CustodyArgs {
     /// Print what would change without changing it.
     #[arg(long)]
     pub dry_run: bool,
-    /// Platform profile (YAML); Cozystack when absent.
-    #[arg(long, env = "VOLUME_GATE_PROFILE")]
-    pub profile: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub profile: crate::args::ProfileArg,
 }
 
 pub async fn run_command(cmd: CustodyCommand) -> Result<(), String> {
@@ -135,7 +134,7 @@ pub async fn run_command(cmd: CustodyCommand) -> Result<(), String> {
         CustodyCommand::Release(a) => (a, false),
         CustodyCommand::Adopt(a) => (a, true),
     };
-    let profile = Profile::load_or_default(args.profile.as_deref()).map_err(|e| e.to_string())?;
+    let profile = Profile::load_or_default(args.profile.path()).map_err(|e| e.to_string())?;
     let client = kube::Client::try_default()
         .await
         .map_err(|e| format!("cannot reach the management cluster: {e}"))?;

@@ -3,19 +3,10 @@
 //! outcome's reason, and the `error` label of
 //! `volume_gate_reconcile_errors_total`).
 
-use std::net::SocketAddr;
-
 #[derive(Debug, thiserror::Error)]
 pub enum WorkerError {
     #[error(transparent)]
-    Profile(#[from] crate::profile::ProfileError),
-    #[error("cannot build a Kubernetes client (in-cluster config or KUBECONFIG): {0}")]
-    Client(#[source] kube::Error),
-    #[error("cannot listen on {addr}: {source}")]
-    Listen {
-        addr: SocketAddr,
-        source: std::io::Error,
-    },
+    Boot(#[from] crate::runtime::BootError),
     #[error("leader election on Lease {namespace}/{name} failed: {message}")]
     Lease {
         namespace: String,

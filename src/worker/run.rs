@@ -20,6 +20,7 @@ use super::{Context, Settings, WorkerError, reconcile};
 use crate::args::WorkerArgs;
 use crate::metrics::Metrics;
 use crate::profile::Profile;
+use crate::runtime::Runtime;
 
 /// What the controller is built from.
 struct Base {
@@ -43,27 +44,8 @@ const SHUTDOWN_GRACE: Duration = Duration::from_secs(3);
 /// `volume-gate worker`: leader election, then the controller until
 /// shutdown or lost leadership.
 pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
-    let profile = Profile::load_or_default(args.profile.as_deref())?;
-    let client = kube::Client::try_default()
-        .await
-        .map_err(WorkerError::Client)?;
-    let metrics = Metrics::new();
-    let shutdown = CancellationToken::new();
-    tokio::spawn(crate::shutdown_on_signal(shutdown.clone()));
-
-    let admin_listener = tokio::net::TcpListener::bind(args.admin_listen)
-        .await
-        .map_err(|source| WorkerError::Listen {
-            addr: args.admin_listen,
-            source,
-        })?;
-    let readiness = Arc::new(crate::admin::ApiServerReadiness::new(client.clone()));
-    let admin = tokio::spawn(crate::admin::serve_admin(
-        admin_listener,
-        metrics.clone(),
-        readiness,
-        shutdown.clone(),
-    ));
+    let rt = Runtime::start(&args.common).await?;
+    let (client, shutdown) = (rt.client.clone(), rt.shutdown.clone());
 
     let identity = args.identity.clone().unwrap_or_else(|| {
         let host = std::env::var("HOSTNAME").unwrap_or_else(|_| "worker".into());
@@ -91,7 +73,7 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     if !leading {
         drop(leader);
         let _ = lease_task.await;
-        let _ = admin.await;
+        rt.finish().await;
         return Ok(());
     }
     info!(identity = %identity, "leading: starting the controller");
@@ -126,8 +108,8 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     };
     let base = Base {
         client,
-        profile,
-        metrics,
+        profile: rt.profile.clone(),
+        metrics: rt.metrics.clone(),
         settings,
         max_concurrent: args.max_concurrent_releases,
         identity: identity.clone(),
@@ -145,9 +127,9 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     {
         warn!(grace = ?SHUTDOWN_GRACE, "the Lease was not released in time; the next worker leads once it expires");
     }
-    shutdown.cancel();
-    let _ = admin.await;
-    if lost.is_cancelled() && !shutdown.is_cancelled() {
+    let signalled = shutdown.is_cancelled();
+    rt.finish().await;
+    if lost.is_cancelled() && !signalled {
         return Err(WorkerError::LostLeadership);
     }
     Ok(())

@@ -17,9 +17,8 @@ pub struct StatusArgs {
     /// Output format: table or json.
     #[arg(long, short = 'o', default_value = "table", value_parser = ["table", "wide", "json"])]
     pub output: String,
-    /// Platform profile (YAML); Cozystack when absent.
-    #[arg(long, env = "VOLUME_GATE_PROFILE")]
-    pub profile: Option<std::path::PathBuf>,
+    #[command(flatten)]
+    pub profile: crate::args::ProfileArg,
 }
 
 /// One tenant's row.
@@ -143,7 +142,7 @@ pub fn render_table(rows: &[TenantStatus], wide: bool, now: jiff::Timestamp) -> 
 }
 
 pub async fn run(args: StatusArgs) -> Result<(), String> {
-    let profile = Profile::load_or_default(args.profile.as_deref()).map_err(|e| e.to_string())?;
+    let profile = Profile::load_or_default(args.profile.path()).map_err(|e| e.to_string())?;
     let keys = Keys::new(&profile.annotation_prefix);
     let client = kube::Client::try_default()
         .await
