@@ -20,6 +20,8 @@
 //!
 //! The design: `docs/design.md`.
 
+#![forbid(unsafe_code)]
+
 pub mod admin;
 pub mod admission;
 pub mod args;

@@ -406,7 +406,10 @@ current-context: t
             ca_fingerprint(&[a.clone(), b.clone()]),
             ca_fingerprint(&[b.clone(), a.clone()])
         );
-        assert_ne!(ca_fingerprint(&[a.clone()]), ca_fingerprint(&[a, b]));
+        assert_ne!(
+            ca_fingerprint(std::slice::from_ref(&a)),
+            ca_fingerprint(&[a, b])
+        );
         assert_eq!(ca_fingerprint(&[]).len(), 64);
     }
 

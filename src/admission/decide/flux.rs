@@ -49,7 +49,7 @@ struct Placement {
     storage_namespace: String,
 }
 
-fn text<'a>(v: Option<&'a Value>) -> Option<&'a str> {
+fn text(v: Option<&Value>) -> Option<&str> {
     v.and_then(Value::as_str).filter(|s| !s.is_empty())
 }
 
