@@ -14,7 +14,7 @@ mod common;
 use std::sync::Arc;
 use std::time::Duration;
 
-use common::tenant::{Tenant, base64, tcp_resource};
+use common::tenant::{Tenant, base64, kubeconfig_data, tcp_resource};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Secret};
 use kube::api::{Api, DynamicObject, Patch, PatchParams, PostParams};
 use serde_json::{Value, json};
@@ -46,8 +46,8 @@ async fn claim_untouched(t: &Tenant) {
 /// `r`'s admin kubeconfig Secret in `ns`, holding `kubeconfig`.
 async fn kubeconfig_secret(client: &kube::Client, ns: &str, r: &str, kubeconfig: &[u8]) {
     let secret: Secret = serde_json::from_value(json!({
-        "metadata": {"name": format!("{r}-admin-kubeconfig")},
-        "data": {"super-admin.svc": base64(kubeconfig), "super-admin.conf": base64(kubeconfig)}}))
+        "metadata": {"name": common::profile().kubeconfig_secret_name(r)},
+        "data": kubeconfig_data(kubeconfig)}))
     .unwrap();
     Api::<Secret>::namespaced(client.clone(), ns)
         .create(&PostParams::default(), &secret)
@@ -273,15 +273,12 @@ async fn a_server_answering_with_a_tenants_uid_but_certified_by_another_ca_is_an
         "current-context": "t"})
     .to_string();
     let m = common::editor::mallory(cp, &[&t.namespace]).await;
-    let secret = format!("{}-admin-kubeconfig", t.name);
+    let secret = common::profile().kubeconfig_secret_name(&t.name);
     Api::<Secret>::namespaced(m.clone(), &t.namespace)
         .patch(
             &secret,
             &PatchParams::default(),
-            &merge(
-                json!({"data": {"super-admin.svc": base64(kubeconfig.as_bytes()),
-                                    "super-admin.conf": base64(kubeconfig.as_bytes())}}),
-            ),
+            &merge(json!({"data": kubeconfig_data(kubeconfig.as_bytes())})),
         )
         .await
         .expect("the Secret's data may change (Kamaji rotates it)");
@@ -305,7 +302,7 @@ async fn a_server_answering_with_a_tenants_uid_but_certified_by_another_ca_is_an
         .patch(
             &secret,
             &PatchParams::default(),
-            &merge(json!({"data": {"super-admin.svc": base64(&own), "super-admin.conf": base64(&own)}})),
+            &merge(json!({"data": kubeconfig_data(&own)})),
         )
         .await
         .expect("restore the Secret");

@@ -9,7 +9,9 @@ mod common;
 use std::collections::BTreeMap;
 use std::time::Duration;
 
-use common::tenant::{Tenant, TenantOptions, base64, kcp_resource, resource, tcp_resource};
+use common::tenant::{
+    Tenant, TenantOptions, kcp_resource, kubeconfig_data, resource, tcp_resource,
+};
 use k8s_openapi::api::core::v1::Secret;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams, PostParams};
 use kube::core::ApiResource;
@@ -89,7 +91,7 @@ async fn a_parents_kind_label_added_to_the_csi_release_is_refused_and_its_delete
     let m = mallory(&t).await;
     let hrs: Api<DynamicObject> =
         Api::namespaced_with(m, &t.namespace, &common::gate::helmrelease_resource());
-    let csi = format!("{}-csi", t.name);
+    let csi = common::profile().csi_release_name(&t.name);
     let patch = labels_patch(json!({PARENT_KIND: "Kubernetes"}));
     assert_refused(
         "kind label on the CSI release",
@@ -107,6 +109,7 @@ async fn a_parents_kind_label_added_to_the_csi_release_is_refused_and_its_delete
     let ns = format!("{}-born", t.namespace);
     env.cp.namespace(&ns).await;
     let r = "kubernetes-born";
+    let csi = common::profile().csi_release_name(r);
     let api: Api<DynamicObject> = Api::namespaced_with(
         t.management.clone(),
         &ns,
@@ -119,7 +122,7 @@ async fn a_parents_kind_label_added_to_the_csi_release_is_refused_and_its_delete
         "helm.toolkit.fluxcd.io/v2",
         "HelmRelease",
         &ns,
-        &format!("{r}-csi"),
+        &csi,
         &labels,
         json!({"spec": common::flux::inert_spec("csi")}),
     );
@@ -131,8 +134,8 @@ async fn a_parents_kind_label_added_to_the_csi_release_is_refused_and_its_delete
     .expect("create a CSI release born with a parent's kind label");
     assert_refused(
         "DELETE of a CSI release born with a parent's kind label",
-        api.delete(&format!("{r}-csi"), &dry()).await,
-        &["CSI driver release", &format!("{ns}/{r}-csi")],
+        api.delete(&csi, &dry()).await,
+        &["CSI driver release", &format!("{ns}/{csi}")],
     );
 }
 
@@ -176,11 +179,10 @@ async fn a_parents_kind_label_added_to_a_child_in_teardown_is_refused() {
 /// Copies `from`'s admin kubeconfig into `into`'s Secret, as mallory.
 async fn copy_kubeconfig(m: &kube::Client, from: &Tenant, into: &Tenant) {
     let text = std::fs::read(&from.cluster.kubeconfig).expect("kubeconfig");
-    let patch =
-        json!({"data": {"super-admin.svc": base64(&text), "super-admin.conf": base64(&text)}});
+    let patch = json!({"data": kubeconfig_data(&text)});
     Api::<Secret>::namespaced(m.clone(), &into.namespace)
         .patch(
-            &format!("{}-admin-kubeconfig", into.name),
+            &common::profile().kubeconfig_secret_name(&into.name),
             &PatchParams::default(),
             &Patch::Merge(&patch),
         )
@@ -334,7 +336,7 @@ async fn the_kcsi_controller_and_the_admin_kubeconfig_are_held_whatever_their_la
     let deployments: Api<DynamicObject> =
         Api::namespaced_with(m.clone(), &t.namespace, &deployment_resource());
     let secrets: Api<Secret> = Api::namespaced(m.clone(), &t.namespace);
-    let kubeconfig = format!("{}-admin-kubeconfig", t.name);
+    let kubeconfig = common::profile().kubeconfig_secret_name(&t.name);
 
     // Before the teardown: the labels the webhooks once selected on go.
     secrets
@@ -466,7 +468,7 @@ async fn every_guarded_object_under_any_pair_of_identity_labels_is_reviewed_in_t
                     "helm.toolkit.fluxcd.io/v2",
                     "HelmRelease",
                     ns,
-                    &format!("{r}-csi"),
+                    &common::profile().csi_release_name(&r),
                     &l,
                     hr_body.clone(),
                 ),
@@ -559,7 +561,7 @@ async fn every_guarded_object_under_any_pair_of_identity_labels_is_reviewed_in_t
                     "v1",
                     "Secret",
                     ns,
-                    &format!("{r}-admin-kubeconfig"),
+                    &common::profile().kubeconfig_secret_name(&r),
                     &l,
                     json!({"data": {}}),
                 ),

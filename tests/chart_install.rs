@@ -100,7 +100,7 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
         let (stop, tried, let_through) = (stop.clone(), tried.clone(), let_through.clone());
         let api: Api<DynamicObject> =
             Api::namespaced_with(client.clone(), &b.namespace, &helmrelease_resource());
-        let csi = format!("{}-csi", b.name);
+        let csi = common::profile().csi_release_name(&b.name);
         tokio::spawn(async move {
             // Paced, so the upgrade is not starved on a small machine.
             let mut tick = tokio::time::interval(Duration::from_millis(50));
@@ -250,9 +250,7 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
         .finalizers
         .unwrap_or_default();
     assert!(
-        !finalizers
-            .iter()
-            .any(|f| f == "volumes.cozystack.io/release"),
+        !finalizers.contains(&common::profile().custody_finalizer),
         "custody handed back: {finalizers:?}"
     );
 }

@@ -293,7 +293,7 @@ async fn concurrent_changes_to_the_parent_survive_the_record_writes_and_the_cust
         || async {
             let p = t.parent().await.ok_or("parent gone too early")?;
             let f = p.metadata.finalizers.clone().unwrap_or_default();
-            if f.iter().any(|f| f == "volumes.cozystack.io/release") {
+            if f.contains(&common::profile().custody_finalizer) {
                 Err(format!("{f:?}"))
             } else {
                 Ok(p)
@@ -308,9 +308,7 @@ async fn concurrent_changes_to_the_parent_survive_the_record_writes_and_the_cust
         "not clobbered by the record writes"
     );
     assert_eq!(
-        annotations
-            .get("volumes.cozystack.io/phase")
-            .map(String::as_str),
+        annotations.get(&common::keys().phase).map(String::as_str),
         Some("Released")
     );
     assert!(

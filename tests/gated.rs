@@ -45,7 +45,10 @@ async fn a_refused_csi_release_delete_reaches_the_client_with_its_message() {
     t.wait_custody().await;
     let err = t
         .hr_api()
-        .delete(&format!("{}-csi", t.name), &DeleteParams::default())
+        .delete(
+            &common::profile().csi_release_name(&t.name),
+            &DeleteParams::default(),
+        )
         .await
         .expect_err("refused");
     let msg = err.to_string();
@@ -59,7 +62,7 @@ async fn a_refused_csi_release_delete_reaches_the_client_with_its_message() {
     );
     assert!(
         t.hr_api()
-            .get_opt(&format!("{}-csi", t.name))
+            .get_opt(&common::profile().csi_release_name(&t.name))
             .await
             .unwrap()
             .is_some()
@@ -99,8 +102,7 @@ async fn a_dry_run_delete_of_the_parent_changes_nothing() {
             .metadata
             .finalizers
             .unwrap_or_default()
-            .iter()
-            .any(|f| f == "volumes.cozystack.io/release"),
+            .contains(&common::profile().custody_finalizer),
         "custody is kept"
     );
     assert_eq!(
@@ -219,7 +221,10 @@ async fn a_silent_tenant_api_blocks_loudly_and_an_authorized_override_finishes_t
     // Nothing wedged silently: the CSI release is still held, and says why.
     let err = t
         .hr_api()
-        .delete(&format!("{}-csi", t.name), &DeleteParams::default())
+        .delete(
+            &common::profile().csi_release_name(&t.name),
+            &DeleteParams::default(),
+        )
         .await
         .expect_err("held");
     assert!(err.to_string().contains("phase Blocked"), "{err}");
@@ -268,7 +273,9 @@ async fn forged_record_stamps_and_custody_removal_are_refused() {
     let t = Tenant::create(env.cp, &env.cp.unique("forge")).await;
     t.wait_custody().await;
     let admin = t.hr_api();
-    let forge = |key: &str, value: &str| json!({"metadata": {"annotations": {format!("volumes.cozystack.io/{key}"): value}}});
+    let profile = common::profile();
+    // The record's keys by their names under the profile's prefix.
+    let forge = |key: &str, value: &str| json!({"metadata": {"annotations": {format!("{}{key}", profile.annotation_prefix): value}}});
     for (key, value) in [
         ("phase", "Released"),
         ("volumes", "{}"),
@@ -290,7 +297,7 @@ async fn forged_record_stamps_and_custody_removal_are_refused() {
         .finalizers
         .unwrap_or_default()
         .into_iter()
-        .filter(|f| f != "volumes.cozystack.io/release")
+        .filter(|f| *f != profile.custody_finalizer)
         .collect();
     let err = admin
         .patch(
@@ -420,7 +427,7 @@ async fn a_delete_collection_is_judged_object_by_object() {
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("collection")).await;
     t.wait_custody().await;
-    let csi = format!("{}-csi", t.name);
+    let csi = common::profile().csi_release_name(&t.name);
     let dry = DeleteParams {
         dry_run: true,
         ..Default::default()
@@ -460,7 +467,7 @@ async fn a_delete_collection_is_judged_object_by_object() {
     );
     let secrets: Api<k8s_openapi::api::core::v1::Secret> =
         Api::namespaced(t.management.clone(), &t.namespace);
-    let kubeconfig = format!("{}-admin-kubeconfig", t.name);
+    let kubeconfig = common::profile().kubeconfig_secret_name(&t.name);
     let err = secrets
         .delete_collection(&dry, &by_name(&kubeconfig))
         .await

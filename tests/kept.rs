@@ -96,15 +96,14 @@ async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_de
         "found by its label after the namespace is gone"
     );
     let annotations = disks[0].metadata.annotations.clone().unwrap_or_default();
+    let keys = common::keys();
     assert_eq!(
-        annotations
-            .get("volumes.cozystack.io/kept-for")
-            .map(String::as_str),
+        annotations.get(&keys.kept_for).map(String::as_str),
         Some(format!("{}/{}", t.namespace, t.name).as_str())
     );
     assert!(
         annotations
-            .get("volumes.cozystack.io/kept-volume")
+            .get(&keys.kept_volume)
             .is_some_and(|v| v.contains(&kept.pv)),
         "{annotations:?}"
     );

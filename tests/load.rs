@@ -18,7 +18,7 @@ use common::tenant::{Tenant, TenantOptions};
 use futures::StreamExt;
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
-use volume_gate::record::{Keys, Phase, Record};
+use volume_gate::record::{Phase, Record};
 
 const NAMESPACE: &str = "tenant-load";
 const BOOT_CONCURRENCY: usize = 3;
@@ -130,7 +130,7 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
             violations.clone(),
         );
         tokio::spawn(async move {
-            let keys = Keys::new("volumes.cozystack.io/");
+            let keys = common::keys();
             let lp = ListParams::default().labels("apps.cozystack.io/application.kind=Kubernetes");
             let mut tick = tokio::time::interval(Duration::from_millis(200));
             while !stop.load(Ordering::SeqCst) {
@@ -192,7 +192,7 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
                     let in_teardown = teardown_begun.load(Ordering::SeqCst);
                     let sent = Instant::now();
                     let result = match op {
-                        Op::DeleteCsi => hrs.delete(&format!("{r}-csi"), &dry_delete).await.map(|_| ()),
+                        Op::DeleteCsi => hrs.delete(&common::profile().csi_release_name(r), &dry_delete).await.map(|_| ()),
                         Op::DeleteChild => hrs.delete(&format!("{r}-cilium"), &dry_delete).await.map(|_| ()),
                         Op::UpdateParent => {
                             let patch = serde_json::json!({"metadata": {"annotations": {"load.volume-gate.test/touched": k.to_string()}}});

@@ -111,7 +111,7 @@ async fn tenant_in_teardown(client: &kube::Client, ns: &str, r: &str) {
         ns,
         &hr(),
         hr_body(
-            format!("{r}-csi"),
+            common::profile().csi_release_name(r),
             json!({"cozystack.io/target-cluster-name": r}),
         ),
     )
@@ -153,7 +153,7 @@ async fn tenant_in_teardown(client: &kube::Client, ns: &str, r: &str) {
     )
     .await;
     create(client, ns, &resource("", "v1", "Secret", "secrets"), json!({"apiVersion": "v1", "kind": "Secret",
-        "metadata": {"name": format!("{r}-admin-kubeconfig"), "labels": {"kamaji.clastix.io/component": "admin-kubeconfig"}}})).await;
+        "metadata": {"name": common::profile().kubeconfig_secret_name(r), "labels": {"kamaji.clastix.io/component": "admin-kubeconfig"}}})).await;
     create(
         client,
         ns,
@@ -173,7 +173,7 @@ async fn tenant_in_teardown(client: &kube::Client, ns: &str, r: &str) {
                 .finalizers
                 .unwrap_or_default()
                 .iter()
-                .any(|f| f == "volumes.cozystack.io/release")
+                .any(|f| *f == common::profile().custody_finalizer)
             {
                 Ok(())
             } else {
@@ -360,9 +360,8 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
     );
 
     // Every guarded operation is refused.
-    let annotate = |k: &str, v: &str| {
-        merge(json!({"metadata": {"annotations": {format!("volumes.cozystack.io/{k}"): v}}}))
-    };
+    let (profile, keys) = (common::profile(), common::keys());
+    let annotate = |k: &str, v: &str| merge(json!({"metadata": {"annotations": {k: v}}}));
     let custody_removed: Vec<String> = t
         .parent()
         .await
@@ -371,13 +370,13 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
         .finalizers
         .unwrap_or_default()
         .into_iter()
-        .filter(|f| f != "volumes.cozystack.io/release")
+        .filter(|f| *f != profile.custody_finalizer)
         .collect();
     let leaving = |ar: &ApiResource| api(&client, ns2, ar);
     let guarded: Vec<(&str, Result<(), kube::Error>)> = vec![
-        ("CSI release: delete", releases.delete(&format!("{r}-csi"), &DeleteParams::default()).await.map(drop)),
+        ("CSI release: delete", releases.delete(&profile.csi_release_name(&r), &DeleteParams::default()).await.map(drop)),
         ("child in teardown: delete", leaving(&hr()).delete(&format!("{r2}-coredns"), &DeleteParams::default()).await.map(drop)),
-        ("CSI release in teardown: delete", leaving(&hr()).delete(&format!("{r2}-csi"), &DeleteParams::default()).await.map(drop)),
+        ("CSI release in teardown: delete", leaving(&hr()).delete(&profile.csi_release_name(r2), &DeleteParams::default()).await.map(drop)),
         ("KamajiControlPlane: delete", leaving(&kcp_resource()).delete(r2, &DeleteParams::default()).await.map(drop)),
         ("TenantControlPlane: delete", leaving(&tcp_resource()).delete(r2, &DeleteParams::default()).await.map(drop)),
         (
@@ -386,15 +385,15 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
         ),
         (
             "admin kubeconfig Secret: delete",
-            leaving(&resource("", "v1", "Secret", "secrets")).delete(&format!("{r2}-admin-kubeconfig"), &DeleteParams::default()).await.map(drop),
+            leaving(&resource("", "v1", "Secret", "secrets")).delete(&profile.kubeconfig_secret_name(r2), &DeleteParams::default()).await.map(drop),
         ),
         (
             "release object (the CSI controller's ServiceAccount): delete",
             leaving(&resource("", "v1", "ServiceAccount", "serviceaccounts")).delete(&format!("{r2}-kcsi"), &DeleteParams::default()).await.map(drop),
         ),
         ("kcsi controller: delete", leaving(&deployment_resource()).delete(&format!("{r2}-kcsi-controller"), &DeleteParams::default()).await.map(drop)),
-        ("record key: phase", releases.patch(&r, &pp, &annotate("phase", "Released")).await.map(drop)),
-        ("override stamp", releases.patch(&r, &pp, &annotate("override-by", "root")).await.map(drop)),
+        ("record key: phase", releases.patch(&r, &pp, &annotate(&keys.phase, "Released")).await.map(drop)),
+        ("override stamp", releases.patch(&r, &pp, &annotate(&keys.override_by, "root")).await.map(drop)),
         ("custody finalizer: removed", releases.patch(&r, &pp, &merge(json!({"metadata": {"finalizers": custody_removed}}))).await.map(drop)),
         (
             "child: relabelled away",
@@ -410,7 +409,7 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
         ("parent without custody: delete", api(&client, "tenant-newcomer", &hr()).delete("kubernetes-newcomer", &DeleteParams::default()).await.map(drop)),
         (
             "CSI release: retargeted",
-            releases.patch(&format!("{r}-csi"), &pp, &merge(json!({"spec": {"releaseName": "moved"}}))).await.map(drop),
+            releases.patch(&profile.csi_release_name(&r), &pp, &merge(json!({"spec": {"releaseName": "moved"}}))).await.map(drop),
         ),
         (
             "parent: another chart",

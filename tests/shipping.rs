@@ -335,12 +335,12 @@ async fn custody_adopt_and_release_change_only_tenants_not_being_deleted() {
     assert!(
         finalizers("kubernetes-a")
             .await
-            .contains(&"volumes.cozystack.io/release".to_string())
+            .contains(&common::profile().custody_finalizer)
     );
     assert!(
         !finalizers("kubernetes-b")
             .await
-            .contains(&"volumes.cozystack.io/release".to_string())
+            .contains(&common::profile().custody_finalizer)
     );
 
     let status: Value = serde_json::from_str(&cli(&["status", "-n", &ns, "-o", "json"])).unwrap();

@@ -21,7 +21,7 @@ use futures::StreamExt;
 use kube::api::{Api, ApiResource, DynamicObject, PostParams};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::{Value, json};
-use volume_gate::record::{Keys, Phase, Record};
+use volume_gate::record::{Phase, Record};
 
 const DRIVER: &str = "csi.volume-gate.test";
 const SNAPSHOT_GROUP: &str = "snapshot.storage.k8s.io";
@@ -154,7 +154,7 @@ fn follow_record(t: &Tenant) -> (Shown, tokio::task::JoinHandle<()>) {
                 Ok(None) => return,
                 Ok(Some(p)) => {
                     let r = Record::from_annotations(
-                        &Keys::new("volumes.cozystack.io/"),
+                        &common::keys(),
                         &p.metadata.annotations.unwrap_or_default(),
                     );
                     let entry = (r.phase, r.message);

@@ -318,7 +318,7 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         decisions: Decisions { log: gate },
         barrier: (
             Api::namespaced(m.clone(), &l.namespace),
-            format!("{lc}-admin-kubeconfig"),
+            common::profile().kubeconfig_secret_name(&lc),
         ),
     };
 
@@ -398,7 +398,7 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
 
     // ---- The CSI release of the live tenant ----
     let l_hrs = hrs(&m, &l.namespace);
-    let csi = format!("{lc}-csi");
+    let csi = common::profile().csi_release_name(&lc);
     walk.refused(
         "csi.delete",
         l_hrs.delete(&csi, &dry_delete()).await,
@@ -448,7 +448,7 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         ),
         (
             "csi.kubeconfig",
-            json!({"kubeConfig": {"secretRef": {"name": "kubernetes-other-admin-kubeconfig"}}}),
+            json!({"kubeConfig": {"secretRef": {"name": common::profile().kubeconfig_secret_name("kubernetes-other")}}}),
             "the cluster it installs into",
         ),
         (
@@ -642,7 +642,11 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     walk.refused(
         "parent.record",
         l_hrs
-            .patch(&lc, &dry_patch(), &merge(json!({"metadata": {"annotations": {"volumes.cozystack.io/phase": "Released"}}})))
+            .patch(
+                &lc,
+                &dry_patch(),
+                &merge(json!({"metadata": {"annotations": {&common::keys().phase: "Released"}}})),
+            )
             .await,
         &["written only by the volume-gate worker"],
     );
@@ -668,12 +672,13 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     )
     .await;
     // A release that carried a record before it was labelled a tenant.
+    let keys = common::keys();
     let carried = json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
         "metadata": {"name": "kubernetes-adopted", "annotations": {
-            "volumes.cozystack.io/phase": "Released",
-            "volumes.cozystack.io/override": "carried in",
-            "volumes.cozystack.io/override-by": "alice",
-            "volumes.cozystack.io/override-at": volume_gate::record::now_rfc3339()}},
+            &keys.phase: "Released",
+            &keys.override_reason: "carried in",
+            &keys.override_by: "alice",
+            &keys.override_at: volume_gate::record::now_rfc3339()}},
         "spec": common::flux::inert_spec("kubernetes")});
     hrs(&m, &l.namespace)
         .create(
@@ -807,7 +812,7 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
     )
     .await;
     let secrets: Api<Secret> = Api::namespaced(m.clone(), &h.namespace);
-    let kubeconfig = format!("{hc}-admin-kubeconfig");
+    let kubeconfig = common::profile().kubeconfig_secret_name(&hc);
     walk.refused(
         "admin-kubeconfig.delete",
         secrets.delete(&kubeconfig, &dry_delete()).await,
@@ -819,7 +824,7 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         secrets.patch(
             &kubeconfig,
             &dry_patch(),
-            &merge(json!({"data": {"super-admin.svc": common::tenant::base64(b"elsewhere")}})),
+            &merge(json!({"data": {&common::profile().kubeconfig.keys[0]: common::tenant::base64(b"elsewhere")}})),
         ),
     )
     .await;
@@ -943,7 +948,7 @@ async fn csi_owned_by_a_deleted_object(
     admin: &kube::Client,
     l: &Tenant,
 ) -> Result<(), String> {
-    let csi = format!("{}-csi", l.name);
+    let csi = common::profile().csi_release_name(&l.name);
     let cms: Api<ConfigMap> = Api::namespaced(m.clone(), &l.namespace);
     let owner = cms
         .create(

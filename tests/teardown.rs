@@ -575,7 +575,7 @@ async fn deleting_the_tenant_control_plane_stops_the_tenant_api_server_and_gc_re
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("tcpdel")).await;
     let secrets: Api<Secret> = Api::namespaced(t.management.clone(), &t.namespace);
-    let secret_name = format!("{}-admin-kubeconfig", t.name);
+    let secret_name = common::profile().kubeconfig_secret_name(&t.name);
 
     let body = readyz(&t.api)
         .await

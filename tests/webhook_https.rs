@@ -4,7 +4,7 @@
 //! port, so every decision that needs an API read must be refused.
 
 use std::net::SocketAddr;
-use std::sync::Arc;
+use std::sync::{Arc, LazyLock};
 use std::time::Duration;
 
 use base64::Engine;
@@ -27,15 +27,32 @@ use volume_gate::args::{DEFAULT_MAX_BODY_BYTES, DEFAULT_WORKER_IDENTITY};
 use volume_gate::certs::{self, ServingSpec};
 use volume_gate::metrics::Metrics;
 use volume_gate::profile::Profile;
+use volume_gate::record::Keys;
 use volume_gate::tls::{self, CertReloader};
 
 const DEADLINE: Duration = Duration::from_secs(20);
 /// Nothing listens here (binding it needs root), so every API read fails at once.
 const UNREACHABLE_API: &str = "http://127.0.0.1:1";
 const WORKER: &str = DEFAULT_WORKER_IDENTITY;
-const FINALIZER: &str = "volumes.cozystack.io/release";
 const NAMESPACE: &str = "tenant-x";
 const TENANT: &str = "kubernetes-x";
+
+/// The profile the gate runs with: its names are what the tests expect.
+fn profile() -> &'static Profile {
+    static PROFILE: LazyLock<Profile> = LazyLock::new(Profile::cozystack);
+    &PROFILE
+}
+
+/// The custody finalizer.
+fn finalizer() -> &'static str {
+    &profile().custody_finalizer
+}
+
+/// The record's annotation keys.
+fn keys() -> &'static Keys {
+    static KEYS: LazyLock<Keys> = LazyLock::new(|| Keys::new(&profile().annotation_prefix));
+    &KEYS
+}
 
 // ---------------------------------------------------------------------------
 // The server under test
@@ -71,7 +88,7 @@ impl Webhook {
         let client = kube::Client::try_from(config).unwrap();
         let metrics = Metrics::new();
         let gate = Arc::new(Gate::new(
-            Profile::cozystack(),
+            profile().clone(),
             WORKER.to_string(),
             client,
             metrics.clone(),
@@ -394,7 +411,7 @@ fn parent_delete(uid: &str, finalizers: &[&str], dry_run: bool) -> Value {
 
 /// DELETE of the tenant's CSI driver release.
 fn csi_delete(uid: &str, dry_run: bool) -> Value {
-    let name = format!("{TENANT}-csi");
+    let name = profile().csi_release_name(TENANT);
     let old = helmrelease(
         &name,
         json!({"cozystack.io/target-cluster-name": TENANT}),
@@ -415,11 +432,8 @@ fn csi_delete(uid: &str, dry_run: bool) -> Value {
 
 /// A forged phase on an UPDATE of the parent, by `user`.
 fn forged_phase_update(uid: &str, user: &str) -> Value {
-    let old = parent(json!({}), &[FINALIZER]);
-    let new = parent(
-        json!({"volumes.cozystack.io/phase": "Released"}),
-        &[FINALIZER],
-    );
+    let old = parent(json!({}), &[finalizer()]);
+    let new = parent(json!({&keys().phase: "Released"}), &[finalizer()]);
     review(hr_request(
         uid,
         "UPDATE",
@@ -488,7 +502,7 @@ async fn validate_refuses_a_forged_record_from_a_person_and_accepts_it_from_the_
     let message = denied(&response);
     assert_eq!(response["status"]["code"], 403, "{response}");
     assert!(
-        message.contains("volumes.cozystack.io/phase"),
+        message.contains(&keys().phase),
         "the message names the key: {message}"
     );
     assert!(
@@ -517,7 +531,7 @@ async fn delete_of_a_parent_in_custody_is_allowed_without_an_api_read() {
     let response = client
         .review(
             "/validate",
-            &parent_delete("uid-in-custody", &[FINALIZER], false),
+            &parent_delete("uid-in-custody", &[finalizer()], false),
         )
         .await;
     assert_eq!(response["uid"], "uid-in-custody");
@@ -538,7 +552,7 @@ async fn delete_of_a_parent_in_custody_is_allowed_without_an_api_read() {
     let message = denied(&response);
     assert_eq!(response["status"]["code"], 403, "{response}");
     assert!(message.contains("not yet in custody"), "{message}");
-    assert!(message.contains(FINALIZER), "{message}");
+    assert!(message.contains(finalizer()), "{message}");
 
     let response = client
         .review("/validate", &parent_delete("uid-no-finalizers", &[], false))
@@ -566,7 +580,7 @@ async fn an_allow_that_needs_a_read_is_refused_when_the_api_server_is_unreachabl
         "{message}"
     );
     assert!(
-        message.contains(&format!("{TENANT}-csi")),
+        message.contains(&profile().csi_release_name(TENANT)),
         "the message names the object: {message}"
     );
     assert!(server.api_reads() >= 1, "the decision tried a read");
@@ -579,7 +593,7 @@ async fn an_allow_that_needs_a_read_is_refused_when_the_api_server_is_unreachabl
         json!({}),
         &[],
     );
-    let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": format!("{TENANT}-admin-kubeconfig"), "namespace": NAMESPACE}});
+    let secret = json!({"apiVersion": "v1", "kind": "Secret", "metadata": {"name": profile().kubeconfig_secret_name(TENANT), "namespace": NAMESPACE}});
     let machine = json!({"apiVersion": "cluster.x-k8s.io/v1beta1", "kind": "Machine",
         "metadata": {"name": "kubernetes-x-md0-abcde", "namespace": NAMESPACE, "labels": {"cluster.x-k8s.io/cluster-name": TENANT}}});
     let cases = [
@@ -592,7 +606,7 @@ async fn an_allow_that_needs_a_read_is_refused_when_the_api_server_is_unreachabl
         (
             "uid-secret",
             ("", "v1", "Secret", "secrets"),
-            format!("{TENANT}-admin-kubeconfig"),
+            profile().kubeconfig_secret_name(TENANT),
             secret,
         ),
         (
@@ -642,11 +656,11 @@ async fn mutate_adds_the_custody_finalizer_as_a_base64_json_patch() {
     let patch = decode_patch(&response);
     assert_eq!(
         serde_json::to_value(&patch).unwrap(),
-        json!([{"op": "add", "path": "/metadata/finalizers", "value": [FINALIZER]}])
+        json!([{"op": "add", "path": "/metadata/finalizers", "value": [finalizer()]}])
     );
     let mut object = request["request"]["object"].clone();
     json_patch::patch(&mut object, &patch).expect("the patch applies to the object");
-    assert_eq!(object["metadata"]["finalizers"], json!([FINALIZER]));
+    assert_eq!(object["metadata"]["finalizers"], json!([finalizer()]));
     assert_eq!(object["metadata"]["name"], TENANT, "nothing else changed");
 
     // Already in custody: nothing to add, no patch at all.
@@ -655,7 +669,7 @@ async fn mutate_adds_the_custody_finalizer_as_a_base64_json_patch() {
         "CREATE",
         TENANT,
         "alice",
-        Some(parent(json!({}), &[FINALIZER])),
+        Some(parent(json!({}), &[finalizer()])),
         None,
     ));
     let response = client.review("/mutate", &with).await;
@@ -680,7 +694,7 @@ async fn mutate_adds_the_custody_finalizer_as_a_base64_json_patch() {
     json_patch::patch(&mut object, &patch).unwrap();
     assert_eq!(
         object["metadata"]["finalizers"],
-        json!(["a.example.com/x", FINALIZER])
+        json!(["a.example.com/x", finalizer()])
     );
     assert_eq!(server.api_reads(), 0, "mutation never reads");
     server.stop().await;
@@ -691,10 +705,10 @@ async fn mutate_stamps_an_override_with_the_requester_and_the_time() {
     let server = Webhook::start().await;
     let mut client = server.h2().await;
 
-    let old = parent(json!({}), &[FINALIZER]);
+    let old = parent(json!({}), &[finalizer()]);
     let new = parent(
-        json!({"volumes.cozystack.io/override": "customer gone, volumes abandoned"}),
-        &[FINALIZER],
+        json!({&keys().override_reason: "customer gone, volumes abandoned"}),
+        &[finalizer()],
     );
     let request = review(hr_request(
         "uid-override",
@@ -714,15 +728,12 @@ async fn mutate_stamps_an_override_with_the_requester_and_the_time() {
     let mut object = new.clone();
     json_patch::patch(&mut object, &patch).expect("the stamp patch applies");
     let annotations = &object["metadata"]["annotations"];
+    assert_eq!(annotations[&keys().override_by], "bob", "{object}");
     assert_eq!(
-        annotations["volumes.cozystack.io/override-by"], "bob",
-        "{object}"
-    );
-    assert_eq!(
-        annotations["volumes.cozystack.io/override"],
+        annotations[&keys().override_reason],
         "customer gone, volumes abandoned"
     );
-    let at = annotations["volumes.cozystack.io/override-at"]
+    let at = annotations[&keys().override_at]
         .as_str()
         .expect("override-at is stamped");
     let stamped: jiff::Timestamp = at
@@ -739,15 +750,15 @@ async fn mutate_stamps_an_override_with_the_requester_and_the_time() {
     );
     assert_eq!(
         object["metadata"]["finalizers"],
-        json!([FINALIZER]),
+        json!([finalizer()]),
         "no other change"
     );
 
     // A client-supplied stamp is overwritten, never accepted.
     let forged = parent(
-        json!({"volumes.cozystack.io/override": "gone", "volumes.cozystack.io/override-by": "someone-else",
-               "volumes.cozystack.io/override-at": "2001-01-01T00:00:00Z"}),
-        &[FINALIZER],
+        json!({&keys().override_reason: "gone", &keys().override_by: "someone-else",
+               &keys().override_at: "2001-01-01T00:00:00Z"}),
+        &[finalizer()],
     );
     let request = review(hr_request(
         "uid-override-forged",
@@ -755,17 +766,17 @@ async fn mutate_stamps_an_override_with_the_requester_and_the_time() {
         TENANT,
         "bob",
         Some(forged.clone()),
-        Some(parent(json!({}), &[FINALIZER])),
+        Some(parent(json!({}), &[finalizer()])),
     ));
     let response = client.review("/mutate", &request).await;
     let mut object = forged;
     json_patch::patch(&mut object, &decode_patch(&response)).unwrap();
     assert_eq!(
-        object["metadata"]["annotations"]["volumes.cozystack.io/override-by"],
+        object["metadata"]["annotations"][&keys().override_by],
         "bob"
     );
     assert_ne!(
-        object["metadata"]["annotations"]["volumes.cozystack.io/override-at"],
+        object["metadata"]["annotations"][&keys().override_at],
         "2001-01-01T00:00:00Z"
     );
     server.stop().await;
@@ -777,10 +788,10 @@ async fn a_stamped_override_is_refused_when_the_access_review_cannot_be_made() {
     let mut client = server.h2().await;
 
     // What the API server does: mutate first, then validate the patched object.
-    let old = parent(json!({}), &[FINALIZER]);
+    let old = parent(json!({}), &[finalizer()]);
     let new = parent(
-        json!({"volumes.cozystack.io/override": "customer gone"}),
-        &[FINALIZER],
+        json!({&keys().override_reason: "customer gone"}),
+        &[finalizer()],
     );
     let request = review(hr_request(
         "uid-sar",
@@ -820,7 +831,7 @@ async fn dry_run_gets_exactly_the_answer_of_a_real_request() {
     let server = Webhook::start().await;
     let mut client = server.h2().await;
 
-    for finalizers in [&[FINALIZER][..], &[][..]] {
+    for finalizers in [&[finalizer()][..], &[][..]] {
         let real = client
             .post(
                 "/validate",
@@ -920,29 +931,29 @@ struct Malformed {
 }
 
 fn malformed_cases() -> Vec<Malformed> {
-    let valid = serde_json::to_vec(&parent_delete("uid-valid", &[FINALIZER], false)).unwrap();
+    let valid = serde_json::to_vec(&parent_delete("uid-valid", &[finalizer()], false)).unwrap();
 
-    let mut v1beta1 = parent_delete("uid-v1beta1", &[FINALIZER], false);
+    let mut v1beta1 = parent_delete("uid-v1beta1", &[finalizer()], false);
     v1beta1["apiVersion"] = json!("admission.k8s.io/v1beta1");
 
-    let mut no_uid = parent_delete("ignored", &[FINALIZER], false);
+    let mut no_uid = parent_delete("ignored", &[finalizer()], false);
     no_uid["request"].as_object_mut().unwrap().remove("uid");
 
-    let mut empty_uid = parent_delete("ignored", &[FINALIZER], false);
+    let mut empty_uid = parent_delete("ignored", &[finalizer()], false);
     empty_uid["request"]["uid"] = json!("");
 
     let no_request = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview"});
     let null_request =
         json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": null});
 
-    let mut unknown_op = parent_delete("uid-unknown-op", &[FINALIZER], false);
+    let mut unknown_op = parent_delete("uid-unknown-op", &[finalizer()], false);
     unknown_op["request"]["operation"] = json!("EXPLODE");
 
-    let mut wrong_kind = parent_delete("uid-wrong-kind", &[FINALIZER], false);
+    let mut wrong_kind = parent_delete("uid-wrong-kind", &[finalizer()], false);
     wrong_kind["kind"] = json!("AdmissionResponse");
 
     // An otherwise valid review whose object is padded past the limit.
-    let mut huge = parent_delete("uid-huge", &[FINALIZER], false);
+    let mut huge = parent_delete("uid-huge", &[finalizer()], false);
     huge["request"]["oldObject"]["spec"]["values"]["padding"] =
         json!("x".repeat(DEFAULT_MAX_BODY_BYTES));
     let huge = serde_json::to_vec(&huge).unwrap();
@@ -1094,7 +1105,7 @@ async fn malformed_reviews_are_refused_with_a_well_formed_answer_on_both_endpoin
     let response = client
         .review(
             "/validate",
-            &parent_delete("uid-after", &[FINALIZER], false),
+            &parent_delete("uid-after", &[finalizer()], false),
         )
         .await;
     assert_allowed(&response);
@@ -1190,7 +1201,7 @@ async fn decisions_and_their_durations_are_counted() {
         client
             .review(
                 "/validate",
-                &parent_delete(&format!("uid-m-allow-{i}"), &[FINALIZER], false),
+                &parent_delete(&format!("uid-m-allow-{i}"), &[finalizer()], false),
             )
             .await;
         client
@@ -1280,7 +1291,11 @@ async fn two_hundred_requests_over_twenty_streams_of_one_connection_are_all_answ
     let expected = |i: usize| -> (&'static str, Value, bool) {
         let uid = format!("uid-concurrent-{i:03}");
         match i % 5 {
-            0 => ("/validate", parent_delete(&uid, &[FINALIZER], false), true),
+            0 => (
+                "/validate",
+                parent_delete(&uid, &[finalizer()], false),
+                true,
+            ),
             1 => ("/validate", parent_delete(&uid, &[], false), false),
             2 => ("/validate", forged_phase_update(&uid, "alice"), false),
             3 => ("/mutate", parent_create(&uid), true),

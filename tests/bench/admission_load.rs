@@ -64,7 +64,6 @@ use volume_gate::tls::{self, CertReloader};
 const UNREACHABLE_API: &str = "http://127.0.0.1:1";
 const NAMESPACE: &str = "tenant-acme";
 const TENANT: &str = "kubernetes-acme";
-const CUSTODY_FINALIZER: &str = "volumes.cozystack.io/release";
 /// Distinct uids per scenario; requests cycle through them.
 const VARIANTS: usize = 32;
 
@@ -381,7 +380,7 @@ fn parent_release(rules: usize, generation: u64, version: &str) -> Value {
             "generation": generation,
             "creationTimestamp": "2025-06-02T09:14:27Z",
             "labels": labels,
-            "finalizers": ["finalizers.fluxcd.io", CUSTODY_FINALIZER],
+            "finalizers": ["finalizers.fluxcd.io", Profile::cozystack().custody_finalizer],
             "managedFields": [
                 {
                     "manager": "cozystack-api", "operation": "Update", "apiVersion": "helm.toolkit.fluxcd.io/v2",

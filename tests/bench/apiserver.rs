@@ -59,9 +59,9 @@ use volume_gate::args::DEFAULT_MAX_BODY_BYTES;
 use volume_gate::certs::{self, ServingSpec};
 use volume_gate::metrics::Metrics;
 use volume_gate::profile::Profile;
+use volume_gate::record::Keys;
 use volume_gate::tls::{self, CertReloader};
 
-const CUSTODY_FINALIZER: &str = "volumes.cozystack.io/release";
 const FLUX_FINALIZER: &str = "finalizers.fluxcd.io";
 
 #[derive(Parser, Debug)]
@@ -134,6 +134,9 @@ struct Bench {
     client: kube::Client,
     tenants: Vec<(String, String)>,
     seq: AtomicU64,
+    /// The gate's profile, for its names (R-csi, the record's keys).
+    profile: Profile,
+    keys: Keys,
 }
 
 /// What one request got: allowed, or refused with the API server's message.
@@ -159,7 +162,10 @@ impl Bench {
         };
         let started = Instant::now();
         let result = match op {
-            Op::DeleteRefused => api.delete(&format!("{parent}-csi"), &dry).await.map(drop),
+            Op::DeleteRefused => api
+                .delete(&self.profile.csi_release_name(parent), &dry)
+                .await
+                .map(drop),
             Op::DeleteAllowed => api
                 .delete(&format!("{parent}-coredns"), &dry)
                 .await
@@ -169,7 +175,7 @@ impl Bench {
                     parent,
                     &PatchParams::default(),
                     &Patch::Merge(json!({"metadata": {"annotations": {
-                        "volumes.cozystack.io/message": format!("bench-apiserver {n}")}}})),
+                        &self.keys.message: format!("bench-apiserver {n}")}}})),
                 )
                 .await
                 .map(drop),
@@ -318,7 +324,10 @@ async fn main() {
             .map(|(k, v)| (k.to_string(), v.to_string()))
             .collect(),
         );
-        p.metadata.finalizers = Some(vec![FLUX_FINALIZER.into(), CUSTODY_FINALIZER.into()]);
+        p.metadata.finalizers = Some(vec![
+            FLUX_FINALIZER.into(),
+            common::profile().custody_finalizer,
+        ]);
         p.data = json!({"spec": common::flux::inert_spec("kubernetes")});
         api.create(&PostParams::default(), &p)
             .await
@@ -391,6 +400,8 @@ async fn main() {
         client: client.clone(),
         tenants,
         seq: AtomicU64::new(0),
+        profile: Profile::cozystack(),
+        keys: common::keys(),
     };
     println!(
         "  gate at {gate_base}, null at {null_base}; worker identity {username:?}; {} webhook configurations from manifests/base",

@@ -53,7 +53,6 @@ use volume_gate::args::{DEFAULT_MAX_BODY_BYTES, DEFAULT_WORKER_IDENTITY};
 use volume_gate::metrics::Metrics;
 use volume_gate::profile::Profile;
 
-const CUSTODY_FINALIZER: &str = "volumes.cozystack.io/release";
 const FLUX_FINALIZER: &str = "finalizers.fluxcd.io";
 /// Cozystack's child releases of a tenant cluster; `csi` first.
 const CHILDREN: &[&str] = &[
@@ -125,7 +124,10 @@ fn parent_object(ns: &str, name: &str) -> DynamicObject {
         .map(|(k, v)| (k.to_string(), v.to_string()))
         .collect(),
     );
-    o.metadata.finalizers = Some(vec![FLUX_FINALIZER.into(), CUSTODY_FINALIZER.into()]);
+    o.metadata.finalizers = Some(vec![
+        FLUX_FINALIZER.into(),
+        common::profile().custody_finalizer,
+    ]);
     o.data = json!({"spec": {"chart": {"spec": {"chart": "kubernetes", "sourceRef": {"kind": "HelmRepository", "name": "cozystack-apps", "namespace": "cozy-public"}}}, "interval": "5m", "values": {"storageClass": "replicated", "version": "v1.32"}}});
     o
 }
@@ -143,7 +145,7 @@ fn child_object(ns: &str, parent: &str, suffix: &str) -> DynamicObject {
     o.data = json!({"spec": {
         "chart": {"spec": {"chart": format!("cozy-{suffix}"), "sourceRef": {"kind": "HelmRepository", "name": "cozystack-system", "namespace": "cozy-system"}}},
         "interval": "5m",
-        "kubeConfig": {"secretRef": {"name": format!("{parent}-admin-kubeconfig"), "key": "super-admin.svc"}},
+        "kubeConfig": {"secretRef": {"name": common::profile().kubeconfig_secret_name(parent), "key": common::profile().kubeconfig.keys[0]}},
         "releaseName": suffix,
         "targetNamespace": format!("cozy-{suffix}"),
     }});
@@ -549,7 +551,8 @@ async fn main() {
             let ns = obj.metadata.namespace.clone().unwrap();
             let parent =
                 obj.metadata.labels.as_ref().unwrap()["cozystack.io/target-cluster-name"].clone();
-            let csi = obj.metadata.name.as_deref() == Some(&format!("{parent}-csi"));
+            let csi =
+                obj.metadata.name.as_deref() == Some(&common::profile().csi_release_name(&parent));
             Child {
                 reviews: [Requester::HelmController, Requester::NamespaceController]
                     .map(|by| delete_review(&format!("burst-{i:06}"), obj, by)),

@@ -45,7 +45,7 @@ use futures::StreamExt;
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
 use scale::{Workload, loadavg, meminfo, mib, proc_mem, stats};
 use serde_json::Value;
-use volume_gate::record::{Keys, Phase, Record};
+use volume_gate::record::{Phase, Record};
 
 #[derive(Parser, Debug)]
 #[command(about = "Benchmark 5: N tenants deleted at once vs one alone")]
@@ -358,7 +358,7 @@ async fn release_one(t: &Tenant) -> f64 {
 async fn release_all(cp: &ControlPlane, tenants: &[Tenant]) -> (f64, Vec<f64>, f64) {
     let client = cp.management_client().await;
     let api: Api<DynamicObject> = Api::all_with(client, &helmrelease_resource());
-    let keys = Keys::new("volumes.cozystack.io/");
+    let keys = common::keys();
     let wanted: HashMap<(String, String), usize> = tenants
         .iter()
         .enumerate()

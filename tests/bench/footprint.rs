@@ -372,6 +372,7 @@ async fn measure(
 async fn wait_custody(client: &kube::Client, tenants: usize) {
     let api: Api<DynamicObject> = Api::all_with(client.clone(), &helmrelease_resource());
     let lp = ListParams::default().labels("apps.cozystack.io/application.kind=Kubernetes");
+    let finalizer = common::profile().custody_finalizer;
     let deadline = Instant::now() + Duration::from_secs(600);
     loop {
         if let Ok(list) = api.list_metadata(&lp).await {
@@ -388,7 +389,7 @@ async fn wait_custody(client: &kube::Client, tenants: usize) {
                     p.metadata
                         .finalizers
                         .as_ref()
-                        .is_some_and(|f| f.iter().any(|f| f == "volumes.cozystack.io/release"))
+                        .is_some_and(|f| f.contains(&finalizer))
                 })
                 .count();
             if held >= tenants {
@@ -452,7 +453,10 @@ async fn burst_b(client: &kube::Client, tenants: usize, concurrency: usize) -> (
                     dry_run: true,
                     ..Default::default()
                 };
-                let refused = api.delete(&format!("{r}-csi"), &dp).await.is_err();
+                let refused = api
+                    .delete(&common::profile().csi_release_name(&r), &dp)
+                    .await
+                    .is_err();
                 let patch =
                     json!({"metadata": {"annotations": {"bench.volume-gate.test/touched": "yes"}}});
                 let pp = PatchParams {
@@ -529,7 +533,7 @@ fn child_body(parent: &str, child: &str, bytes: usize) -> Value {
             "sourceRef": {"kind": "HelmRepository", "name": "cozystack-system", "namespace": "cozy-system"}}},
         "interval": "5m", "timeout": "10m", "releaseName": child, "targetNamespace": format!("cozy-{child}"),
         "storageNamespace": format!("cozy-{child}"),
-        "kubeConfig": {"secretRef": {"name": format!("{parent}-admin-kubeconfig"), "key": "super-admin.svc"}},
+        "kubeConfig": {"secretRef": {"name": common::profile().kubeconfig_secret_name(parent), "key": common::profile().kubeconfig.keys[0]}},
         "install": {"createNamespace": true, "remediation": {"retries": -1}},
         "upgrade": {"force": true, "remediation": {"retries": -1}},
         "dependsOn": [{"name": parent, "namespace": "tenant"}, {"name": format!("{parent}-cilium"), "namespace": "tenant"}],

@@ -699,7 +699,7 @@ pub async fn poll_phase(
     every: Duration,
     timeout: Duration,
 ) -> Instant {
-    let keys = volume_gate::record::Keys::new("volumes.cozystack.io/");
+    let keys = crate::common::keys();
     let deadline = Instant::now() + timeout;
     let mut last = String::new();
     loop {

@@ -16,7 +16,7 @@ use kube::api::{Api, DynamicObject};
 use kube::runtime::{WatchStreamExt, watcher};
 use tokio::sync::watch;
 
-use volume_gate::record::{Keys, Record};
+use volume_gate::record::Record;
 
 /// One observation of the parent: a version of it, or its absence.
 #[derive(Clone, Debug)]
@@ -30,7 +30,7 @@ impl Seen {
     pub fn record(&self) -> Option<Record> {
         match self {
             Seen::Parent(p) => Some(Record::from_annotations(
-                &Keys::new("volumes.cozystack.io/"),
+                &super::keys(),
                 &p.metadata.annotations.clone().unwrap_or_default(),
             )),
             Seen::Gone => None,

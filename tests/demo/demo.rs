@@ -87,8 +87,10 @@ async fn main() {
     let t = Tenant::create(cp, "demo").await;
     t.wait_custody().await;
     println!(
-        "    custody taken: finalizer volumes.cozystack.io/release on {}/{}",
-        t.namespace, t.name
+        "    custody taken: finalizer {} on {}/{}",
+        common::profile().custody_finalizer,
+        t.namespace,
+        t.name
     );
     t.incident_workload().await;
     let before = ledger(&env.sim, &t);
