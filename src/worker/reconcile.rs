@@ -169,87 +169,16 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
         }
     };
     if record.phase.is_none() {
-        let waiting = ctx.slots.available_permits() == 0;
-        let message = if waiting {
-            "waiting for a release slot"
-        } else {
-            "release started"
-        };
-        if let Err(e) = ctx
-            .write_record(
-                &t,
-                &Update {
-                    phase: Some(Phase::Releasing),
-                    message: Some(message.into()),
-                    ..Default::default()
-                },
-            )
-            .await
-        {
-            warn!(error = %e, "cannot record the start of the release");
-        }
-        ctx.event(
-            &t,
-            Reason::ReleaseStarted,
-            "tenant is being deleted: releasing its volumes before the CSI driver goes".into(),
-        )
-        .await;
+        record_start(&ctx, &t).await;
     }
     let Ok(_permit) = ctx.slots.clone().acquire_owned().await else {
         return;
     };
-    let outcome = release::run(&ctx, &t, &record).await;
-    let result = match outcome {
-        Ok(release::Outcome::Released { inventory, note }) => {
-            let mut message = format!(
-                "{} freed, none left on storage",
-                count(inventory.total, "volume")
-            );
-            if let Some(note) = note {
-                message.push_str(": ");
-                message.push_str(&note);
-            }
-            let update = Update {
-                phase: Some(Phase::Released),
-                message: Some(message.clone()),
-                released_at: Some(now_rfc3339()),
-                inventory: Some(inventory),
-                cluster: None,
-            };
-            match ctx.write_record(&t, &update).await {
-                Ok(()) => {
-                    ctx.event(&t, Reason::Released, message).await;
-                    ctx.outcome_recorded(&t, "released");
-                    // Custody ended in the same write.
-                    Ok(())
-                }
-                Err(e) => Err(e),
-            }
-        }
-        Ok(release::Outcome::Blocked {
-            reason,
-            message,
-            inventory,
-        }) => {
-            ctx.count_error(reason);
-            let (attempts, delay) = ctx.schedule_retry(&t, |n| ctx.settings.backoff(n));
-            let full = format!(
-                "{message} (attempt {attempts}; retrying in {}s)",
-                delay.as_secs()
-            );
-            let update = Update {
-                phase: Some(Phase::Blocked),
-                message: Some(full.clone()),
-                inventory,
-                ..Default::default()
-            };
-            let written = ctx.write_record(&t, &update).await;
-            ctx.event(&t, Reason::Blocked, full).await;
-            written
-        }
+    let recorded = match release::run(&ctx, &t, &record).await {
+        Ok(outcome) => record_outcome(&ctx, &t, outcome).await,
         Err(e) => Err(e),
     };
-    if let Err(e) = result {
+    if let Err(e) = recorded {
         // A parent too large for its record stays so until someone acts:
         // said once per attempt on the backoff, not every API_RETRY.
         let too_large = ctx.record_not_written(&t, &e).await;
@@ -266,6 +195,78 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
         });
     }
     ctx.pass_over(&t);
+}
+
+/// The first pass of a phase: `Releasing` (or waiting for a slot) and its Event.
+async fn record_start(ctx: &Context, t: &TenantRef) {
+    let message = if ctx.slots.available_permits() == 0 {
+        "waiting for a release slot"
+    } else {
+        "release started"
+    };
+    let update = Update {
+        phase: Some(Phase::Releasing),
+        message: Some(message.into()),
+        ..Default::default()
+    };
+    if let Err(e) = ctx.write_record(t, &update).await {
+        warn!(error = %e, "cannot record the start of the release");
+    }
+    let note = "tenant is being deleted: releasing its volumes before the CSI driver goes";
+    ctx.event(t, Reason::ReleaseStarted, note.into()).await;
+}
+
+/// Writes a pass's outcome and its Event: `Released` (custody ends in the
+/// same write), or `Blocked` with the next retry on the backoff.
+async fn record_outcome(
+    ctx: &Context,
+    t: &TenantRef,
+    outcome: release::Outcome,
+) -> Result<(), kube::Error> {
+    match outcome {
+        release::Outcome::Released { inventory, note } => {
+            let mut message = format!(
+                "{} freed, none left on storage",
+                count(inventory.total, "volume")
+            );
+            if let Some(note) = note {
+                message.push_str(": ");
+                message.push_str(&note);
+            }
+            let update = Update {
+                phase: Some(Phase::Released),
+                message: Some(message.clone()),
+                released_at: Some(now_rfc3339()),
+                inventory: Some(inventory),
+                cluster: None,
+            };
+            ctx.write_record(t, &update).await?;
+            ctx.event(t, Reason::Released, message).await;
+            ctx.outcome_recorded(t, "released");
+            Ok(())
+        }
+        release::Outcome::Blocked {
+            reason,
+            message,
+            inventory,
+        } => {
+            ctx.count_error(reason);
+            let (attempts, delay) = ctx.schedule_retry(t, |n| ctx.settings.backoff(n));
+            let full = format!(
+                "{message} (attempt {attempts}; retrying in {}s)",
+                delay.as_secs()
+            );
+            let update = Update {
+                phase: Some(Phase::Blocked),
+                message: Some(full.clone()),
+                inventory,
+                ..Default::default()
+            };
+            let written = ctx.write_record(t, &update).await;
+            ctx.event(t, Reason::Blocked, full).await;
+            written
+        }
+    }
 }
 
 pub(crate) fn error_policy(

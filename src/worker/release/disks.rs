@@ -391,6 +391,25 @@ pub fn deletable<'a>(inv: &'a Inventory, observed: &Observed) -> Vec<&'a InfraRe
         .collect()
 }
 
+/// The management PVs behind the infra objects `freed`: those their PVCs
+/// are bound to now, and those the inventory recorded (a PVC already gone).
+pub fn disks_of(freed: &[String], inv: &Inventory, observed: &Observed) -> HashSet<String> {
+    let freed: HashSet<&str> = freed.iter().map(String::as_str).collect();
+    observed
+        .claims
+        .iter()
+        .filter(|c| freed.contains(c.name.as_str()))
+        .filter_map(|c| c.detail.clone())
+        .chain(
+            inv.volumes
+                .iter()
+                .filter_map(|v| v.infra.as_ref())
+                .filter(|r| freed.contains(r.name.as_str()))
+                .filter_map(|r| r.pv.clone()),
+        )
+        .collect()
+}
+
 /// Inventoried volumes whose volumeHandle names nothing on the management
 /// side: they cannot be vouched for from there.
 pub fn unmapped(inv: Option<&Inventory>) -> Vec<String> {
@@ -548,6 +567,40 @@ mod tests {
         );
         attach_refs(&mut inv, &InfraSpec::cozystack());
         inv
+    }
+
+    #[test]
+    fn the_disks_of_freed_objects_are_their_bound_pvs_and_the_recorded_ones() {
+        let mut inv = inventory(&[
+            ("pvc-a", "Delete"),
+            ("pvc-b", "Delete"),
+            ("pvc-c", "Delete"),
+        ]);
+        // pvc-b's PVC is gone already: its disk is known from the record.
+        inv.volumes[1].infra.as_mut().unwrap().pv = Some("disk-b".into());
+        let observed = Observed {
+            served: true,
+            claims: vec![
+                Held {
+                    name: "pvc-a".into(),
+                    detail: Some("disk-a".into()),
+                    ..Default::default()
+                },
+                Held {
+                    name: "pvc-c".into(),
+                    detail: Some("disk-c".into()),
+                    ..Default::default()
+                },
+            ],
+            ..Default::default()
+        };
+        let freed = vec!["pvc-a".to_string(), "pvc-b".to_string()];
+        let disks = disks_of(&freed, &inv, &observed);
+        let want: HashSet<String> = ["disk-a", "disk-b"].map(String::from).into();
+        assert_eq!(
+            disks, want,
+            "pvc-c was not freed: its disk is not waited for"
+        );
     }
 
     const MINE: (&str, &str) = ("cluster.x-k8s.io/cluster-name", "kubernetes-a");

@@ -378,40 +378,7 @@ pub(super) async fn unreachable(
     let mut observed = observed;
     if !freed.is_empty() {
         let i = inv.as_mut().expect("freed from an inventory");
-        let message = format!(
-            "the tenant API cannot be reached ({why}): freeing {} from the management side ({} deleted, and the Pods mounting their PVCs)",
-            count(freed.len(), "volume"),
-            spec.kind
-        );
-        ctx.write_record(
-            t,
-            &Update {
-                phase: Some(Phase::Releasing),
-                message: Some(message.clone()),
-                inventory: Some(i.clone()),
-                ..Default::default()
-            },
-        )
-        .await?;
-        ctx.event(t, Reason::FreedFromManagement, message).await;
-        // The disks of what was freed: the PVs of their PVCs, or recorded.
-        let disks: HashSet<String> = observed
-            .claims
-            .iter()
-            .filter(|c| freed.contains(&c.name))
-            .filter_map(|c| c.detail.clone())
-            .chain(
-                i.volumes
-                    .iter()
-                    .filter_map(|v| v.infra.as_ref())
-                    .filter(|r| freed.contains(&r.name))
-                    .filter_map(|r| r.pv.clone()),
-            )
-            .collect();
-        let deadline = Instant::now() + ctx.settings.wait_bound;
-        observed = wait_disks_then_observe(ctx, t, spec, disks, deadline, i).await?;
-        let marked = disks::mark_gone(i, &observed);
-        ctx.metrics.volumes_freed.inc_by(marked as u64);
+        observed = record_and_wait_freed(ctx, t, spec, &why, &freed, i, &observed).await?;
         if observed.is_empty() && disks::unmapped(inv.as_ref()).is_empty() {
             return Ok(released_from_management(ctx, inv, &why, &labels, spec));
         }
@@ -427,6 +394,39 @@ pub(super) async fn unreachable(
     ];
     parts.extend(disks::kept_reasons(inv.as_ref(), &observed, spec, &labels));
     Ok(blocked(kind, parts.join("; "), inv))
+}
+
+/// Says what was freed from the management side (the record, a Warning
+/// Event), waits for the disks behind it to go, and marks gone what went;
+/// returns what the management side holds then.
+async fn record_and_wait_freed(
+    ctx: &Context,
+    t: &TenantRef,
+    spec: &InfraSpec,
+    why: &str,
+    freed: &[String],
+    inv: &mut Inventory,
+    observed: &Observed,
+) -> Result<Observed, kube::Error> {
+    let message = format!(
+        "the tenant API cannot be reached ({why}): freeing {} from the management side ({} deleted, and the Pods mounting their PVCs)",
+        count(freed.len(), "volume"),
+        spec.kind
+    );
+    let update = Update {
+        phase: Some(Phase::Releasing),
+        message: Some(message.clone()),
+        inventory: Some(inv.clone()),
+        ..Default::default()
+    };
+    ctx.write_record(t, &update).await?;
+    ctx.event(t, Reason::FreedFromManagement, message).await;
+    let disks = disks::disks_of(freed, inv, observed);
+    let deadline = Instant::now() + ctx.settings.wait_bound;
+    let observed = wait_disks_then_observe(ctx, t, spec, disks, deadline, inv).await?;
+    let marked = disks::mark_gone(inv, &observed);
+    ctx.metrics.volumes_freed.inc_by(marked as u64);
+    Ok(observed)
 }
 
 /// Waits (until `deadline`) for the management PVs `disks` to go, then
