@@ -7,6 +7,9 @@
 //! start a real one, from the cached harness): nothing after a run that
 //! passed (`up --remove-state`), its logs after one that failed (the `keep`
 //! mark a test binary's panic hook writes).
+//!
+//! And the fixture's rule for its shared environment: one configuration per
+//! test binary, a second one refused aloud.
 
 mod common;
 
@@ -129,5 +132,28 @@ fn a_state_directory_marked_keep_outlives_the_supervisor_with_its_logs() {
     assert!(
         state.join("logs/etcd.log").exists(),
         "the clusters' logs are kept"
+    );
+}
+
+#[test]
+#[should_panic(expected = "shared environment was started with")]
+fn a_second_environment_configuration_is_refused_naming_both() {
+    let started = common::EnvConfig::gated();
+    let asked = common::EnvConfig::gated_short();
+    assert_ne!(started, asked);
+    common::refuse_another("shared environment", &started, &asked);
+}
+
+#[test]
+fn the_same_environment_configuration_is_the_same_environment() {
+    common::refuse_another(
+        "shared environment",
+        &common::EnvConfig::gated_short().tenant_only(),
+        &common::EnvConfig::gated_short().tenant_only(),
+    );
+    common::refuse_another(
+        "helm-controller",
+        &common::flux::FluxConfig::default(),
+        &common::EnvConfig::gated().flux,
     );
 }

@@ -76,11 +76,7 @@ pub async fn flux_with(cp: &ControlPlane, config: FluxConfig) -> &'static Flux {
     let (started, flux) = FLUX
         .get_or_init(|| async { (config.clone(), Flux::start_with(cp, &config).await) })
         .await;
-    assert!(
-        *started == config,
-        "this test binary's helm-controller was started with\n  {started:?}\nand a caller asks for\n  {config:?}\n\
-         a binary has one helm-controller: give every caller the same configuration"
-    );
+    super::refuse_another("helm-controller", started, &config);
     flux
 }
 

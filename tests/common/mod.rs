@@ -143,14 +143,18 @@ impl EnvConfig {
 pub fn env(config: EnvConfig) -> &'static Env {
     static ENV: OnceLock<Env> = OnceLock::new();
     let env = ENV.get_or_init(|| start_env(config.clone()));
-    assert!(
-        env.config == config,
-        "this test binary's shared environment was started with\n  {:?}\nand a caller asks for\n  {:?}\n\
-         one control plane carries one environment: give every test of a binary the same configuration",
-        env.config,
-        config
-    );
+    refuse_another("shared environment", &env.config, &config);
     env
+}
+
+/// Panics, naming both, if `asked` is not the configuration `started` a
+/// shared `what` was started with: there is one per test binary.
+pub fn refuse_another<T: PartialEq + std::fmt::Debug>(what: &str, started: &T, asked: &T) {
+    assert!(
+        started == asked,
+        "this test binary's {what} was started with\n  {started:?}\nand a caller asks for\n  {asked:?}\n\
+         a test binary has one: give every caller the same configuration"
+    );
 }
 
 /// The gate with the worker flags for tests: [`EnvConfig::gated`].
