@@ -32,7 +32,14 @@ mod tests {
 
     #[test]
     fn a_subdomain_is_dns_1123() {
-        for ok in ["a", "tenant-a", "kubernetes-a.b", "0x", &"a".repeat(253)] {
+        for ok in [
+            "a",
+            "tenant-a",
+            "kubernetes-a.b",
+            "a.b-c.d",
+            "0x",
+            &"a".repeat(253),
+        ] {
             assert!(is_subdomain(ok), "{ok}");
         }
         for bad in [
@@ -42,6 +49,8 @@ mod tests {
             "a-",
             "a..b",
             ".a",
+            "a.",
+            "a.-b",
             "a_b",
             "a/b",
             "NOT_A_TENANT",

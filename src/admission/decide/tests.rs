@@ -1476,29 +1476,6 @@ fn markers_that_name_no_possible_tenant_make_no_identity_and_are_warned_of() {
 }
 
 #[test]
-fn the_object_name_check_is_dns_1123_subdomain() {
-    use crate::names::is_subdomain as is_object_name;
-    for ok in ["a", "kubernetes-prod", "a.b-c.d", "0abc", &"a".repeat(253)] {
-        assert!(is_object_name(ok), "{ok}");
-    }
-    for bad in [
-        "",
-        "-a",
-        "a-",
-        "A",
-        "a_b",
-        "a..b",
-        ".a",
-        "a.",
-        "a/b",
-        "a.-b",
-        &"a".repeat(254),
-    ] {
-        assert!(!is_object_name(bad), "{bad}");
-    }
-}
-
-#[test]
 fn becoming_a_parent_carries_no_record_in() {
     // A release labelled a parent later is judged as if created one: what it
     // carried before it was a tenant was never judged.

@@ -7,7 +7,6 @@
 
 use std::collections::{BTreeSet, HashSet};
 
-use futures::StreamExt;
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Preconditions};
 use tokio::time::Instant;
@@ -224,22 +223,7 @@ pub async fn free_deletable(
         .filter(|p| p.metadata.deletion_timestamp.is_none())
         .collect();
     let holding = claims::pods_holding(&pods, &held);
-    let pod_api = Api::<Pod>::namespaced(ctx.client.clone(), &t.namespace);
-    let results: Vec<Result<(), kube::Error>> = futures::stream::iter(holding)
-        .map(|(_, name)| {
-            let api = pod_api.clone();
-            async move {
-                match api.delete(&name, &DeleteParams::default()).await {
-                    Ok(_) => Ok(()),
-                    Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
-                    Err(e) => Err(e),
-                }
-            }
-        })
-        .buffer_unordered(8)
-        .collect()
-        .await;
-    results.into_iter().collect::<Result<Vec<()>, _>>()?;
+    super::tenant_side::delete_pods(&ctx.client, holding, 8).await?;
     for r in inv.volumes.iter_mut().filter_map(|v| v.infra.as_mut()) {
         if names.contains(&r.name) {
             r.freed_here = true;

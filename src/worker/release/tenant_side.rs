@@ -121,9 +121,21 @@ pub(super) async fn delete_holding_pods(
         .collect();
     let holding = claims::pods_holding(&alive, claims);
     let count = holding.len();
-    futures::stream::iter(holding)
+    delete_pods(tc, holding, 16).await?;
+    Ok(count)
+}
+
+/// Deletes the Pods `pods` (`namespace/name`) through `client`, `at_once`
+/// at a time; a Pod already gone counts as deleted. The management side
+/// frees the Pods that mount a dead tenant's disks with it too.
+pub(super) async fn delete_pods(
+    client: &kube::Client,
+    pods: Vec<ClaimKey>,
+    at_once: usize,
+) -> Result<(), kube::Error> {
+    futures::stream::iter(pods)
         .map(|(ns, name)| {
-            let api = Api::<Pod>::namespaced(tc.clone(), &ns);
+            let api = Api::<Pod>::namespaced(client.clone(), &ns);
             async move {
                 match api.delete(&name, &DeleteParams::default()).await {
                     Ok(_) => Ok(()),
@@ -132,10 +144,10 @@ pub(super) async fn delete_holding_pods(
                 }
             }
         })
-        .buffer_unordered(16)
+        .buffer_unordered(at_once)
         .try_collect::<Vec<()>>()
         .await?;
-    Ok(count)
+    Ok(())
 }
 
 /// Deletes every VolumeSnapshot when the API exists; returns the contents to

@@ -74,6 +74,11 @@ impl Tenant {
             "patch",
         )
         .await;
+        self.wait_override_authorized(group).await;
+    }
+
+    /// Waits until RBAC lets `group` use the override verb here.
+    async fn wait_override_authorized(&self, group: &str) {
         let permission = crate::common::profile().override_permission;
         wait_authorized(
             &self.management,
@@ -100,16 +105,7 @@ impl Tenant {
             }
             manifests::apply(&self.management, &d).await;
         }
-        let permission = crate::common::profile().override_permission;
-        wait_authorized(
-            &self.management,
-            group,
-            &self.namespace,
-            &permission.group,
-            &permission.resource,
-            &permission.verb,
-        )
-        .await;
+        self.wait_override_authorized(group).await;
     }
 }
 
