@@ -173,7 +173,7 @@ fn run(facts: &Facts, body: &[u8]) {
 }
 
 /// `docs/design.md` §4 for a child/guarded/CSI dependent, computed independently.
-fn expected_dependent(target: &Target, parent: Option<&ParentFacts>) -> bool {
+fn expected_dependent(target: &Target, action: &str, parent: Option<&ParentFacts>) -> bool {
     let Some(p) = parent else { return true };
     if p.record.is_done() {
         return true;
@@ -181,6 +181,16 @@ fn expected_dependent(target: &Target, parent: Option<&ParentFacts>) -> bool {
     let teardown = p.deleting || p.namespace_deleting == Some(true);
     match target {
         Target::CsiRelease { .. } => false,
+        // A disk's delete frees it; in teardown only once the inventory says
+        // which disks to keep (§5c). Any other change of it is held.
+        Target::InfraDisk { .. } if action == "delete" => {
+            if teardown {
+                p.record.inventory.is_some()
+            } else {
+                p.namespace_deleting.is_some()
+            }
+        }
+        Target::InfraDisk { .. } => false,
         Target::Child { .. } | Target::Guarded { .. } | Target::ReleaseObject { .. } => !teardown && p.namespace_deleting == Some(false),
         Target::Parent { .. } | Target::Unrelated => true,
     }
@@ -209,7 +219,7 @@ fn judge_dependent(facts: &Facts, target: &Target, subject: Subject<'_>, usernam
         };
         let parent = (!absent).then_some(&pf);
         let v = decide::decide_dependent_delete(&PROFILE, target, subject, parent);
-        let expected = expected_dependent(target, parent);
+        let expected = expected_dependent(target, subject.action, parent);
         assert_eq!(v.allowed(), expected, "{} of {target:?}: got {v:?}, parent {parent:?}", subject.action);
         if let Verdict::Allow { reason, warnings } = &v
             && parent.is_none()
