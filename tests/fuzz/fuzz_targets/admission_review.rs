@@ -324,8 +324,11 @@ fn judge_parent_write(
 
     let verdict = decide::guard_update(&PROFILE, &KEYS, Change { old: old_view.as_ref(), new: &patched_view }, who, now);
     if let UpdateVerdict::Final(Verdict::Deny { reason: "stamp-forged", message, .. }) = &verdict {
-        let client_forged = override_of(old_view.as_ref()) == override_of(Some(&new_view))
-            && stamps_of(old_view.as_ref()) != stamps_of(Some(&new_view));
+        // Becoming a parent is judged as a creation (docs/design.md §4): what
+        // the object carried before it was one counts as written now.
+        let becoming = old_view.as_ref().is_some_and(|o| !PROFILE.is_parent(&o.labels)) && PROFILE.is_parent(&new_view.labels);
+        let before = if becoming { None } else { old_view.as_ref() };
+        let client_forged = override_of(before) == override_of(Some(&new_view)) && stamps_of(before) != stamps_of(Some(&new_view));
         // A known finding (`docs/fuzzing.md` F1): mutate looks only at the
         // new labels, the guard at old or new, so a worker write that drops
         // the parent labels and changes the override is never stamped.

@@ -43,10 +43,12 @@ static RT: LazyLock<tokio::runtime::Runtime> =
 
 /// parse_kubeconfig's messages: (prefix, suffix) around an entry's index
 /// (names are never echoed: finding F4).
-const NAMED: [(&str, &str); 7] = [
+const NAMED: [(&str, &str); 9] = [
     ("clusters[", "] has no details"),
     ("clusters[", "] server must be an https:// URL"),
     ("clusters[", "] refers to a CA file; only certificate-authority-data is accepted"),
+    ("clusters[", "] sets tls-server-name, which would accept a server certified for another name"),
+    ("clusters[", "] has no certificate-authority-data: the worker knows a tenant cluster by the CA that certified its API server"),
     ("clusters[", "] skips TLS verification, which would hand admin credentials to anyone"),
     ("clusters[", "] sets a proxy-url, which is not accepted"),
     ("users[", "] uses an exec plugin or auth provider, which is not accepted"),
