@@ -103,4 +103,27 @@ mod tests {
             assert_eq!(format!("{r:?}"), r.as_str());
         }
     }
+
+    #[test]
+    fn the_readme_names_every_reason_with_its_type() {
+        let readme = include_str!("../../README.md");
+        let start = readme
+            .find("an Event for every transition")
+            .expect("the README's Events paragraph");
+        let paragraph = &readme[start..start + readme[start..].find("\n\n").unwrap_or(0)];
+        let (normal, warning) = paragraph.split_once(';').expect("Normal; Warnings");
+        for r in Reason::ALL {
+            let name = format!("`{}`", r.as_str());
+            let listed = if r.event_type() == EventType::Warning {
+                warning
+            } else {
+                normal
+            };
+            assert!(
+                listed.contains(&name),
+                "{name} is not listed as {:?} in the README",
+                r.event_type()
+            );
+        }
+    }
 }
