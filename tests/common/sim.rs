@@ -6,9 +6,19 @@
 
 use std::path::PathBuf;
 use std::process::Command;
+use std::sync::OnceLock;
 
-use super::cluster::ControlPlane;
+use super::cluster::{ControlPlane, run_build_script};
 use super::process::Process;
+
+/// The directory `tests/csi/build.sh` prints: Kubernetes' CSI sidecars
+/// `csi-provisioner` and `csi-attacher`, which the simulator runs beside
+/// its CSI plugin for every tenant driver and for the management storage.
+pub fn sidecars_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| run_build_script("tests/csi/build.sh"))
+        .clone()
+}
 
 pub struct Simulator {
     pub process: Process,
@@ -46,6 +56,16 @@ impl Simulator {
             .arg(&cp.management.kubeconfig)
             .arg("--storage")
             .arg(&storage)
+            .arg("--sidecars")
+            .arg(sidecars_dir())
+            // With the control plane's logs, which the tests read (and the
+            // security tests search for secrets).
+            .arg("--sidecar-logs")
+            .arg(cp.state.join("logs"))
+            // Sockets and kubeconfigs in the state directory (removed with
+            // it), as the simulator is killed with its owner.
+            .arg("--run-dir")
+            .arg(cp.state.join(cp.unique("csi")))
             .args([
                 "--control",
                 &control,

@@ -70,6 +70,7 @@ var (
 	gvrKCP         = schema.GroupVersionResource{Group: "controlplane.cluster.x-k8s.io", Version: "v1alpha1", Resource: "kamajicontrolplanes"}
 	gvrTCP         = schema.GroupVersionResource{Group: "kamaji.clastix.io", Version: "v1alpha1", Resource: "tenantcontrolplanes"}
 	gvrDataVolume  = schema.GroupVersionResource{Group: "cdi.kubevirt.io", Version: "v1beta1", Resource: "datavolumes"}
+	gvrDeployment  = schema.GroupVersionResource{Group: "apps", Version: "v1", Resource: "deployments"}
 )
 
 type simConfig struct {
@@ -80,6 +81,9 @@ type simConfig struct {
 	storage       string
 	control       string
 	driver        string
+	sidecars      string // directory of csi-provisioner and csi-attacher (tests/csi/build.sh)
+	sidecarLogs   string // where their logs go; default the run directory
+	runDir        string // the plugins' sockets and the sidecars' kubeconfigs; default a new temporary directory
 	graceCap      time.Duration
 	probeInterval time.Duration
 	heartbeat     time.Duration
@@ -119,6 +123,9 @@ func parseSimFlags(args []string) (simConfig, error) {
 	fs.StringVar(&cfg.storage, "storage", "", "directory of the storage ledger: one file per volume (required)")
 	fs.StringVar(&cfg.control, "control", "", "URL of the harness control API, to stop a tenant API server when its TenantControlPlane is deleted (required)")
 	fs.StringVar(&cfg.driver, "driver", "csi.volume-gate.test", "CSI driver name to simulate")
+	fs.StringVar(&cfg.sidecars, "sidecars", "", "directory holding Kubernetes' CSI sidecars csi-provisioner and csi-attacher (tests/csi/build.sh prints it) (required)")
+	fs.StringVar(&cfg.sidecarLogs, "sidecar-logs", "", "directory for the sidecars' logs, one file per sidecar and provisioner (default: the simulator's run directory)")
+	fs.StringVar(&cfg.runDir, "run-dir", "", "directory (created if missing; its path at most 60 bytes, for unix sockets) for the CSI plugins' sockets and the sidecars' kubeconfigs; default a new temporary directory, removed when the simulator stops")
 	fs.DurationVar(&cfg.graceCap, "grace-cap", 5*time.Second, "longest termination grace period the kubelet honours")
 	fs.DurationVar(&cfg.probeInterval, "probe-interval", 2*time.Second, "how often each tenant API is asked /readyz")
 	fs.DurationVar(&cfg.heartbeat, "heartbeat", 10*time.Second, "how often the kubelet renews its Lease and Ready condition")
@@ -126,13 +133,25 @@ func parseSimFlags(args []string) (simConfig, error) {
 	if _, err := parseArgs(fs, args, 0); err != nil {
 		return cfg, err
 	}
-	for flagName, v := range map[string]string{"--profile": cfg.profile, "--management": cfg.management, "--storage": cfg.storage, "--control": cfg.control} {
+	for flagName, v := range map[string]string{"--profile": cfg.profile, "--management": cfg.management, "--storage": cfg.storage, "--control": cfg.control, "--sidecars": cfg.sidecars} {
 		if v == "" {
 			return cfg, fmt.Errorf("%s is required", flagName)
 		}
 	}
 	if cfg.graceCap < 0 || cfg.probeInterval <= 0 || cfg.heartbeat <= 0 {
 		return cfg, errors.New("durations must be positive")
+	}
+	for _, bin := range []string{"csi-provisioner", "csi-attacher"} {
+		if st, err := os.Stat(filepath.Join(cfg.sidecars, bin)); err != nil || st.IsDir() {
+			return cfg, fmt.Errorf("--sidecars %s holds no %s: build them with tests/csi/build.sh", cfg.sidecars, bin)
+		}
+	}
+	cfg.sidecars = absPath(cfg.sidecars)
+	if cfg.runDir != "" {
+		// A socket's path (run dir + /d<number>/csi.sock) must fit in sun_path.
+		if cfg.runDir = absPath(cfg.runDir); len(cfg.runDir) > 60 {
+			return cfg, fmt.Errorf("--run-dir %s: longer than 60 bytes, too long for the unix sockets under it; pick a shorter one", cfg.runDir)
+		}
 	}
 	cfg.control = strings.TrimRight(cfg.control, "/")
 	cfg.namespaces = map[string]bool{}
@@ -178,6 +197,13 @@ type sim struct {
 
 	hrs  *lazyInformer // HelmReleases; started once the CRD is served
 	tcps *lazyInformer // TenantControlPlanes; likewise
+	// deploys are the management Deployments (infra layer only): a
+	// tenant's CSI controller runs while R-kcsi-controller exists.
+	deploys *lazyInformer
+
+	// csiRun holds the plugins' unix sockets (short paths: a socket path
+	// has at most 107 bytes) and the sidecars' kubeconfigs.
+	csiRun string
 
 	jobs   *jobs
 	kamaji *kamaji
@@ -214,9 +240,23 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 	if err != nil {
 		return err
 	}
+	csiRun := cfg.runDir
+	if csiRun == "" {
+		if csiRun, err = os.MkdirTemp("", "vg-csi-"); err != nil {
+			return err
+		}
+		defer os.RemoveAll(csiRun)
+	} else if err := os.MkdirAll(csiRun, 0o700); err != nil {
+		return fmt.Errorf("--run-dir: %w", err)
+	}
+	if cfg.sidecarLogs == "" {
+		cfg.sidecarLogs = csiRun
+	} else if err := os.MkdirAll(cfg.sidecarLogs, 0o755); err != nil {
+		return fmt.Errorf("--sidecar-logs: %w", err)
+	}
 	s := &sim{
 		cfg: cfg, log: l, store: store, mgmt: mgmt, dyn: dyn, restCfg: restCfg, disc: mgmt.Discovery(),
-		ctx: ctx, tenants: map[string]*tenant{},
+		ctx: ctx, tenants: map[string]*tenant{}, csiRun: csiRun,
 	}
 	if s.cfg.runJobs {
 		if s.jobs, err = newJobs(s); err != nil {
@@ -247,6 +287,17 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 		DeleteFunc: func(obj any) { s.onTCP(tombstone(obj), true) },
 	})
 	if prof.infra != nil {
+		kick := func(obj any) {
+			if d, ok := tombstone(obj).(*unstructured.Unstructured); ok {
+				if r, ok := strings.CutSuffix(d.GetName(), kcsiControllerSuffix); ok {
+					s.kickTenant(d.GetNamespace(), r)
+				}
+			}
+		}
+		s.deploys = newLazyInformer(s, factory, gvrDeployment, cache.ResourceEventHandlerFuncs{
+			AddFunc: kick, UpdateFunc: func(_, obj any) { kick(obj) }, DeleteFunc: kick,
+		})
+		s.wg.Go(func() { s.deploys.run(ctx) })
 		s.startInfra(ctx, factory)
 	}
 	// Each informer starts once its CRD is served; a tenant worker consults

@@ -27,7 +27,7 @@ import (
 	"context"
 	"fmt"
 	"strings"
-	"time"
+	"sync"
 
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
@@ -36,9 +36,10 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/informers"
+	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/utils/ptr"
@@ -73,36 +74,62 @@ func infraLabels(r string) map[string]string {
 
 // kcsiBackend is the tenant driver's storage when the platform has an
 // infra layer: DataVolumes in the management cluster, created and deleted
-// by the tenant's CSI controller, which runs there as R-kcsi-controller.
-type kcsiBackend struct{ t *tenant }
+// by the tenant's CSI controller, which runs there as R-kcsi-controller,
+// with its own identity (ServiceAccount R-kcsi): Kubernetes' RBAC decides
+// what it may do, and a refusal is the API server's own 403.
+type kcsiBackend struct {
+	t *tenant
 
-// controller reports why the tenant's CSI controller cannot act: its
-// Deployment is gone or going (it belongs to the parent release).
-func (b *kcsiBackend) controller(ctx context.Context) error {
-	t := b.t
-	name := t.name + "-kcsi-controller"
-	d, err := t.s.mgmt.AppsV1().Deployments(t.ns).Get(ctx, name, metav1.GetOptions{})
-	switch {
-	case apierrors.IsNotFound(err):
-		return fmt.Errorf("the CSI controller Deployment %s/%s is gone", t.ns, name)
-	case err != nil:
-		return fmt.Errorf("read Deployment %s/%s: %w", t.ns, name, err)
-	case d.DeletionTimestamp != nil:
-		return fmt.Errorf("the CSI controller Deployment %s/%s is being deleted", t.ns, name)
-	}
-	return nil
+	mu     sync.Mutex
+	config *rest.Config
+	dv     dynamic.NamespaceableResourceInterface
 }
 
-func (b *kcsiBackend) createVolume(ctx context.Context, key string, pvc *corev1.PersistentVolumeClaim, pvName, _ string, size resource.Quantity) (string, error) {
+// dataVolumes is the DataVolume API as R-kcsi.
+func (b *kcsiBackend) dataVolumes(ctx context.Context) (dynamic.ResourceInterface, error) {
+	cfg, err := b.t.kcsiConfig(ctx)
+	if err != nil {
+		return nil, err
+	}
+	b.mu.Lock()
+	defer b.mu.Unlock()
+	if b.config == nil || b.config.BearerToken != cfg.BearerToken {
+		dyn, err := dynamic.NewForConfig(cfg)
+		if err != nil {
+			return nil, err
+		}
+		b.config, b.dv = cfg, dyn.Resource(gvrDataVolume)
+	}
+	return b.dv.Namespace(b.t.ns), nil
+}
+
+// refused notes an API refusal of the controller's identity: logged as
+// identity-missing, and a token the API server no longer accepts is
+// dropped so the next call asks for a new one.
+func (b *kcsiBackend) refused(what string, err error) {
 	t := b.t
-	if err := b.controller(ctx); err != nil {
+	if apierrors.IsUnauthorized(err) {
+		t.kcsi.mu.Lock()
+		t.kcsi.token = ""
+		t.kcsi.mu.Unlock()
+	}
+	if apierrors.IsUnauthorized(err) || apierrors.IsForbidden(err) {
+		t.logf("driver", "identity-missing", "%s: %v", what, err)
+	}
+}
+
+func (b *kcsiBackend) createVolume(ctx context.Context, name string, pvc *corev1.PersistentVolumeClaim, size resource.Quantity) (string, error) {
+	t := b.t
+	key := pvc.Namespace + "/" + pvc.Name
+	dvs, err := b.dataVolumes(ctx)
+	if err != nil {
 		return "", fmt.Errorf("CreateVolume for claim %s: %w", key, err)
 	}
 	dv := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "cdi.kubevirt.io/v1beta1",
 		"kind":       "DataVolume",
 		"metadata": map[string]any{
-			"name":        pvName,
+			"name":        name,
 			"namespace":   t.ns,
 			"labels":      toAny(infraLabels(t.name)),
 			"annotations": map[string]any{annDeleteAfterCompletion: "false"},
@@ -116,40 +143,56 @@ func (b *kcsiBackend) createVolume(ctx context.Context, key string, pvc *corev1.
 			},
 		},
 	}}
-	_, err := t.s.dyn.Resource(gvrDataVolume).Namespace(t.ns).Create(ctx, dv, metav1.CreateOptions{})
+	_, err = dvs.Create(ctx, dv, metav1.CreateOptions{})
 	switch {
 	case err == nil:
-		t.logf("driver", "datavolume", "created DataVolume %s/%s (%s) for claim %s", t.ns, pvName, size.String(), key)
+		t.logf("driver", "datavolume", "created DataVolume %s/%s (%s) for claim %s", t.ns, name, size.String(), key)
 	case apierrors.IsAlreadyExists(err):
 	default:
-		return "", fmt.Errorf("CreateVolume for claim %s: create DataVolume %s/%s: %w", key, t.ns, pvName, err)
+		b.refused("CreateVolume "+name, err)
+		return "", fmt.Errorf("CreateVolume for claim %s: create DataVolume %s/%s: %w", key, t.ns, name, err)
 	}
-	if err := b.attach(ctx, pvName); err != nil {
+	if err := b.attach(ctx, name); err != nil {
 		return "", err
 	}
-	return pvName, nil
+	return name, nil
 }
 
-func (b *kcsiBackend) deleteVolume(ctx context.Context, pv *corev1.PersistentVolume) error {
+// deleteVolume follows the driver's DeleteVolume (client.DeleteDataVolume):
+// a DataVolume that is not there is success; one that lacks the tenant's
+// infra labels is not this controller's and is refused.
+func (b *kcsiBackend) deleteVolume(ctx context.Context, handle string) error {
 	t := b.t
-	handle := pv.Spec.CSI.VolumeHandle
-	if err := b.controller(ctx); err != nil {
+	dvs, err := b.dataVolumes(ctx)
+	if err != nil {
 		return fmt.Errorf("DeleteVolume %s: %w", handle, err)
 	}
-	if err := t.mayFree(ctx, handle, pv.Name); err != nil {
-		return err
-	}
 	// The tenant PV is released, so no tenant Pod uses it: the volume was
-	// detached (ControllerUnpublishVolume) before it could be deleted.
+	// detached (ControllerUnpublishVolume) before it could be deleted,
+	// whether or not its DataVolume is still there.
 	if err := b.detach(ctx, handle); err != nil {
 		return err
 	}
-	err := t.s.dyn.Resource(gvrDataVolume).Namespace(t.ns).Delete(ctx, handle, metav1.DeleteOptions{})
+	dv, err := dvs.Get(ctx, handle, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return nil
+	case err != nil:
+		b.refused("DeleteVolume "+handle, err)
+		return fmt.Errorf("DeleteVolume %s: get DataVolume: %w", handle, err)
+	}
+	for k, v := range infraLabels(t.name) {
+		if dv.GetLabels()[k] != v {
+			return fmt.Errorf("DeleteVolume %s: invalid volume name: DataVolume %s/%s lacks label %s=%s", handle, t.ns, handle, k, v)
+		}
+	}
+	err = dvs.Delete(ctx, handle, metav1.DeleteOptions{})
 	switch {
 	case err == nil:
 		t.logf("driver", "datavolume", "deleted DataVolume %s/%s (DeleteVolume returns; the disk goes with the management PVC)", t.ns, handle)
 	case apierrors.IsNotFound(err):
 	default:
+		b.refused("DeleteVolume "+handle, err)
 		return fmt.Errorf("DeleteVolume %s: delete DataVolume: %w", handle, err)
 	}
 	return nil
@@ -232,12 +275,12 @@ func (s *sim) startInfra(ctx context.Context, factory dynamicinformer.DynamicSha
 			s.log.printf("infra", "", "error", "%v", err)
 			return
 		}
-		d := &driver{name: infraDriverName, cs: s.mgmt, dyn: s.dyn, scope: s.inScope,
+		d := &driver{s: s, name: infraDriverName, cs: s.mgmt, dyn: s.dyn, kubeconfigPath: absPath(s.cfg.management),
 			backend: &ledgerBackend{store: s.store, log: s.log, owner: infraOwner, layer: "management"},
 			logf: func(component, action, format string, args ...any) {
 				s.log.printf(component, "", action, format, args...)
 			},
-			deleted: map[types.UID]bool{}, releasedAt: map[types.UID]time.Time{}}
+			prefix: "csi-management"}
 		s.log.printf("infra", "", "started", "provisioner %s for StorageClass %s", infraDriverName, infraStorageClass)
 		d.run(ctx)
 	})

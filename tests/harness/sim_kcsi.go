@@ -68,7 +68,9 @@ const (
 	kcsiTokenRefresh = 48 * time.Minute
 )
 
-func (t *tenant) checkKcsi(ctx context.Context, k *kcsiIdentity) (bool, string) {
+// tokenLocked is the ServiceAccount's token, requested as the kubelet
+// requests a projected one and refreshed likewise; k.mu is held.
+func (t *tenant) tokenLocked(ctx context.Context, k *kcsiIdentity) (string, error) {
 	sa := t.name + "-kcsi"
 	if k.token == "" || time.Since(k.tokenAt) > kcsiTokenRefresh {
 		exp := int64(kcsiTokenTTL / time.Second)
@@ -81,8 +83,31 @@ func (t *tenant) checkKcsi(ctx context.Context, k *kcsiIdentity) (bool, string) 
 			// Keep using the token the controller already holds.
 		default:
 			k.token = ""
-			return false, fmt.Sprintf("no token for ServiceAccount %s/%s: %v", t.ns, sa, err)
+			return "", fmt.Errorf("no token for ServiceAccount %s/%s: %v", t.ns, sa, err)
 		}
+	}
+	return k.token, nil
+}
+
+// kcsiConfig is a management client configuration acting as the CSI
+// controller's identity (the token a Pod of R-kcsi-controller holds).
+func (t *tenant) kcsiConfig(ctx context.Context) (*rest.Config, error) {
+	k := &t.kcsi
+	k.mu.Lock()
+	defer k.mu.Unlock()
+	token, err := t.tokenLocked(ctx, k)
+	if err != nil {
+		return nil, err
+	}
+	cfg := rest.AnonymousClientConfig(t.s.restCfg)
+	cfg.BearerToken = token
+	return cfg, nil
+}
+
+func (t *tenant) checkKcsi(ctx context.Context, k *kcsiIdentity) (bool, string) {
+	sa := t.name + "-kcsi"
+	if _, err := t.tokenLocked(ctx, k); err != nil {
+		return false, err.Error()
 	}
 	cfg := rest.AnonymousClientConfig(t.s.restCfg)
 	cfg.BearerToken = k.token
@@ -107,7 +132,7 @@ func (t *tenant) checkKcsi(ctx context.Context, k *kcsiIdentity) (bool, string) 
 
 // mayFree is the identity check before a DeleteVolume: an error (logged
 // once per reason) while the controller's identity may not free a disk.
-func (t *tenant) mayFree(ctx context.Context, handle, pv string) error {
+func (t *tenant) mayFree(ctx context.Context, handle string) error {
 	ok, why := t.kcsiAllowed(ctx)
 	if ok {
 		t.kcsi.logged = ""
@@ -115,7 +140,7 @@ func (t *tenant) mayFree(ctx context.Context, handle, pv string) error {
 	}
 	if why != t.kcsi.logged {
 		t.kcsi.logged = why
-		t.logf("driver", "identity-missing", "cannot free volume %s (pv %s): %s", handle, pv, why)
+		t.logf("driver", "identity-missing", "cannot free volume %s: %s", handle, why)
 	}
 	return fmt.Errorf("DeleteVolume %s: the CSI controller's identity: %s", handle, why)
 }

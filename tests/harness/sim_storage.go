@@ -111,3 +111,17 @@ func (st *storage) remove(handle string) (existed bool, err error) {
 	}
 	return err == nil, err
 }
+
+// lookup reads a volume's record, if there is one.
+func (st *storage) lookup(handle string) (volumeRecord, bool) {
+	var rec volumeRecord
+	path, err := st.path(handle)
+	if err != nil {
+		return rec, false
+	}
+	body, err := os.ReadFile(path)
+	if err != nil || json.Unmarshal(body, &rec) != nil {
+		return rec, false
+	}
+	return rec, true
+}

@@ -27,13 +27,16 @@ type tenant struct {
 	kick     chan struct{}
 
 	// Owned by the run goroutine.
-	server  string
-	client  kubernetes.Interface
-	dyn     dynamic.Interface
-	apiUp   bool
-	problem string // last reason logged for the API being unusable
-	kubelet *worker
-	driver  *worker
+	server string
+	// kubeconfig is the admin kubeconfig Secret's content the client was
+	// made from, for the driver's sidecars.
+	kubeconfig []byte
+	client     kubernetes.Interface
+	dyn        dynamic.Interface
+	apiUp      bool
+	problem    string // last reason logged for the API being unusable
+	kubelet    *worker
+	driver     *worker
 
 	// driverActive is read by the kubelet: mounting a volume needs the
 	// driver's node plugin, which goes away with the driver release.
@@ -108,6 +111,9 @@ func (t *tenant) reconcile(ctx context.Context) {
 		t.logf("driver", "free-after", "%s: the driver frees a released volume %s after it sees it released", annFreeAfter, d)
 	}
 	csiOK, csiWhy := t.csiRelease()
+	if csiOK && prof.infra != nil {
+		csiOK, csiWhy = t.kcsiController()
+	}
 	driverWhy := csiWhy
 	if !up {
 		driverWhy = "tenant API down: " + why
@@ -135,10 +141,14 @@ func (t *tenant) setWorkers(kubeletOn, driverOn bool, kubeletWhy, driverWhy stri
 		t.logf("kubelet", "started", "node %s on %s", simNodeName, t.server)
 	}
 	if driverOn && t.driver == nil {
-		d := newDriver(t, t.client, t.dyn)
+		d := newDriver(t, t.client, t.dyn, t.kubeconfig)
 		t.driver = startWorker(t.s.ctx, d.run)
 		t.driverActive.Store(true)
-		t.logf("driver", "activated", "%s: HelmRelease %s-csi present and tenant API up", t.s.cfg.driver, t.name)
+		why := "HelmRelease " + t.name + prof.csiSuffix + " present and tenant API up"
+		if prof.infra != nil {
+			why += "; Deployment " + t.name + kcsiControllerSuffix + " present"
+		}
+		t.logf("driver", "activated", "%s: %s; external-provisioner started", t.s.cfg.driver, why)
 	}
 }
 
@@ -157,6 +167,27 @@ func (t *tenant) csiRelease() (bool, string) {
 	case hr.GetAnnotations()[annDriverStopped] == "stopped":
 		// A driver that is installed but stuck or crashed: tests flip it.
 		return false, fmt.Sprintf("driver stopped (annotation %s on HelmRelease %s)", annDriverStopped, name)
+	}
+	return true, ""
+}
+
+// kcsiControllerSuffix names the KubeVirt CSI driver's controller
+// Deployment, R-kcsi-controller, a template of the parent release.
+const kcsiControllerSuffix = "-kcsi-controller"
+
+// kcsiController reports whether the tenant's CSI controller Deployment
+// (infra layer) exists and is not being deleted: its sidecars run while it
+// does.
+func (t *tenant) kcsiController() (bool, string) {
+	name := t.name + kcsiControllerSuffix
+	d, ok, running := t.s.deploys.get(t.ns, name)
+	switch {
+	case !running:
+		return false, "Deployment API not watched yet"
+	case !ok:
+		return false, fmt.Sprintf("the CSI controller Deployment %s/%s is gone", t.ns, name)
+	case d.GetDeletionTimestamp() != nil:
+		return false, fmt.Sprintf("the CSI controller Deployment %s/%s is being deleted", t.ns, name)
 	}
 	return true, ""
 }
@@ -235,7 +266,7 @@ func (t *tenant) connect(ctx context.Context) string {
 	if err != nil {
 		return err.Error()
 	}
-	t.client, t.dyn, t.server = client, dyn, cfg.Host
+	t.client, t.dyn, t.server, t.kubeconfig = client, dyn, cfg.Host, data
 	return ""
 }
 

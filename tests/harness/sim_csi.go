@@ -1,0 +1,272 @@
+package main
+
+// The disk path as Cozystack runs it: Kubernetes' own CSI sidecars against a
+// CSI controller plugin served here.
+//
+// A provisioner is two parts. Kubernetes' external-provisioner (the real
+// one, built from its Go module by tests/csi/build.sh and run as a child
+// process with the flags Cozystack's R-kcsi-controller Deployment passes)
+// watches the claims and PVs of its cluster through a kubeconfig (a
+// tenant's: the admin kubeconfig Secret's content, as the Pod mounts it)
+// and calls CreateVolume / DeleteVolume over a unix socket. Everything
+// Kubernetes decides (when to provision, when a PV is released, its
+// finalizer, the retry schedule, refusing DeleteVolume while a
+// VolumeAttachment names the PV) is therefore Kubernetes' own code. The
+// plugin (csiPlugin) is the storage side: it makes and frees disks through
+// a volumeBackend (the ledger, or DataVolumes in the management cluster,
+// sim_infra.go).
+//
+// The plugin follows the KubeVirt CSI driver's controller
+// (github.com/kubevirt/csi-driver pkg/service/controller.go,
+// ControllerService.CreateVolume and .DeleteVolume): the volume ID is the
+// request's name (`pvc-<claim UID>`), DeleteVolume of a volume that is not
+// there succeeds, an error from the storage is returned as it is (gRPC
+// code Unknown), so the provisioner reports it in an Event on the PV and
+// retries.
+
+import (
+	"context"
+	"errors"
+	"fmt"
+	"net"
+	"os"
+	"os/exec"
+	"path/filepath"
+	"slices"
+	"strings"
+	"sync"
+	"syscall"
+	"time"
+
+	csi "github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	corev1 "k8s.io/api/core/v1"
+	"k8s.io/apimachinery/pkg/api/resource"
+)
+
+// csiPlugin is the CSI Identity and Controller service of one provisioner.
+type csiPlugin struct {
+	csi.UnimplementedIdentityServer
+	csi.UnimplementedControllerServer
+
+	name    string
+	backend volumeBackend
+	// claim finds the claim a volume is created for, by its UID (the
+	// request's name is `pvc-<uid>`); nil when not (yet) known.
+	claim func(uid string) *corev1.PersistentVolumeClaim
+	// slow is how long this driver takes to free a volume after it was
+	// first asked to (annFreeAfter); nil or 0: at once.
+	slow func() time.Duration
+	logf func(component, action, format string, args ...any)
+
+	mu        sync.Mutex
+	firstSeen map[string]time.Time // DeleteVolume's first call, by volume ID
+}
+
+func (p *csiPlugin) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
+	return &csi.GetPluginInfoResponse{Name: p.name, VendorVersion: "volume-gate-harness"}, nil
+}
+
+func (p *csiPlugin) GetPluginCapabilities(context.Context, *csi.GetPluginCapabilitiesRequest) (*csi.GetPluginCapabilitiesResponse, error) {
+	return &csi.GetPluginCapabilitiesResponse{Capabilities: []*csi.PluginCapability{{
+		Type: &csi.PluginCapability_Service_{Service: &csi.PluginCapability_Service{Type: csi.PluginCapability_Service_CONTROLLER_SERVICE}},
+	}}}, nil
+}
+
+func (p *csiPlugin) Probe(context.Context, *csi.ProbeRequest) (*csi.ProbeResponse, error) {
+	return &csi.ProbeResponse{}, nil
+}
+
+func (p *csiPlugin) ControllerGetCapabilities(context.Context, *csi.ControllerGetCapabilitiesRequest) (*csi.ControllerGetCapabilitiesResponse, error) {
+	rpc := func(t csi.ControllerServiceCapability_RPC_Type) *csi.ControllerServiceCapability {
+		return &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: t}}}
+	}
+	return &csi.ControllerGetCapabilitiesResponse{Capabilities: []*csi.ControllerServiceCapability{
+		rpc(csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME),
+	}}, nil
+}
+
+func (p *csiPlugin) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
+	name := req.GetName()
+	if name == "" {
+		return nil, status.Error(codes.InvalidArgument, "name missing in request")
+	}
+	if len(req.GetVolumeCapabilities()) == 0 {
+		return nil, status.Error(codes.InvalidArgument, "volume capabilities missing in request")
+	}
+	bytes := req.GetCapacityRange().GetRequiredBytes()
+	if bytes <= 0 {
+		return nil, status.Errorf(codes.InvalidArgument, "volume %s: no required capacity", name)
+	}
+	uid, ok := strings.CutPrefix(name, "pvc-")
+	if !ok {
+		return nil, status.Errorf(codes.InvalidArgument, "volume name %q lacks the prefix pvc-", name)
+	}
+	pvc := p.claim(uid)
+	if pvc == nil {
+		// The provisioner saw the claim before this plugin's cache did:
+		// a non-final code, so it retries.
+		return nil, status.Errorf(codes.Unavailable, "claim with UID %s not seen yet", uid)
+	}
+	size := *resource.NewQuantity(bytes, resource.BinarySI)
+	handle, err := p.backend.createVolume(ctx, name, pvc, size)
+	if err != nil {
+		p.logf("driver", "error", "CreateVolume %s for claim %s/%s: %v", name, pvc.Namespace, pvc.Name, err)
+		return nil, err
+	}
+	p.logf("driver", "provisioned", "pv=%s claim=%s/%s handle=%s capacity=%s", name, pvc.Namespace, pvc.Name, handle, size.String())
+	return &csi.CreateVolumeResponse{Volume: &csi.Volume{VolumeId: handle, CapacityBytes: bytes}}, nil
+}
+
+func (p *csiPlugin) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeRequest) (*csi.DeleteVolumeResponse, error) {
+	id := req.GetVolumeId()
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume ID missing in request")
+	}
+	if err := p.waitSlow(ctx, id); err != nil {
+		return nil, err
+	}
+	if err := p.backend.deleteVolume(ctx, id); err != nil {
+		p.logf("driver", "error", "DeleteVolume %s: %v", id, err)
+		return nil, err
+	}
+	p.mu.Lock()
+	delete(p.firstSeen, id)
+	p.mu.Unlock()
+	p.logf("driver", "deleted", "handle=%s (DeleteVolume done)", id)
+	return &csi.DeleteVolumeResponse{}, nil
+}
+
+// waitSlow holds a DeleteVolume of a slow driver until its delay, counted
+// from the first call for that volume, has passed (within the call's own
+// deadline: the provisioner's --timeout; past it, the next call goes on
+// waiting).
+func (p *csiPlugin) waitSlow(ctx context.Context, id string) error {
+	if p.slow == nil {
+		return nil
+	}
+	delay := p.slow()
+	if delay <= 0 {
+		return nil
+	}
+	p.mu.Lock()
+	first, ok := p.firstSeen[id]
+	if !ok {
+		first = time.Now()
+		p.firstSeen[id] = first
+		p.logf("driver", "slow", "handle=%s freed no sooner than %s from now (%s)", id, delay, annFreeAfter)
+	}
+	p.mu.Unlock()
+	select {
+	case <-time.After(time.Until(first.Add(delay))):
+		return nil
+	case <-ctx.Done():
+		return status.FromContextError(ctx.Err()).Err()
+	}
+}
+
+// csiServer serves a plugin on a unix socket until stopped.
+type csiServer struct {
+	srv  *grpc.Server
+	done chan struct{}
+}
+
+func serveCSI(sock string, p *csiPlugin) (*csiServer, error) {
+	if err := os.Remove(sock); err != nil && !errors.Is(err, os.ErrNotExist) {
+		return nil, err
+	}
+	l, err := net.Listen("unix", sock)
+	if err != nil {
+		return nil, fmt.Errorf("listen on %s: %w", sock, err)
+	}
+	srv := grpc.NewServer()
+	csi.RegisterIdentityServer(srv, p)
+	csi.RegisterControllerServer(srv, p)
+	s := &csiServer{srv: srv, done: make(chan struct{})}
+	go func() {
+		defer close(s.done)
+		_ = srv.Serve(l)
+	}()
+	return s, nil
+}
+
+func (s *csiServer) stop() {
+	s.srv.Stop()
+	<-s.done
+}
+
+// sidecarSpec is one of Kubernetes' sidecars beside a plugin.
+type sidecarSpec struct {
+	name string // "csi-provisioner", "csi-attacher": the binary in --sidecars
+	args []string
+}
+
+// cozystackSidecars are the sidecars of Cozystack's R-kcsi-controller
+// Deployment (packages/apps/kubernetes/templates/csi/deploy.yaml) with the
+// flags it passes, but the socket's and the kubeconfig's paths. Leader
+// election stays off, as there: one replica.
+func cozystackSidecars(sock, kubeconfig string) []sidecarSpec {
+	common := []string{
+		"--csi-address=" + sock,
+		"--kubeconfig=" + kubeconfig,
+		"--v=5",
+		"--timeout=3m",
+		"--retry-interval-max=1m",
+	}
+	return []sidecarSpec{
+		{name: "csi-provisioner", args: append(slices.Clone(common), "--default-fstype=ext4")},
+	}
+}
+
+// runSidecars runs each sidecar as a child process until ctx ends,
+// restarting one that exits (as the kubelet restarts a container, with a
+// growing delay). Their output goes to logDir/<prefix>-<name>.log. It
+// returns once all have stopped.
+func runSidecars(ctx context.Context, bins, logDir, prefix string, specs []sidecarSpec, logf func(component, action, format string, args ...any)) {
+	var wg sync.WaitGroup
+	for _, sc := range specs {
+		wg.Go(func() {
+			path := filepath.Join(logDir, prefix+"-"+sc.name+".log")
+			backoff := time.Second
+			for ctx.Err() == nil {
+				started := time.Now()
+				err := runSidecar(ctx, filepath.Join(bins, sc.name), sc.args, path)
+				if ctx.Err() != nil {
+					return
+				}
+				if time.Since(started) > time.Minute {
+					backoff = time.Second
+				}
+				logf("driver", "sidecar-exited", "%s exited (%v); restarting in %s; its log: %s", sc.name, err, backoff, path)
+				select {
+				case <-ctx.Done():
+					return
+				case <-time.After(backoff):
+				}
+				backoff = min(2*backoff, 30*time.Second)
+			}
+		})
+	}
+	wg.Wait()
+}
+
+// runSidecar runs one sidecar until it exits or ctx ends (then it gets
+// SIGTERM, and SIGKILL 5 s later). It dies with the simulator
+// (Pdeathsig), and without KUBECONFIG in its environment, which the
+// external-provisioner would prefer to --kubeconfig.
+func runSidecar(ctx context.Context, bin string, args []string, logPath string) error {
+	out, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
+	if err != nil {
+		return err
+	}
+	defer out.Close()
+	cmd := exec.CommandContext(ctx, bin, args...)
+	cmd.Env = slices.DeleteFunc(os.Environ(), func(kv string) bool { return strings.HasPrefix(kv, "KUBECONFIG=") })
+	cmd.Stdout, cmd.Stderr = out, out
+	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
+	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }
+	cmd.WaitDelay = 5 * time.Second
+	return cmd.Run()
+}
