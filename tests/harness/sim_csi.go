@@ -53,6 +53,10 @@ type csiPlugin struct {
 
 	name    string
 	backend volumeBackend
+	// attach: the driver attaches volumes to nodes (PUBLISH_UNPUBLISH_VOLUME,
+	// as the KubeVirt driver does); its CSIDriver says attachRequired and
+	// the external-attacher runs beside it.
+	attach bool
 	// claim finds the claim a volume is created for, by its UID (the
 	// request's name is `pvc-<uid>`); nil when not (yet) known.
 	claim func(uid string) *corev1.PersistentVolumeClaim
@@ -83,9 +87,54 @@ func (p *csiPlugin) ControllerGetCapabilities(context.Context, *csi.ControllerGe
 	rpc := func(t csi.ControllerServiceCapability_RPC_Type) *csi.ControllerServiceCapability {
 		return &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: t}}}
 	}
-	return &csi.ControllerGetCapabilitiesResponse{Capabilities: []*csi.ControllerServiceCapability{
-		rpc(csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME),
-	}}, nil
+	caps := []*csi.ControllerServiceCapability{rpc(csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME)}
+	if p.attach {
+		caps = append(caps, rpc(csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME))
+	}
+	return &csi.ControllerGetCapabilitiesResponse{Capabilities: caps}, nil
+}
+
+// ControllerPublishVolume attaches a volume to a node, as the KubeVirt
+// driver's does (ControllerService.ControllerPublishVolume): volume ID,
+// node ID and capability are required; the node ID is `<namespace>/<vm>`
+// (CSINode), the namespace part ignored.
+func (p *csiPlugin) ControllerPublishVolume(ctx context.Context, req *csi.ControllerPublishVolumeRequest) (*csi.ControllerPublishVolumeResponse, error) {
+	if !p.attach {
+		return nil, status.Error(codes.Unimplemented, "this driver does not attach volumes")
+	}
+	id, node := req.GetVolumeId(), req.GetNodeId()
+	switch {
+	case id == "":
+		return nil, status.Error(codes.InvalidArgument, "volume ID missing in request")
+	case node == "":
+		return nil, status.Error(codes.InvalidArgument, "node ID missing in request")
+	case req.GetVolumeCapability() == nil:
+		return nil, status.Error(codes.InvalidArgument, "volume capability missing in request")
+	}
+	if err := p.backend.publish(ctx, id, node); err != nil {
+		p.logf("driver", "error", "ControllerPublishVolume %s to %s: %v", id, node, err)
+		return nil, err
+	}
+	p.logf("driver", "published", "handle=%s node=%s", id, node)
+	return &csi.ControllerPublishVolumeResponse{}, nil
+}
+
+// ControllerUnpublishVolume detaches it (ControllerService.
+// ControllerUnpublishVolume): a volume not attached is success.
+func (p *csiPlugin) ControllerUnpublishVolume(ctx context.Context, req *csi.ControllerUnpublishVolumeRequest) (*csi.ControllerUnpublishVolumeResponse, error) {
+	if !p.attach {
+		return nil, status.Error(codes.Unimplemented, "this driver does not attach volumes")
+	}
+	id, node := req.GetVolumeId(), req.GetNodeId()
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "volume ID missing in request")
+	}
+	if err := p.backend.unpublish(ctx, id, node); err != nil {
+		p.logf("driver", "error", "ControllerUnpublishVolume %s from %s: %v", id, node, err)
+		return nil, err
+	}
+	p.logf("driver", "unpublished", "handle=%s node=%s", id, node)
+	return &csi.ControllerUnpublishVolumeResponse{}, nil
 }
 
 func (p *csiPlugin) CreateVolume(ctx context.Context, req *csi.CreateVolumeRequest) (*csi.CreateVolumeResponse, error) {
@@ -205,9 +254,10 @@ type sidecarSpec struct {
 
 // cozystackSidecars are the sidecars of Cozystack's R-kcsi-controller
 // Deployment (packages/apps/kubernetes/templates/csi/deploy.yaml) with the
-// flags it passes, but the socket's and the kubeconfig's paths. Leader
+// flags it passes, but the socket's and the kubeconfig's paths: the
+// provisioner and, for a driver that attaches, the attacher. Leader
 // election stays off, as there: one replica.
-func cozystackSidecars(sock, kubeconfig string) []sidecarSpec {
+func cozystackSidecars(sock, kubeconfig string, attach bool) []sidecarSpec {
 	common := []string{
 		"--csi-address=" + sock,
 		"--kubeconfig=" + kubeconfig,
@@ -215,9 +265,11 @@ func cozystackSidecars(sock, kubeconfig string) []sidecarSpec {
 		"--timeout=3m",
 		"--retry-interval-max=1m",
 	}
-	return []sidecarSpec{
-		{name: "csi-provisioner", args: append(slices.Clone(common), "--default-fstype=ext4")},
+	specs := []sidecarSpec{{name: "csi-provisioner", args: append(slices.Clone(common), "--default-fstype=ext4")}}
+	if attach {
+		specs = append(specs, sidecarSpec{name: "csi-attacher", args: slices.Clone(common)})
 	}
+	return specs
 }
 
 // runSidecars runs each sidecar as a child process until ctx ends,

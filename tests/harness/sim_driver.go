@@ -64,6 +64,10 @@ type volumeBackend interface {
 	// deleteVolume is DeleteVolume: nil once the disk is freed or was
 	// never there.
 	deleteVolume(ctx context.Context, handle string) error
+	// publish attaches the disk to the node (ControllerPublishVolume);
+	// unpublish detaches it, nil if it was not attached.
+	publish(ctx context.Context, handle, nodeID string) error
+	unpublish(ctx context.Context, handle, nodeID string) error
 }
 
 // newDriver is a tenant's CSI driver: with an infra layer in the profile
@@ -128,6 +132,11 @@ func (b *ledgerBackend) deleteVolume(ctx context.Context, handle string) error {
 	return nil
 }
 
+// publish and unpublish: a ledger disk is reachable from any node (the
+// Proxmox driver attaches it to the node's VM; nothing here depends on it).
+func (b *ledgerBackend) publish(context.Context, string, string) error   { return nil }
+func (b *ledgerBackend) unpublish(context.Context, string, string) error { return nil }
+
 func orDash(s string) string {
 	if s == "" {
 		return "-"
@@ -179,7 +188,7 @@ func (d *driver) run(ctx context.Context) {
 			return
 		}
 	}
-	plugin := &csiPlugin{name: d.name, backend: d.backend, claim: d.claimByUID, logf: d.logf, firstSeen: map[string]time.Time{}}
+	plugin := &csiPlugin{name: d.name, backend: d.backend, attach: d.t != nil, claim: d.claimByUID, logf: d.logf, firstSeen: map[string]time.Time{}}
 	if d.t != nil {
 		plugin.slow = d.t.freeAfter
 	}
@@ -193,7 +202,7 @@ func (d *driver) run(ctx context.Context) {
 	sidecars := make(chan struct{})
 	go func() {
 		defer close(sidecars)
-		runSidecars(ctx, d.s.cfg.sidecars, d.s.cfg.sidecarLogs, d.prefix, cozystackSidecars(sock, kubeconfig), d.logf)
+		runSidecars(ctx, d.s.cfg.sidecars, d.s.cfg.sidecarLogs, d.prefix, cozystackSidecars(sock, kubeconfig, plugin.attach), d.logf)
 	}()
 	// The sidecars stop before the plugin they talk to.
 	defer func() { <-sidecars }()

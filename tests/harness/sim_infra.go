@@ -152,9 +152,6 @@ func (b *kcsiBackend) createVolume(ctx context.Context, name string, pvc *corev1
 		b.refused("CreateVolume "+name, err)
 		return "", fmt.Errorf("CreateVolume for claim %s: create DataVolume %s/%s: %w", key, t.ns, name, err)
 	}
-	if err := b.attach(ctx, name); err != nil {
-		return "", err
-	}
 	return name, nil
 }
 
@@ -166,12 +163,6 @@ func (b *kcsiBackend) deleteVolume(ctx context.Context, handle string) error {
 	dvs, err := b.dataVolumes(ctx)
 	if err != nil {
 		return fmt.Errorf("DeleteVolume %s: %w", handle, err)
-	}
-	// The tenant PV is released, so no tenant Pod uses it: the volume was
-	// detached (ControllerUnpublishVolume) before it could be deleted,
-	// whether or not its DataVolume is still there.
-	if err := b.detach(ctx, handle); err != nil {
-		return err
 	}
 	dv, err := dvs.Get(ctx, handle, metav1.GetOptions{})
 	switch {
@@ -196,6 +187,16 @@ func (b *kcsiBackend) deleteVolume(ctx context.Context, handle string) error {
 		return fmt.Errorf("DeleteVolume %s: delete DataVolume: %w", handle, err)
 	}
 	return nil
+}
+
+// publish hot-plugs the disk into the tenant's VM, unpublish unplugs it
+// (the driver's ControllerPublishVolume / ControllerUnpublishVolume); the
+// external-attacher calls them for the tenant's VolumeAttachments.
+func (b *kcsiBackend) publish(ctx context.Context, handle, _ string) error {
+	return b.attach(ctx, handle)
+}
+func (b *kcsiBackend) unpublish(ctx context.Context, handle, _ string) error {
+	return b.detach(ctx, handle)
 }
 
 // attachmentPod is the name of the Pod that attaches DataVolume dv to its VM.

@@ -102,7 +102,7 @@ func (j *jobs) run(ctx context.Context) {
 	beat := func() {
 		err := beatNode(ctx, j.s.mgmt, jobsNodeName, func() {
 			j.s.log.printf("job", "", "registered", "node %s in the management cluster", jobsNodeName)
-		})
+		}, nil)
 		if err != nil && ctx.Err() == nil {
 			j.s.log.printf("job", "", "error", "heartbeat of node %s: %v", jobsNodeName, err)
 		}

@@ -3,6 +3,8 @@ package main
 import (
 	"context"
 	"fmt"
+	"sync"
+	"sync/atomic"
 	"time"
 
 	coordinationv1 "k8s.io/api/coordination/v1"
@@ -17,6 +19,7 @@ import (
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
 	corelisters "k8s.io/client-go/listers/core/v1"
+	storagelisters "k8s.io/client-go/listers/storage/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/retry"
 	"k8s.io/client-go/util/workqueue"
@@ -45,6 +48,14 @@ type kubelet struct {
 	pods corelisters.PodLister
 	pvcs corelisters.PersistentVolumeClaimLister
 	pvs  corelisters.PersistentVolumeLister
+	vas  storagelisters.VolumeAttachmentLister
+
+	// synced is set once the caches are, for the heartbeat goroutine.
+	synced atomic.Bool
+	// inUse is the volumes last reported in node.status.volumesInUse.
+	// Guarded by inUseMu: the worker and the heartbeat both report.
+	inUseMu sync.Mutex
+	inUse   []corev1.UniqueVolumeName
 
 	// Owned by the single worker goroutine.
 	nextIP  int
@@ -62,6 +73,7 @@ func (k *kubelet) run(ctx context.Context) {
 	defer k.q.ShutDown()
 	k.registerDriver(ctx)
 	k.heartbeat(ctx) // registers the Node before any Pod can be bound to it
+	k.registerCSINode(ctx)
 	go func() {
 		t := time.NewTicker(k.t.s.cfg.heartbeat)
 		defer t.Stop()
@@ -86,7 +98,8 @@ func (k *kubelet) run(ctx context.Context) {
 	podInf := podFactory.Core().V1().Pods()
 	pvcInf := volFactory.Core().V1().PersistentVolumeClaims()
 	pvInf := volFactory.Core().V1().PersistentVolumes()
-	k.pods, k.pvcs, k.pvs = podInf.Lister(), pvcInf.Lister(), pvInf.Lister()
+	vaInf := volFactory.Storage().V1().VolumeAttachments()
+	k.pods, k.pvcs, k.pvs, k.vas = podInf.Lister(), pvcInf.Lister(), pvInf.Lister(), vaInf.Lister()
 
 	enqueue := func(obj any) {
 		if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
@@ -96,6 +109,13 @@ func (k *kubelet) run(ctx context.Context) {
 	podInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
 		AddFunc:    enqueue,
 		UpdateFunc: func(_, obj any) { enqueue(obj) },
+		// A Pod gone releases its volumes (volumesInUse).
+		DeleteFunc: enqueue,
+	})
+	// A Pod waiting for its volume to be attached starts when it is.
+	vaInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
+		AddFunc:    func(obj any) { k.attachmentChanged(obj) },
+		UpdateFunc: func(_, obj any) { k.attachmentChanged(obj) },
 	})
 	// A Pod waiting for its claim starts when the claim is bound.
 	pvcInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
@@ -106,9 +126,10 @@ func (k *kubelet) run(ctx context.Context) {
 	volFactory.Start(ctx.Done())
 	defer podFactory.Shutdown()
 	defer volFactory.Shutdown()
-	if !cache.WaitForCacheSync(ctx.Done(), podInf.Informer().HasSynced, pvcInf.Informer().HasSynced, pvInf.Informer().HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), podInf.Informer().HasSynced, pvcInf.Informer().HasSynced, pvInf.Informer().HasSynced, vaInf.Informer().HasSynced) {
 		return
 	}
+	k.synced.Store(true)
 	go func() {
 		<-ctx.Done()
 		k.q.ShutDown()
@@ -139,7 +160,11 @@ func (k *kubelet) processNext(ctx context.Context) bool {
 		return false
 	}
 	defer k.q.Done(key)
-	if err := k.syncPod(ctx, key); err != nil && ctx.Err() == nil {
+	err := k.syncPod(ctx, key)
+	if err == nil {
+		err = k.reportInUse(ctx)
+	}
+	if err != nil && ctx.Err() == nil {
 		k.t.logf("kubelet", "error", "pod %s: %v (retrying)", key, err)
 		k.q.AddRateLimited(key)
 		return true
@@ -229,8 +254,13 @@ func (k *kubelet) volumesNotReady(pod *corev1.Pod) string {
 		if err != nil {
 			return fmt.Sprintf("volume %s of claim %s not found", pvc.Spec.VolumeName, claim)
 		}
-		if pv.Spec.CSI != nil && pv.Spec.CSI.Driver == k.t.s.cfg.driver && !k.t.driverActive.Load() {
-			return fmt.Sprintf("cannot mount %s: driver %s is not registered on the node", pv.Name, pv.Spec.CSI.Driver)
+		if pv.Spec.CSI != nil && pv.Spec.CSI.Driver == k.t.s.cfg.driver {
+			if !k.t.driverActive.Load() {
+				return fmt.Sprintf("cannot mount %s: driver %s is not registered on the node", pv.Name, pv.Spec.CSI.Driver)
+			}
+			if why := k.notAttached(pv); why != "" {
+				return why
+			}
 		}
 	}
 	return ""
@@ -315,13 +345,15 @@ func setPodCondition(st *corev1.PodStatus, t corev1.PodConditionType, now metav1
 	st.Conditions = append(st.Conditions, corev1.PodCondition{Type: t, Status: corev1.ConditionTrue, LastTransitionTime: now})
 }
 
-// registerDriver creates the CSIDriver object. attachRequired=false: no
-// VolumeAttachment is needed before a Pod mounts a volume.
+// registerDriver creates the CSIDriver object, as the driver's chart does:
+// attachRequired, as the KubeVirt driver's: the attach/detach controller
+// makes a VolumeAttachment for each volume a Pod on a node uses, and the
+// external-attacher has the driver attach it (sim_attach.go).
 func (k *kubelet) registerDriver(ctx context.Context) {
 	obj := &storagev1.CSIDriver{
 		ObjectMeta: metav1.ObjectMeta{Name: k.t.s.cfg.driver},
 		Spec: storagev1.CSIDriverSpec{
-			AttachRequired:       ptr.To(false),
+			AttachRequired:       ptr.To(true),
 			PodInfoOnMount:       ptr.To(false),
 			VolumeLifecycleModes: []storagev1.VolumeLifecycleMode{storagev1.VolumeLifecyclePersistent},
 		},
@@ -329,7 +361,7 @@ func (k *kubelet) registerDriver(ctx context.Context) {
 	_, err := k.cs.StorageV1().CSIDrivers().Create(ctx, obj, metav1.CreateOptions{})
 	switch {
 	case err == nil:
-		k.t.logf("kubelet", "csidriver", "created CSIDriver %s (attachRequired=false)", obj.Name)
+		k.t.logf("kubelet", "csidriver", "created CSIDriver %s (attachRequired=true)", obj.Name)
 	case !apierrors.IsAlreadyExists(err):
 		k.t.logf("kubelet", "error", "create CSIDriver %s: %v", obj.Name, err)
 	}
@@ -340,7 +372,7 @@ func (k *kubelet) registerDriver(ctx context.Context) {
 func (k *kubelet) heartbeat(ctx context.Context) {
 	err := beatNode(ctx, k.cs, simNodeName, func() {
 		k.t.logf("kubelet", "registered", "node %s (cpu 64, memory 256Gi, pods 500)", simNodeName)
-	})
+	}, k.tenantNode)
 	msg := ""
 	if err != nil {
 		msg = err.Error()
@@ -357,16 +389,17 @@ func (k *kubelet) heartbeat(ctx context.Context) {
 
 // beatNode is one heartbeat of Node `name`: it registers the Node if needed
 // (calling registered), keeps its Ready condition fresh and renews its Lease.
-func beatNode(ctx context.Context, cs kubernetes.Interface, name string, registered func()) error {
+// A non-nil edit sets what else this kubelet reports on the Node.
+func beatNode(ctx context.Context, cs kubernetes.Interface, name string, registered func(), edit func(*corev1.Node)) error {
 	// The node-lifecycle controller writes the Node too (taints, at first).
-	err := retry.RetryOnConflict(retry.DefaultRetry, func() error { return updateNodeOnce(ctx, cs, name, registered) })
+	err := retry.RetryOnConflict(retry.DefaultRetry, func() error { return updateNodeOnce(ctx, cs, name, registered, edit) })
 	if err != nil {
 		return err
 	}
 	return renewLease(ctx, cs, name)
 }
 
-func updateNodeOnce(ctx context.Context, cs kubernetes.Interface, name string, registered func()) error {
+func updateNodeOnce(ctx context.Context, cs kubernetes.Interface, name string, registered func(), edit func(*corev1.Node)) error {
 	nodes := cs.CoreV1().Nodes()
 	node, err := nodes.Get(ctx, name, metav1.GetOptions{})
 	if apierrors.IsNotFound(err) {
@@ -384,6 +417,16 @@ func updateNodeOnce(ctx context.Context, cs kubernetes.Interface, name string, r
 	}
 	if err != nil {
 		return err
+	}
+	if edit != nil {
+		before := node.Annotations[annControllerManagedAttach]
+		edit(node)
+		if node.Annotations[annControllerManagedAttach] != before {
+			if node, err = nodes.Update(ctx, node, metav1.UpdateOptions{}); err != nil {
+				return err
+			}
+			edit(node)
+		}
 	}
 	now := metav1.Now()
 	resources := corev1.ResourceList{

@@ -67,7 +67,8 @@ type proc struct {
 }
 
 // A light tenant cluster serves only the API groups the volume-release phase,
-// the simulated driver and kubelet use, runs only the volume controllers and
+// the simulated driver and kubelet use, runs only the volume controllers
+// (attach/detach among them) and
 // the quota controller, and has no scheduler: Pods are created with
 // spec.nodeName set to the simulated node. It is about a third of a full
 // tenant cluster's memory, so tens of tenants fit on one machine.
@@ -79,6 +80,7 @@ const (
 		"events.k8s.io/v1=true,discovery.k8s.io/v1=true,policy/v1=true,scheduling.k8s.io/v1=true," +
 		"apiregistration.k8s.io/v1=true,networking.k8s.io/v1=true,node.k8s.io/v1=true"
 	lightControllers = "persistentvolume-binder-controller,persistentvolume-protection-controller," +
+		"persistentvolume-attach-detach-controller," +
 		"persistentvolumeclaim-protection-controller,resourcequota-controller," +
 		"serviceaccount-controller,serviceaccount-token-controller"
 )
