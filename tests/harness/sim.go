@@ -63,6 +63,10 @@ const (
 	// slow: it frees a released volume no sooner than that after it saw it
 	// released, as a slow storage backend does.
 	annFreeAfter = "harness.volume-gate.test/free-after"
+	// annNode on the parent HelmRelease ("down") stops that tenant's
+	// kubelet for good, as a node whose VM died: no more heartbeats, so the
+	// node goes NotReady, and nothing finishes its Pods.
+	annNode = "harness.volume-gate.test/node"
 )
 
 var (

@@ -118,7 +118,11 @@ func (t *tenant) reconcile(ctx context.Context) {
 	if !up {
 		driverWhy = "tenant API down: " + why
 	}
-	t.setWorkers(up, up && csiOK, why, driverWhy)
+	kubeletOn, kubeletWhy := up, why
+	if down := t.nodeDown(); down != "" {
+		kubeletOn, kubeletWhy = false, down
+	}
+	t.setWorkers(kubeletOn, up && csiOK, kubeletWhy, driverWhy)
 }
 
 // setWorkers starts or stops the kubelet and the driver; the reasons are
@@ -169,6 +173,14 @@ func (t *tenant) csiRelease() (bool, string) {
 		return false, fmt.Sprintf("driver stopped (annotation %s on HelmRelease %s)", annDriverStopped, name)
 	}
 	return true, ""
+}
+
+// nodeDown says why the tenant's node is down (annNode on the parent), or "".
+func (t *tenant) nodeDown() string {
+	if hr, ok, _ := t.s.hrs.get(t.ns, t.name); ok && hr.GetAnnotations()[annNode] == "down" {
+		return fmt.Sprintf("node down (annotation %s on HelmRelease %s): its kubelet is gone", annNode, t.name)
+	}
+	return ""
 }
 
 // kcsiControllerSuffix names the KubeVirt CSI driver's controller

@@ -18,6 +18,7 @@
 
 pub mod claims;
 pub mod disks;
+pub mod holders;
 mod management;
 mod tenant_side;
 mod wait;
@@ -125,7 +126,11 @@ async fn pass(ctx: &Context, t: &TenantRef, record: &Record) -> Step<Outcome> {
             warn!("new volumes appeared while releasing; another pass");
             continue;
         }
-        return Ok(outcome(ctx, t, now, contents_left, deadline).await?);
+        // What holds the volumes left, as the tenant API says it, for Blocked.
+        let left: Vec<&crate::record::Volume> =
+            now.remaining().filter(|v| !v.is_retain()).collect();
+        let facts = holders::gather(&tenant.client, &left).await;
+        return Ok(outcome(ctx, t, now, contents_left, deadline, &facts).await?);
     }
 }
 
@@ -326,6 +331,7 @@ async fn outcome(
     inv: Inventory,
     contents_left: BTreeSet<String>,
     deadline: Instant,
+    facts: &holders::Facts,
 ) -> Result<Outcome, kube::Error> {
     let remaining: Vec<_> = inv.remaining().filter(|v| !v.is_retain()).collect();
     let retained: Vec<_> = inv.remaining().filter(|v| v.is_retain()).collect();
@@ -340,14 +346,20 @@ async fn outcome(
     }
     let mut parts = Vec::new();
     if !remaining.is_empty() {
+        // The remedy for a dead node first: a long list is cut at the end.
+        let hint = holders::remedy(&remaining, facts)
+            .unwrap_or_else(|| "is the CSI driver running?".to_string());
         parts.push(format!(
-            "{} of {} not freed within {}s (is the CSI driver running?): {}",
+            "{} of {} not freed within {}s ({hint}): {}",
             remaining.len(),
             count(inv.total, "volume"),
             ctx.settings.wait_bound.as_secs(),
             remaining
                 .iter()
-                .map(|v| v.describe())
+                .map(|v| match holders::explain(v, facts) {
+                    Some(why) => format!("{} [{why}]", v.describe()),
+                    None => v.describe(),
+                })
                 .collect::<Vec<_>>()
                 .join(", ")
         ));
