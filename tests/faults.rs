@@ -6,6 +6,9 @@ mod common;
 
 use std::time::Duration;
 
+use k8s_openapi::api::rbac::v1::Role;
+use kube::api::{Api, PostParams};
+
 use common::tenant::{RETAIN_STORAGE_CLASS, STORAGE_CLASS, Tenant};
 use volume_gate::record::{Inventory, Phase};
 
@@ -370,4 +373,70 @@ async fn a_terminated_worker_exits_by_itself_and_the_next_one_leads() {
         env.sim.volumes_of(&t.namespace, &t.name).is_empty(),
         "the new leader freed the volume"
     );
+}
+
+/// The CSI controller loses its rights mid-phase (its Role `R-kcsi` edited
+/// by a cluster admin, which the gate does not review: only deletes of the
+/// identity are): the driver, acting with its ServiceAccount's token, gets
+/// the API server's own 403 when it goes to delete a DataVolume; the
+/// external-provisioner reports it in an Event on the PV and retries, and
+/// the worker's Blocked quotes it. With the rights back, the retry frees
+/// everything.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_drivers_rbac_removed_mid_phase_surfaces_as_the_api_servers_403_in_the_record() {
+    let _serial = common::serial();
+    let env = env();
+    let t = tenant_with_volumes("rbac", &["a", "b"]).await;
+    let disks = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(disks.len(), 2);
+    // Hold the phase at "PVs released, not freed" while the Role changes.
+    t.set_driver(&env.sim, false).await;
+    t.delete_parent().await;
+    t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
+
+    let roles = Api::<Role>::namespaced(t.management.clone(), &t.namespace);
+    let name = format!("{}-kcsi", t.name);
+    let full = roles.get(&name).await.expect("the controller's Role");
+    let mut cut = full.clone();
+    for rule in cut.rules.iter_mut().flatten() {
+        if rule.resources.iter().flatten().any(|r| r == "datavolumes") {
+            rule.verbs = vec!["create".into()];
+        }
+    }
+    cut.metadata.managed_fields = None;
+    roles
+        .replace(&name, &PostParams::default(), &cut)
+        .await
+        .expect("a cluster admin edits the Role mid-phase");
+    t.set_driver(&env.sim, true).await;
+
+    let record = t
+        .history
+        .next_record("Blocked quoting the 403", Duration::from_secs(120), |r| {
+            r.phase == Some(Phase::Blocked)
+                && r.message
+                    .as_deref()
+                    .is_some_and(|m| m.contains("VolumeFailedDelete") && m.contains("forbidden"))
+        })
+        .await;
+    let message = record.message.unwrap_or_default();
+    let subject = format!("system:serviceaccount:{}:{name}", t.namespace);
+    assert!(
+        message.contains(&subject) && message.contains("cannot get resource"),
+        "the API server's own refusal, naming the controller's ServiceAccount {subject}: {message}"
+    );
+    assert_eq!(
+        env.sim.volumes_of(&t.namespace, &t.name),
+        disks,
+        "nothing freed without the rights"
+    );
+
+    let mut back = roles.get(&name).await.unwrap();
+    back.rules = full.rules.clone();
+    roles
+        .replace(&name, &PostParams::default(), &back)
+        .await
+        .expect("the rights restored");
+    t.wait_parent_gone(Duration::from_secs(180)).await;
+    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
 }
