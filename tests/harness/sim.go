@@ -1,20 +1,25 @@
 package main
 
 // The simulator stands in for what a Cozystack installation has and this
-// machine lacks: the hypervisor's storage, the tenant's CSI driver, a
-// kubelet, the management node that runs the Pods of Jobs (the tenant
-// chart's pre-delete hook, which the real helm-controller creates), and the
-// part of Kamaji that stops a tenant API server. It drives the real API
-// servers that `harness up` runs, so the tests see real finalizers, real
-// garbage collection and real admission. Flux is not simulated: the tests
-// run the real helm-controller (tests/flux/build.sh).
+// machine lacks: the hypervisor's storage, the storage side of the tenant's
+// CSI driver (its controller plugin; Kubernetes' own external-provisioner
+// and external-attacher run beside it as child processes), a kubelet, the
+// management node that runs the Pods of Jobs (the tenant chart's pre-delete
+// hook, which the real helm-controller creates), and the part of Kamaji
+// that stops a tenant API server. It drives the real API servers that
+// `harness up` runs, so the tests see real finalizers, real garbage
+// collection, real attach and detach, and real admission. Flux is not
+// simulated: the tests run the real helm-controller (tests/flux/build.sh).
 //
 //	sim.go          flags, log, management informers, tenant registry
 //	sim_storage.go  the storage ledger (one file per volume)
 //	sim_tenant.go   per-tenant connection: admin kubeconfig, /readyz, workers
-//	sim_driver.go   CSI external-provisioner (CreateVolume / DeleteVolume)
+//	sim_driver.go   a provisioner: the plugin, its sidecars, the ledger backend
+//	sim_csi.go      the CSI controller plugin (gRPC) and the sidecars' processes
+//	sim_kcsi.go     the KubeVirt driver controller's identity (R-kcsi's token)
 //	sim_snapshot.go VolumeSnapshots, when the tenant serves that API
 //	sim_kubelet.go  the fake Node "sim-node" and its Pods
+//	sim_attach.go   the kubelet's part of attach: CSINode, WaitForAttach, volumesInUse
 //	sim_jobs.go     the management cluster's Job Pods (real hooks) run locally
 //	sim_kamaji.go   TenantControlPlane deleted -> tenant API server stopped
 //	sim_infra.go    the infra layer: DataVolumes, CDI, the management storage, VM attachments
