@@ -54,7 +54,7 @@ func csiVolumeName(driver, handle string) corev1.UniqueVolumeName {
 
 // nodeID is the driver's ID for the tenant's node: `<namespace>/<vm>`, as
 // the KubeVirt driver's node plugin registers it.
-func (k *kubelet) nodeID() string { return k.t.ns + "/" + simNodeName }
+func (k *kubelet) nodeID() string { return k.t.ns + "/" + vmName(k.t.name) }
 
 // notAttached says why pv cannot be mounted yet for want of attachment, or "".
 func (k *kubelet) notAttached(pv *corev1.PersistentVolume) string {

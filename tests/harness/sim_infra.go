@@ -12,23 +12,31 @@ package main
 // freed when the management PVC goes, which pvc-protection holds back while
 // a Pod of the tenant's VM (its hotplug attachment Pod) still mounts it.
 //
-//	kcsiBackend      the tenant driver's CreateVolume/DeleteVolume (DataVolumes)
+//	kcsiBackend      the tenant driver's Create/DeleteVolume (DataVolumes) and
+//	                 ControllerPublish/Unpublish (virt-api's addvolume/removevolume), as R-kcsi
 //	cdi              DataVolume -> PVC (owned by it, labels copied)
-//	infra provisioner the management StorageClass's provisioner (a driver with a ledgerBackend)
+//	infra provisioner the management StorageClass's provisioner (the real external-provisioner
+//	                 with a ledgerBackend plugin)
 //	attachments      confirms the deletion of attachment Pods (their "kubelet")
+//	sim_virt.go      the VM and VMI of the tenant's node, virt-api, the hotplug controller
 //
-// A tenant's VM lives while a MachineDeployment labelled with the tenant's
-// Cluster API label exists (the chain MachineDeployment -> Machine ->
-// KubevirtMachine -> VirtualMachine -> virt-launcher collapsed): attachment
+// A tenant's VM (`<R>-vm`) lives while a MachineDeployment labelled with the
+// tenant's Cluster API label exists (the chain MachineDeployment -> Machine
+// -> KubevirtMachine -> VirtualMachine collapsed): the VM and the attachment
 // Pods are owned by it, so garbage collection takes them when it goes. A
 // tenant without one has no node, and its disks are never attached.
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
+	"slices"
 	"strings"
 	"sync"
+	"time"
 
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
 	corev1 "k8s.io/api/core/v1"
 	storagev1 "k8s.io/api/storage/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
@@ -39,6 +47,7 @@ import (
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/informers"
+	"k8s.io/client-go/kubernetes"
 	"k8s.io/client-go/rest"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
@@ -82,25 +91,39 @@ type kcsiBackend struct {
 
 	mu     sync.Mutex
 	config *rest.Config
-	dv     dynamic.NamespaceableResourceInterface
+	dyn    dynamic.Interface
+	rest   rest.Interface // for virt-api's subresources
 }
 
-// dataVolumes is the DataVolume API as R-kcsi.
-func (b *kcsiBackend) dataVolumes(ctx context.Context) (dynamic.ResourceInterface, error) {
+// clients are the management API as R-kcsi.
+func (b *kcsiBackend) clients(ctx context.Context) (dynamic.Interface, rest.Interface, error) {
 	cfg, err := b.t.kcsiConfig(ctx)
 	if err != nil {
-		return nil, err
+		return nil, nil, err
 	}
 	b.mu.Lock()
 	defer b.mu.Unlock()
 	if b.config == nil || b.config.BearerToken != cfg.BearerToken {
 		dyn, err := dynamic.NewForConfig(cfg)
 		if err != nil {
-			return nil, err
+			return nil, nil, err
 		}
-		b.config, b.dv = cfg, dyn.Resource(gvrDataVolume)
+		cs, err := kubernetes.NewForConfig(cfg)
+		if err != nil {
+			return nil, nil, err
+		}
+		b.config, b.dyn, b.rest = cfg, dyn, cs.Discovery().RESTClient()
 	}
-	return b.dv.Namespace(b.t.ns), nil
+	return b.dyn, b.rest, nil
+}
+
+// dataVolumes is the DataVolume API as R-kcsi.
+func (b *kcsiBackend) dataVolumes(ctx context.Context) (dynamic.ResourceInterface, error) {
+	dyn, _, err := b.clients(ctx)
+	if err != nil {
+		return nil, err
+	}
+	return dyn.Resource(gvrDataVolume).Namespace(b.t.ns), nil
 }
 
 // refused notes an API refusal of the controller's identity: logged as
@@ -189,76 +212,132 @@ func (b *kcsiBackend) deleteVolume(ctx context.Context, handle string) error {
 	return nil
 }
 
-// publish hot-plugs the disk into the tenant's VM, unpublish unplugs it
-// (the driver's ControllerPublishVolume / ControllerUnpublishVolume); the
-// external-attacher calls them for the tenant's VolumeAttachments.
-func (b *kcsiBackend) publish(ctx context.Context, handle, _ string) error {
-	return b.attach(ctx, handle)
+// publish hot-plugs the disk into the node's VM, as the driver's
+// ControllerPublishVolume does: the DataVolume and the VM must exist (else
+// NotFound); a VM that has the volume already is done; otherwise PUT
+// virtualmachines/<vm>/addvolume (virt-api, through the aggregator) and
+// wait, up to 2 minutes, for the VMI to report the volume Ready
+// (client.AddVolumeToVM, client.EnsureVolumeAvailable).
+func (b *kcsiBackend) publish(ctx context.Context, handle, nodeID string) error {
+	t := b.t
+	dyn, rc, err := b.clients(ctx)
+	if err != nil {
+		return err
+	}
+	_, vm, _ := cache.SplitMetaNamespaceKey(nodeID)
+	if _, err := dyn.Resource(gvrDataVolume).Namespace(t.ns).Get(ctx, handle, metav1.GetOptions{}); err != nil {
+		b.refused("ControllerPublishVolume "+handle, err)
+		if apierrors.IsNotFound(err) {
+			return status.Errorf(codes.NotFound, "volume %s not found", handle)
+		}
+		return err
+	}
+	obj, err := dyn.Resource(gvrVM).Namespace(t.ns).Get(ctx, vm, metav1.GetOptions{})
+	if err != nil {
+		b.refused("ControllerPublishVolume "+handle, err)
+		if apierrors.IsNotFound(err) {
+			return status.Errorf(codes.NotFound, "vm %s not found", vm)
+		}
+		return err
+	}
+	if !slices.Contains(hotplugged(obj), handle) {
+		body, _ := json.Marshal(map[string]any{
+			"name":         handle,
+			"disk":         map[string]any{"name": handle, "disk": map[string]any{"bus": "scsi"}},
+			"volumeSource": map[string]any{"dataVolume": map[string]any{"name": handle, "hotpluggable": true}},
+		})
+		err := rc.Put().AbsPath("/apis", subresourcesAPI, "v1", "namespaces", t.ns, "virtualmachines", vm, "addvolume").
+			Body(body).Do(ctx).Error()
+		if err != nil && !apierrors.IsConflict(err) {
+			b.refused("ControllerPublishVolume "+handle, err)
+			return fmt.Errorf("add volume %s to VM %s/%s: %w", handle, t.ns, vm, err)
+		}
+	}
+	return b.waitVolume(ctx, dyn, vm, handle, true)
 }
-func (b *kcsiBackend) unpublish(ctx context.Context, handle, _ string) error {
-	return b.detach(ctx, handle)
+
+// unpublish unplugs it (ControllerUnpublishVolume): from the VM's spec if
+// it is there, else from the VMI if its status still lists it, else it is
+// not attached; then waits for the VMI to stop listing it. A disk whose
+// management PVC is gone is detached by definition (Cozystack's wrapper
+// returns at once).
+func (b *kcsiBackend) unpublish(ctx context.Context, handle, nodeID string) error {
+	t := b.t
+	dyn, rc, err := b.clients(ctx)
+	if err != nil {
+		return err
+	}
+	_, vm, _ := cache.SplitMetaNamespaceKey(nodeID)
+	path := func(kind string) *rest.Request {
+		return rc.Put().AbsPath("/apis", subresourcesAPI, "v1", "namespaces", t.ns, kind, vm, "removevolume").
+			Body([]byte(fmt.Sprintf(`{"name":%q}`, handle)))
+	}
+	if obj, err := dyn.Resource(gvrVM).Namespace(t.ns).Get(ctx, vm, metav1.GetOptions{}); err == nil && slices.Contains(hotplugged(obj), handle) {
+		if err := path("virtualmachines").Do(ctx).Error(); err != nil && !apierrors.IsNotFound(err) {
+			b.refused("ControllerUnpublishVolume "+handle, err)
+			return fmt.Errorf("remove volume %s from VM %s/%s: %w", handle, t.ns, vm, err)
+		}
+	} else if err != nil && !apierrors.IsNotFound(err) {
+		b.refused("ControllerUnpublishVolume "+handle, err)
+		return err
+	} else if phase, err := b.vmiVolume(ctx, dyn, vm, handle); err != nil {
+		return err
+	} else if phase != "" {
+		if err := path("virtualmachineinstances").Do(ctx).Error(); err != nil && !apierrors.IsNotFound(err) {
+			b.refused("ControllerUnpublishVolume "+handle, err)
+			return fmt.Errorf("remove volume %s from VMI %s/%s: %w", handle, t.ns, vm, err)
+		}
+	}
+	return b.waitVolume(ctx, dyn, vm, handle, false)
+}
+
+// vmiVolume is the phase VMI vm's status gives volume handle, "" when it
+// does not list it.
+func (b *kcsiBackend) vmiVolume(ctx context.Context, dyn dynamic.Interface, vm, handle string) (string, error) {
+	vmi, err := dyn.Resource(gvrVMI).Namespace(b.t.ns).Get(ctx, vm, metav1.GetOptions{})
+	if apierrors.IsNotFound(err) {
+		return "", nil
+	}
+	if err != nil {
+		b.refused("read VMI "+vm, err)
+		return "", err
+	}
+	statuses, _, _ := unstructured.NestedSlice(vmi.Object, "status", "volumeStatus")
+	for _, raw := range statuses {
+		if st, _ := raw.(map[string]any); st["name"] == handle {
+			return fmt.Sprint(st["phase"]), nil
+		}
+	}
+	return "", nil
+}
+
+// waitVolume polls the VMI every second, for up to 2 minutes, until it
+// reports the volume Ready (present) or no longer lists it, as the
+// driver's EnsureVolumeAvailable / EnsureVolumeRemoved do.
+func (b *kcsiBackend) waitVolume(ctx context.Context, dyn dynamic.Interface, vm, handle string, present bool) error {
+	deadline := time.Now().Add(2 * time.Minute)
+	for {
+		phase, err := b.vmiVolume(ctx, dyn, vm, handle)
+		if err == nil && (present && phase == "Ready" || !present && phase == "") {
+			return nil
+		}
+		if time.Now().After(deadline) {
+			want := "Ready"
+			if !present {
+				want = "removed"
+			}
+			return fmt.Errorf("volume %s on VMI %s/%s: not %s within 2m (phase %q, last error: %v)", handle, b.t.ns, vm, want, phase, err)
+		}
+		select {
+		case <-ctx.Done():
+			return ctx.Err()
+		case <-time.After(time.Second):
+		}
+	}
 }
 
 // attachmentPod is the name of the Pod that attaches DataVolume dv to its VM.
 func attachmentPod(dv string) string { return "hp-volume-" + dv }
-
-// attach hotplugs the disk into the tenant's VM: a Pod in the tenant
-// namespace of the management cluster mounting the DataVolume's PVC, owned
-// by the tenant's MachineDeployment. No MachineDeployment, no VM: nothing
-// to attach to.
-func (b *kcsiBackend) attach(ctx context.Context, dv string) error {
-	t := b.t
-	sel := metav1.FormatLabelSelector(&metav1.LabelSelector{MatchLabels: map[string]string{prof.clusterLabel: t.name}})
-	mds, err := t.s.dyn.Resource(gvrMachineDeployment).Namespace(t.ns).List(ctx, metav1.ListOptions{LabelSelector: sel})
-	if err != nil && !apierrors.IsNotFound(err) {
-		return fmt.Errorf("attach %s: list MachineDeployments: %w", dv, err)
-	}
-	if err != nil || len(mds.Items) == 0 {
-		t.logf("driver", "not-attached", "DataVolume %s: the tenant has no MachineDeployment, so no VM to attach it to", dv)
-		return nil
-	}
-	md := mds.Items[0]
-	pod := &corev1.Pod{
-		ObjectMeta: metav1.ObjectMeta{
-			Name:      attachmentPod(dv),
-			Namespace: t.ns,
-			Labels:    map[string]string{attachmentLabel: attachmentValue, attachmentTenantLabel: t.name},
-			OwnerReferences: []metav1.OwnerReference{{
-				APIVersion: "cluster.x-k8s.io/v1beta1", Kind: "MachineDeployment", Name: md.GetName(), UID: md.GetUID(),
-			}},
-		},
-		Spec: corev1.PodSpec{
-			NodeName:                      jobsNodeName,
-			TerminationGracePeriodSeconds: ptr.To[int64](0),
-			Containers:                    []corev1.Container{{Name: "hotplug-disk", Image: "quay.io/kubevirt/virt-launcher"}},
-			Volumes: []corev1.Volume{{Name: "disk", VolumeSource: corev1.VolumeSource{
-				PersistentVolumeClaim: &corev1.PersistentVolumeClaimVolumeSource{ClaimName: dv},
-			}}},
-		},
-	}
-	_, err = t.s.mgmt.CoreV1().Pods(t.ns).Create(ctx, pod, metav1.CreateOptions{})
-	switch {
-	case err == nil:
-		t.logf("driver", "attached", "DataVolume %s to the VM of MachineDeployment %s (Pod %s)", dv, md.GetName(), pod.Name)
-	case apierrors.IsAlreadyExists(err):
-	default:
-		return fmt.Errorf("attach %s: create Pod %s: %w", dv, pod.Name, err)
-	}
-	return nil
-}
-
-// detach removes the attachment Pod of dv, if any.
-func (b *kcsiBackend) detach(ctx context.Context, dv string) error {
-	t := b.t
-	err := t.s.mgmt.CoreV1().Pods(t.ns).Delete(ctx, attachmentPod(dv), metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)})
-	switch {
-	case err == nil:
-		t.logf("driver", "detached", "DataVolume %s (Pod %s deleted)", dv, attachmentPod(dv))
-	case !apierrors.IsNotFound(err):
-		return fmt.Errorf("detach %s: %w", dv, err)
-	}
-	return nil
-}
 
 func toAny(m map[string]string) map[string]any {
 	out := make(map[string]any, len(m))
@@ -292,6 +371,7 @@ func (s *sim) startInfra(ctx context.Context, factory dynamicinformer.DynamicSha
 	})
 	s.wg.Go(func() { c.run(ctx) })
 	s.wg.Go(func() { s.runAttachments(ctx) })
+	s.startVirt(ctx, factory)
 }
 
 // infraOwner names the tenant of a management PVC: its namespace and the
