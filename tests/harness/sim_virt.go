@@ -217,10 +217,19 @@ func (v *virt) syncVM(ctx context.Context, key string) error {
 			owner = &metav1.OwnerReference{APIVersion: o.APIVersion, Kind: o.Kind, Name: o.Name, UID: o.UID}
 		}
 	}
+	// A volume is hotplugged once its disk exists: the DataVolume's PVC
+	// bound (virt-controller waits for the DataVolume to be ready).
+	var ready []string
 	for _, dv := range want {
+		pvc, err := v.s.mgmt.CoreV1().PersistentVolumeClaims(ns).Get(ctx, dv, metav1.GetOptions{})
+		if err != nil || pvc.Status.Phase != corev1.ClaimBound {
+			v.q.AddAfter(key, time.Second)
+			continue
+		}
 		if err := v.attachmentPod(ctx, ns, r, dv, owner); err != nil {
 			return err
 		}
+		ready = append(ready, dv)
 	}
 	vmis := v.s.dyn.Resource(gvrVMI).Namespace(ns)
 	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
@@ -243,7 +252,7 @@ func (v *virt) syncVM(ctx context.Context, key string) error {
 				return err
 			}
 		}
-		for _, dv := range want {
+		for _, dv := range ready {
 			if !slices.Contains(had, dv) {
 				kept = append(kept, map[string]any{
 					"name": dv, "phase": "Ready", "reason": "VolumeReady", "message": "Successfully attach hotplugged volume " + dv + " to VM",
