@@ -19,21 +19,9 @@ use common::tenant::Tenant;
 /// The tenant's one node, as the simulator's kubelet registers it.
 const NODE: &str = "sim-node";
 
-/// Short bounds: a pass waits 8s for the PVs before Blocked.
+/// Short bounds: a pass waits 10s for the PVs before Blocked.
 fn env() -> &'static common::Env {
-    let args = [
-        "--wait-bound",
-        "8s",
-        "--retry-base",
-        "1s",
-        "--retry-max",
-        "3s",
-        "--probe-timeout",
-        "3s",
-        "--lease-duration",
-        "3s",
-    ];
-    common::gated_with(args.map(String::from).to_vec())
+    common::gated_short()
 }
 
 fn ready(n: &Node) -> Option<String> {
@@ -140,7 +128,7 @@ async fn a_dead_nodes_attachments_block_the_teardown_by_name_until_the_node_is_d
     );
     println!(
         "dead node: NotReady {:.0}s after its kubelet stopped; Blocked {:.1}s after the parent's deletion \
-         (wait bound 8s); after the out-of-service taint the parent was gone in {:.1}s",
+         (wait bound 10s); after the out-of-service taint the parent was gone in {:.1}s",
         not_ready_after.as_secs_f64(),
         blocked_after.as_secs_f64(),
         gone_after.as_secs_f64()

@@ -144,6 +144,29 @@ func orDash(s string) string {
 	return s
 }
 
+// drain runs sync for each key of q until ctx ends, retrying a failed key
+// on the queue's backoff after reporting it with failed.
+func drain(ctx context.Context, q workqueue.TypedRateLimitingInterface[string], sync func(context.Context, string) error, failed func(string, error)) {
+	defer q.ShutDown()
+	go func() {
+		<-ctx.Done()
+		q.ShutDown()
+	}()
+	for {
+		key, quit := q.Get()
+		if quit {
+			return
+		}
+		if err := sync(ctx, key); err != nil && ctx.Err() == nil {
+			failed(key, err)
+			q.AddRateLimited(key)
+		} else {
+			q.Forget(key)
+		}
+		q.Done(key)
+	}
+}
+
 func newItemQueue(name string) workqueue.TypedRateLimitingInterface[string] {
 	return workqueue.NewTypedRateLimitingQueueWithConfig(
 		workqueue.NewTypedItemExponentialFailureRateLimiter[string](500*time.Millisecond, 10*time.Second),

@@ -415,25 +415,10 @@ func (c *cdi) enqueue(obj any) {
 
 func (c *cdi) run(ctx context.Context) {
 	c.q = newItemQueue("cdi")
-	defer c.q.ShutDown()
-	go func() {
-		<-ctx.Done()
-		c.q.ShutDown()
-	}()
 	go c.dvs.run(ctx)
-	for {
-		key, quit := c.q.Get()
-		if quit {
-			return
-		}
-		if err := c.sync(ctx, key); err != nil && ctx.Err() == nil {
-			c.s.log.printf("cdi", "", "error", "DataVolume %s: %v (retrying)", key, err)
-			c.q.AddRateLimited(key)
-		} else {
-			c.q.Forget(key)
-		}
-		c.q.Done(key)
-	}
+	drain(ctx, c.q, c.sync, func(key string, err error) {
+		c.s.log.printf("cdi", "", "error", "DataVolume %s: %v (retrying)", key, err)
+	})
 }
 
 func (c *cdi) sync(ctx context.Context, key string) error {

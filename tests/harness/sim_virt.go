@@ -33,6 +33,7 @@ import (
 	"math/big"
 	"net"
 	"net/http"
+	"reflect"
 	"slices"
 	"strings"
 	"time"
@@ -104,30 +105,14 @@ func (s *sim) startVirt(ctx context.Context, factory dynamicinformer.DynamicShar
 }
 
 func (v *virt) run(ctx context.Context) {
-	defer v.q.ShutDown()
-	go func() {
-		<-ctx.Done()
-		v.q.ShutDown()
-	}()
-	for {
-		key, quit := v.q.Get()
-		if quit {
-			return
-		}
-		var err error
+	drain(ctx, v.q, func(ctx context.Context, key string) error {
 		if mdKey, ok := strings.CutPrefix(key, "md:"); ok {
-			err = v.syncMachineDeployment(ctx, mdKey)
-		} else {
-			err = v.syncVM(ctx, key)
+			return v.syncMachineDeployment(ctx, mdKey)
 		}
-		if err != nil && ctx.Err() == nil {
-			v.s.log.printf("virt", "", "error", "%s: %v (retrying)", key, err)
-			v.q.AddRateLimited(key)
-		} else {
-			v.q.Forget(key)
-		}
-		v.q.Done(key)
-	}
+		return v.syncVM(ctx, key)
+	}, func(key string, err error) {
+		v.s.log.printf("virt", "", "error", "%s: %v (retrying)", key, err)
+	})
 }
 
 // syncMachineDeployment makes the VM and VMI of the tenant's node, owned
@@ -231,13 +216,7 @@ func (v *virt) syncVM(ctx context.Context, key string) error {
 		}
 		ready = append(ready, dv)
 	}
-	vmis := v.s.dyn.Resource(gvrVMI).Namespace(ns)
-	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		vmi, err := vmis.Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		statuses, _, _ := unstructured.NestedSlice(vmi.Object, "status", "volumeStatus")
+	return v.editVolumeStatus(ctx, ns, name, func(statuses []any) ([]any, error) {
 		var kept []any
 		var had []string
 		for _, raw := range statuses {
@@ -249,7 +228,7 @@ func (v *virt) syncVM(ctx context.Context, key string) error {
 				continue
 			}
 			if err := v.detachPod(ctx, ns, r, n); err != nil {
-				return err
+				return nil, err
 			}
 		}
 		for _, dv := range ready {
@@ -260,10 +239,28 @@ func (v *virt) syncVM(ctx context.Context, key string) error {
 				})
 			}
 		}
-		if len(kept) == len(statuses) && len(had) == len(statuses) {
+		return kept, nil
+	})
+}
+
+// editVolumeStatus rewrites VMI ns/name's status.volumeStatus with edit,
+// writing only when it changed.
+func (v *virt) editVolumeStatus(ctx context.Context, ns, name string, edit func([]any) ([]any, error)) error {
+	vmis := v.s.dyn.Resource(gvrVMI).Namespace(ns)
+	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
+		vmi, err := vmis.Get(ctx, name, metav1.GetOptions{})
+		if err != nil {
+			return err
+		}
+		statuses, _, _ := unstructured.NestedSlice(vmi.Object, "status", "volumeStatus")
+		edited, err := edit(slices.Clone(statuses))
+		if err != nil {
+			return err
+		}
+		if reflect.DeepEqual(edited, statuses) {
 			return nil
 		}
-		if err := unstructured.SetNestedSlice(vmi.Object, kept, "status", "volumeStatus"); err != nil {
+		if err := unstructured.SetNestedSlice(vmi.Object, edited, "status", "volumeStatus"); err != nil {
 			return err
 		}
 		_, err = vmis.UpdateStatus(ctx, vmi, metav1.UpdateOptions{})
@@ -500,26 +497,19 @@ func (v *virt) editVM(ctx context.Context, ns, name string, edit func(vols, disk
 }
 
 func (v *virt) unplugVMI(ctx context.Context, ns, name, volume string) error {
-	vmis := v.s.dyn.Resource(gvrVMI).Namespace(ns)
-	return retry.RetryOnConflict(retry.DefaultRetry, func() error {
-		vmi, err := vmis.Get(ctx, name, metav1.GetOptions{})
-		if err != nil {
-			return err
-		}
-		statuses, _, _ := unstructured.NestedSlice(vmi.Object, "status", "volumeStatus")
+	r := ""
+	if vm, ok, _ := v.vms.get(ns, name); ok {
+		r = vm.GetLabels()[prof.clusterLabel]
+	}
+	return v.editVolumeStatus(ctx, ns, name, func(statuses []any) ([]any, error) {
 		n := len(statuses)
 		statuses = slices.DeleteFunc(statuses, func(raw any) bool { m, _ := raw.(map[string]any); return m["name"] == volume })
-		if len(statuses) == n {
-			return nil
+		if len(statuses) < n {
+			if err := v.detachPod(ctx, ns, r, volume); err != nil {
+				return nil, err
+			}
 		}
-		if err := v.detachPod(ctx, ns, vmi.GetLabels()[prof.clusterLabel], volume); err != nil {
-			return err
-		}
-		if err := unstructured.SetNestedSlice(vmi.Object, statuses, "status", "volumeStatus"); err != nil {
-			return err
-		}
-		_, err = vmis.UpdateStatus(ctx, vmi, metav1.UpdateOptions{})
-		return err
+		return statuses, nil
 	})
 }
 
