@@ -44,6 +44,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/runtime/schema"
+	"k8s.io/apimachinery/pkg/util/wait"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/dynamic/dynamicinformer"
 	"k8s.io/client-go/informers"
@@ -246,9 +247,11 @@ func (b *kcsiBackend) publish(ctx context.Context, handle, nodeID string) error 
 			"disk":         map[string]any{"name": handle, "disk": map[string]any{"bus": "scsi"}},
 			"volumeSource": map[string]any{"dataVolume": map[string]any{"name": handle, "hotpluggable": true}},
 		})
-		err := rc.Put().AbsPath("/apis", subresourcesAPI, "v1", "namespaces", t.ns, "virtualmachines", vm, "addvolume").
-			Body(body).Do(ctx).Error()
-		if err != nil && !apierrors.IsConflict(err) {
+		err := hotplugRetry(ctx, func() error {
+			return rc.Put().AbsPath("/apis", subresourcesAPI, "v1", "namespaces", t.ns, "virtualmachines", vm, "addvolume").
+				Body(body).Do(ctx).Error()
+		})
+		if err != nil {
 			b.refused("ControllerPublishVolume "+handle, err)
 			return fmt.Errorf("add volume %s to VM %s/%s: %w", handle, t.ns, vm, err)
 		}
@@ -273,7 +276,7 @@ func (b *kcsiBackend) unpublish(ctx context.Context, handle, nodeID string) erro
 			Body([]byte(fmt.Sprintf(`{"name":%q}`, handle)))
 	}
 	if obj, err := dyn.Resource(gvrVM).Namespace(t.ns).Get(ctx, vm, metav1.GetOptions{}); err == nil && slices.Contains(hotplugged(obj), handle) {
-		if err := path("virtualmachines").Do(ctx).Error(); err != nil && !apierrors.IsNotFound(err) {
+		if err := hotplugRetry(ctx, func() error { return path("virtualmachines").Do(ctx).Error() }); err != nil && !apierrors.IsNotFound(err) {
 			b.refused("ControllerUnpublishVolume "+handle, err)
 			return fmt.Errorf("remove volume %s from VM %s/%s: %w", handle, t.ns, vm, err)
 		}
@@ -283,12 +286,33 @@ func (b *kcsiBackend) unpublish(ctx context.Context, handle, nodeID string) erro
 	} else if phase, err := b.vmiVolume(ctx, dyn, vm, handle); err != nil {
 		return err
 	} else if phase != "" {
-		if err := path("virtualmachineinstances").Do(ctx).Error(); err != nil && !apierrors.IsNotFound(err) {
+		if err := hotplugRetry(ctx, func() error { return path("virtualmachineinstances").Do(ctx).Error() }); err != nil && !apierrors.IsNotFound(err) {
 			b.refused("ControllerUnpublishVolume "+handle, err)
 			return fmt.Errorf("remove volume %s from VMI %s/%s: %w", handle, t.ns, vm, err)
 		}
 	}
 	return b.waitVolume(ctx, dyn, vm, handle, false)
+}
+
+// hotplugRetry makes a hotplug request as the driver does
+// (ControllerService.addVolumeToVm / removeVolumeFromVm): retried on any
+// error with a backoff of 1 s doubling, 5 attempts, capped at 30 s (a busy
+// VM answers concurrent requests with conflicts); the last error is
+// returned. An already-added volume (409 "already exists") is done.
+func hotplugRetry(ctx context.Context, do func() error) error {
+	var last error
+	err := wait.ExponentialBackoffWithContext(ctx, wait.Backoff{Duration: time.Second, Factor: 2, Steps: 5, Cap: 30 * time.Second},
+		func(context.Context) (bool, error) {
+			last = do()
+			if last == nil || apierrors.IsConflict(last) && strings.Contains(last.Error(), "already exists") {
+				return true, nil
+			}
+			return false, nil
+		})
+	if err != nil && last != nil {
+		return last
+	}
+	return err
 }
 
 // vmiVolume is the phase VMI vm's status gives volume handle, "" when it
