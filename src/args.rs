@@ -77,7 +77,9 @@ pub struct WorkerArgs {
     /// Bound on the tenant /readyz probe.
     #[arg(long, default_value = "10s", value_parser = parse_duration)]
     pub probe_timeout: Duration,
-    /// How long one pass waits for the PVs to be gone before Blocked.
+    /// How long one pass waits with no volume freed before Blocked (counted
+    /// from the last volume gone, so a slow driver that keeps freeing is
+    /// waited for).
     #[arg(long, default_value = "10m", value_parser = parse_duration)]
     pub wait_bound: Duration,
     /// How long a tenant being deleted must stay unreachable (no kubeconfig,

@@ -2,7 +2,8 @@
 //! controller in the tenant's controller manager, the real
 //! external-attacher and external-provisioner beside the driver): a tenant
 //! whose node died keeps its volumes attached, and the teardown says so by
-//! name until someone declares the node out of service.
+//! name until someone declares the node out of service; and a driver that
+//! is slow but keeps freeing is waited for, however long it takes in all.
 
 mod common;
 
@@ -14,6 +15,7 @@ use kube::api::{Api, ListParams, Patch, PatchParams};
 use serde_json::json;
 use volume_gate::record::Phase;
 
+use common::history::Seen;
 use common::tenant::Tenant;
 
 /// The tenant's one node, as the simulator's kubelet registers it.
@@ -132,5 +134,58 @@ async fn a_dead_nodes_attachments_block_the_teardown_by_name_until_the_node_is_d
         not_ready_after.as_secs_f64(),
         blocked_after.as_secs_f64(),
         gone_after.as_secs_f64()
+    );
+}
+
+/// A driver that frees one volume at a time, 3 s each (a backend that
+/// serializes its storage operations, or provisioners at their client's
+/// rate limit on a big tenant): five volumes take 15 s, longer than the
+/// 10 s wait bound, but one is freed every 3 s. The bound counts from the
+/// last volume freed, so the teardown never says `Blocked` and ends with
+/// none left; a bound counted from the pass's start would have reported
+/// a working driver as stuck.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_slow_driver_that_keeps_freeing_is_waited_for_past_the_bound_without_blocked() {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("slowfree")).await;
+    t.wait_custody().await;
+    t.with_held_claims(&["a", "b", "c", "d", "e"]).await;
+    env.sim.wait_disks(&t.namespace, &t.name, 5).await;
+    t.set_free_after(&env.sim, "3s serially").await;
+
+    t.delete_parent().await;
+    let deleted = Instant::now();
+    let record = t
+        .wait_phase(Phase::Released, Duration::from_secs(180))
+        .await;
+    let released_after = deleted.elapsed();
+    t.wait_parent_gone(Duration::from_secs(120)).await;
+
+    let blocked: Vec<String> = t
+        .history
+        .all()
+        .iter()
+        .filter_map(Seen::record)
+        .filter(|r| r.phase == Some(Phase::Blocked))
+        .map(|r| r.message.unwrap_or_default())
+        .collect();
+    assert!(
+        blocked.is_empty(),
+        "a driver that keeps freeing is never reported Blocked: {blocked:?}"
+    );
+    assert!(
+        released_after > Duration::from_secs(10),
+        "the freeing took longer than the 10 s bound (else this proves nothing): {released_after:?}"
+    );
+    let inventory = record.inventory.expect("the record keeps its inventory");
+    assert_eq!((inventory.freed, inventory.total), (5, 5), "all five freed");
+    assert!(
+        env.sim.volumes_of(&t.namespace, &t.name).is_empty(),
+        "no volume left"
+    );
+    println!(
+        "slow driver (3 s a volume, one at a time): Released {:.1}s after the parent's deletion, \
+         against a wait bound of 10 s, with no Blocked",
+        released_after.as_secs_f64()
     );
 }

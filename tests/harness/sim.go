@@ -66,7 +66,9 @@ const (
 	annDriverStopped = "harness.volume-gate.test/driver"
 	// annFreeAfter on R-csi (a duration, "2m") makes that tenant's driver
 	// slow: it frees a released volume no sooner than that after it saw it
-	// released, as a slow storage backend does.
+	// released, as a slow storage backend does. With the suffix " serially"
+	// ("6s serially") it frees one volume at a time, each taking that long,
+	// as a backend that serializes its storage operations does.
 	annFreeAfter = "harness.volume-gate.test/free-after"
 	// annNode on the parent HelmRelease ("down") stops that tenant's
 	// kubelet for good, as a node whose VM died: no more heartbeats, so the

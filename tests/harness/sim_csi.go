@@ -60,13 +60,15 @@ type csiPlugin struct {
 	// claim finds the claim a volume is created for, by its UID (the
 	// request's name is `pvc-<uid>`); nil when not (yet) known.
 	claim func(uid string) *corev1.PersistentVolumeClaim
-	// slow is how long this driver takes to free a volume after it was
-	// first asked to (annFreeAfter); nil or 0: at once.
-	slow func() time.Duration
+	// slow is how this driver takes its time to free a volume after it was
+	// first asked to (annFreeAfter); nil or zero: at once.
+	slow func() slowness
 	logf func(component, action, format string, args ...any)
 
-	mu        sync.Mutex
-	firstSeen map[string]time.Time // DeleteVolume's first call, by volume ID
+	mu  sync.Mutex
+	due map[string]time.Time // when a slow driver frees a volume, by volume ID
+	// lastDue is the latest time in due, for a driver freeing serially.
+	lastDue time.Time
 }
 
 func (p *csiPlugin) GetPluginInfo(context.Context, *csi.GetPluginInfoRequest) (*csi.GetPluginInfoResponse, error) {
@@ -182,34 +184,41 @@ func (p *csiPlugin) DeleteVolume(ctx context.Context, req *csi.DeleteVolumeReque
 		return nil, err
 	}
 	p.mu.Lock()
-	delete(p.firstSeen, id)
+	delete(p.due, id)
 	p.mu.Unlock()
 	p.logf("driver", "deleted", "handle=%s (DeleteVolume done)", id)
 	return &csi.DeleteVolumeResponse{}, nil
 }
 
-// waitSlow holds a DeleteVolume of a slow driver until its delay, counted
-// from the first call for that volume, has passed (within the call's own
-// deadline: the provisioner's --timeout; past it, the next call goes on
-// waiting).
+// waitSlow holds a DeleteVolume of a slow driver until the volume is due:
+// its delay after the first call for it, or (serially) its delay after the
+// volume before it is due. It waits within the call's own deadline (the
+// provisioner's --timeout); past it, the next call goes on waiting.
 func (p *csiPlugin) waitSlow(ctx context.Context, id string) error {
 	if p.slow == nil {
 		return nil
 	}
-	delay := p.slow()
-	if delay <= 0 {
+	slow := p.slow()
+	if slow.delay <= 0 {
 		return nil
 	}
 	p.mu.Lock()
-	first, ok := p.firstSeen[id]
+	due, ok := p.due[id]
 	if !ok {
-		first = time.Now()
-		p.firstSeen[id] = first
-		p.logf("driver", "slow", "handle=%s freed no sooner than %s from now (%s)", id, delay, annFreeAfter)
+		start := time.Now()
+		if slow.serially && p.lastDue.After(start) {
+			start = p.lastDue
+		}
+		due = start.Add(slow.delay)
+		p.due[id] = due
+		if due.After(p.lastDue) {
+			p.lastDue = due
+		}
+		p.logf("driver", "slow", "handle=%s freed no sooner than %s from now (%s)", id, time.Until(due).Round(time.Millisecond), annFreeAfter)
 	}
 	p.mu.Unlock()
 	select {
-	case <-time.After(time.Until(first.Add(delay))):
+	case <-time.After(time.Until(due)):
 		return nil
 	case <-ctx.Done():
 		return status.FromContextError(ctx.Err()).Err()

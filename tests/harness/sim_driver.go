@@ -211,7 +211,7 @@ func (d *driver) run(ctx context.Context) {
 			return
 		}
 	}
-	plugin := &csiPlugin{name: d.name, backend: d.backend, attach: d.t != nil, claim: d.claimByUID, logf: d.logf, firstSeen: map[string]time.Time{}}
+	plugin := &csiPlugin{name: d.name, backend: d.backend, attach: d.t != nil, claim: d.claimByUID, logf: d.logf, due: map[string]time.Time{}}
 	if d.t != nil {
 		plugin.slow = d.t.freeAfter
 	}

@@ -45,7 +45,7 @@ type tenant struct {
 	// kcsi is the CSI controller's identity in the management cluster.
 	kcsi kcsiIdentity
 	// freeAfterSeen is the driver's slowness last logged.
-	freeAfterSeen time.Duration
+	freeAfterSeen slowness
 }
 
 func newTenant(s *sim, ns, name string) *tenant {
@@ -108,7 +108,11 @@ func (t *tenant) reconcile(ctx context.Context) {
 
 	if d := t.freeAfter(); d != t.freeAfterSeen {
 		t.freeAfterSeen = d
-		t.logf("driver", "free-after", "%s: the driver frees a released volume %s after it sees it released", annFreeAfter, d)
+		how := "each"
+		if d.serially {
+			how = "one at a time, each"
+		}
+		t.logf("driver", "free-after", "%s: the driver frees released volumes %s %s after it sees it released", annFreeAfter, how, d.delay)
 	}
 	csiOK, csiWhy := t.csiRelease()
 	if csiOK && prof.infra != nil {
@@ -204,22 +208,29 @@ func (t *tenant) kcsiController() (bool, string) {
 	return true, ""
 }
 
-// freeAfter is how long this tenant's driver takes to free a released
-// volume: annFreeAfter on R-csi, 0 when absent or not a duration.
-func (t *tenant) freeAfter() time.Duration {
+// slowness is how a driver takes its time to free a volume.
+type slowness struct {
+	// delay per volume; 0: at once.
+	delay time.Duration
+	// serially: one volume at a time, so the n-th is freed n delays after
+	// the first was asked for.
+	serially bool
+}
+
+// freeAfter is how this tenant's driver takes its time to free a released
+// volume: annFreeAfter on R-csi ("6s", "6s serially"); zero when absent or
+// not a duration.
+func (t *tenant) freeAfter() slowness {
 	hr, ok, _ := t.s.hrs.get(t.ns, t.name+prof.csiSuffix)
 	if !ok {
-		return 0
+		return slowness{}
 	}
-	v := hr.GetAnnotations()[annFreeAfter]
-	if v == "" {
-		return 0
-	}
+	v, serially := strings.CutSuffix(hr.GetAnnotations()[annFreeAfter], " serially")
 	d, err := time.ParseDuration(v)
-	if err != nil || d < 0 {
-		return 0
+	if err != nil || d <= 0 {
+		return slowness{}
 	}
-	return d
+	return slowness{delay: d, serially: serially}
 }
 
 // probe connects to the tenant API (once per outage, from the admin

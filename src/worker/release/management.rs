@@ -9,7 +9,6 @@ use std::collections::{BTreeSet, HashSet};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Preconditions};
-use tokio::time::Instant;
 use tracing::{info, instrument, warn};
 
 use super::claims::{self, ClaimKey};
@@ -242,7 +241,6 @@ pub(super) async fn management_layer(
     t: &TenantRef,
     spec: &InfraSpec,
     mut inv: Inventory,
-    deadline: Instant,
 ) -> Result<Outcome, kube::Error> {
     let observed = observe(ctx, t, spec, Some(&mut inv)).await?;
     if !observed.served {
@@ -272,7 +270,7 @@ pub(super) async fn management_layer(
     )
     .await?;
     let disks: HashSet<String> = observed.volumes.iter().map(|h| h.name.clone()).collect();
-    let observed = wait_disks_then_observe(ctx, t, spec, disks, deadline, &mut inv).await?;
+    let observed = wait_disks_then_observe(ctx, t, spec, disks, &mut inv).await?;
     if observed.is_empty() {
         return Ok(Outcome::Released {
             inventory: inv,
@@ -282,7 +280,7 @@ pub(super) async fn management_layer(
     Ok(blocked(
         ErrorKind::VolumesRemain,
         format!(
-            "the tenant's PVs are gone, but the management cluster still holds the disks behind them after {}s: {} \
+            "the tenant's PVs are gone, but the management cluster still holds disks behind them, none freed for {}s: {} \
              (a finalizer on a {kind}, or a Pod mounting its PVC, keeps a disk; the disk is freed when the management PV goes)",
             ctx.settings.wait_bound.as_secs(),
             observed.describe(&spec.kind, 5),
@@ -406,27 +404,26 @@ async fn record_and_wait_freed(
     ctx.write_record(t, &update).await?;
     ctx.event(t, Reason::FreedFromManagement, message).await;
     let disks = disks::disks_of(freed, inv, observed);
-    let deadline = Instant::now() + ctx.settings.wait_bound;
-    let observed = wait_disks_then_observe(ctx, t, spec, disks, deadline, inv).await?;
+    let observed = wait_disks_then_observe(ctx, t, spec, disks, inv).await?;
     let marked = disks::mark_gone(inv, &observed);
     ctx.metrics.volumes_freed.inc_by(marked as u64);
     Ok(observed)
 }
 
-/// Waits (until `deadline`) for the management PVs `disks` to go, then
+/// Waits (until none has gone for `--wait-bound`) for the management PVs
+/// `disks` to go, then
 /// lists the management side again and records the PVs it sees in `inv`.
 async fn wait_disks_then_observe(
     ctx: &Context,
     t: &TenantRef,
     spec: &InfraSpec,
     disks: HashSet<String>,
-    deadline: Instant,
     inv: &mut Inventory,
 ) -> Result<Observed, kube::Error> {
     wait_gone(
         Api::<PersistentVolume>::all(ctx.client.clone()),
         disks,
-        deadline,
+        ctx.settings.wait_bound,
         &NoProgress,
     )
     .await?;

@@ -100,13 +100,16 @@ pub async fn run(ctx: &Context, t: &TenantRef, record: &Record) -> Result<Outcom
 async fn pass(ctx: &Context, t: &TenantRef, record: &Record) -> Step<Outcome> {
     let tenant = reach(ctx, t, record).await?;
     let bound = same_cluster(ctx, t, &tenant, record.cluster.as_ref(), &record.inventory).await?;
-    let deadline = Instant::now() + ctx.settings.wait_bound;
+    // New volumes appearing while releasing start another round, within
+    // one bound of the pass's start (so a tenant that keeps making them
+    // still ends in an outcome).
+    let rounds_until = Instant::now() + ctx.settings.wait_bound;
     let mut inventory = record.inventory.clone();
     loop {
         let taken = take_inventory(ctx, t, &tenant, &inventory).await?;
         inventory = Some(taken.clone());
         delete_claims(&tenant, &inventory).await?;
-        let contents_left = wait_for_volumes(ctx, t, &tenant, &taken, deadline, &inventory).await?;
+        let contents_left = wait_for_volumes(ctx, t, &tenant, &taken, &inventory).await?;
 
         // Step 7: the outcome, from a fresh list, of the same cluster.
         same_cluster(ctx, t, &tenant, Some(&bound), &inventory).await?;
@@ -122,7 +125,7 @@ async fn pass(ctx: &Context, t: &TenantRef, record: &Record) -> Step<Outcome> {
         let newly_freed = now.freed.saturating_sub(taken.freed);
         ctx.metrics.volumes_freed.inc_by(newly_freed as u64);
         inventory = Some(now.clone());
-        if now.total > taken.total && Instant::now() < deadline {
+        if now.total > taken.total && Instant::now() < rounds_until {
             warn!("new volumes appeared while releasing; another pass");
             continue;
         }
@@ -130,7 +133,7 @@ async fn pass(ctx: &Context, t: &TenantRef, record: &Record) -> Step<Outcome> {
         let left: Vec<&crate::record::Volume> =
             now.remaining().filter(|v| !v.is_retain()).collect();
         let facts = holders::gather(&tenant.client, &left).await;
-        return Ok(outcome(ctx, t, now, contents_left, deadline, &facts).await?);
+        return Ok(outcome(ctx, t, now, contents_left, &facts).await?);
     }
 }
 
@@ -282,7 +285,8 @@ async fn delete_claims(tenant: &TenantSide, inventory: &Option<Inventory>) -> St
 }
 
 /// Steps 5–6: the snapshots, when that API is installed, then a wait (until
-/// `deadline`) for the tenant's PVs and the snapshot contents to go.
+/// none has gone for `--wait-bound`) for the tenant's PVs and the snapshot
+/// contents to go.
 /// Returns the contents still there.
 #[instrument(name = "wait", skip_all)]
 async fn wait_for_volumes(
@@ -290,9 +294,9 @@ async fn wait_for_volumes(
     t: &TenantRef,
     tenant: &TenantSide,
     taken: &Inventory,
-    deadline: Instant,
     inventory: &Option<Inventory>,
 ) -> Step<BTreeSet<String>> {
+    let quiet = ctx.settings.wait_bound;
     let contents = tenant_side::release_snapshots(&tenant.client)
         .await
         .map_err(tenant.failed("deleting VolumeSnapshots", inventory))?;
@@ -309,13 +313,13 @@ async fn wait_for_volumes(
     wait_gone(
         Api::<PersistentVolume>::all(tenant.client.clone()),
         waited,
-        deadline,
+        quiet,
         &progress,
     )
     .await
     .map_err(tenant.failed("watching PersistentVolumes", inventory))?;
     match contents {
-        Some((api, names)) => Ok(wait_gone(api, names, deadline, &NoProgress)
+        Some((api, names)) => Ok(wait_gone(api, names, quiet, &NoProgress)
             .await
             .map_err(tenant.failed("watching VolumeSnapshotContents", inventory))?),
         None => Ok(BTreeSet::new()),
@@ -330,7 +334,6 @@ async fn outcome(
     t: &TenantRef,
     inv: Inventory,
     contents_left: BTreeSet<String>,
-    deadline: Instant,
     facts: &holders::Facts,
 ) -> Result<Outcome, kube::Error> {
     let remaining: Vec<_> = inv.remaining().filter(|v| !v.is_retain()).collect();
@@ -341,7 +344,7 @@ async fn outcome(
                 inventory: inv,
                 note: None,
             }),
-            Some(spec) => management::management_layer(ctx, t, spec, inv, deadline).await,
+            Some(spec) => management::management_layer(ctx, t, spec, inv).await,
         };
     }
     let mut parts = Vec::new();
@@ -350,7 +353,7 @@ async fn outcome(
         let hint = holders::remedy(&remaining, facts)
             .unwrap_or_else(|| "is the CSI driver running?".to_string());
         parts.push(format!(
-            "{} of {} not freed within {}s ({hint}): {}",
+            "{} of {} not freed, none for {}s ({hint}): {}",
             remaining.len(),
             count(inv.total, "volume"),
             ctx.settings.wait_bound.as_secs(),

@@ -59,13 +59,17 @@ impl Progress for WaitProgress<'_> {
     }
 }
 
-/// Watches until every name in `targets` is gone or `deadline` passes;
-/// returns those still present. Progress is reported at most every few
-/// seconds, so thousands of volumes do not mean thousands of writes.
+/// Watches until every name in `targets` is gone, or until none has gone
+/// for `quiet` (the worker's `--wait-bound`); returns those still present.
+/// The bound counts from the last object gone, not from the start: a slow
+/// driver that keeps freeing (thousands of volumes at its client's rate
+/// limit) is waited for, a stuck one is reported after the bound.
+/// Progress is reported at most every few seconds, so thousands of volumes
+/// do not mean thousands of writes.
 pub(super) async fn wait_gone<K, P>(
     api: Api<K>,
     mut targets: HashSet<String>,
-    deadline: Instant,
+    quiet: Duration,
     progress: &P,
 ) -> Result<BTreeSet<String>, kube::Error>
 where
@@ -82,6 +86,7 @@ where
     let mut listing = false;
     let mut last_report = Instant::now();
     let mut unreported = false;
+    let mut deadline = Instant::now() + quiet;
     loop {
         let next = match tokio::time::timeout_at(deadline, stream.next()).await {
             Err(_) => break,
@@ -117,6 +122,7 @@ where
         }
         if !listing && targets.len() != before {
             unreported = true;
+            deadline = Instant::now() + quiet;
         }
         if targets.is_empty() {
             progress.gone(&targets).await;
