@@ -33,9 +33,9 @@ type driver struct {
 	cs   kubernetes.Interface
 	dyn  dynamic.Interface
 	// kubeconfig is the sidecars' view of the cluster: a tenant's admin
-	// kubeconfig (the Secret's content), or the management's file.
-	kubeconfig     []byte
-	kubeconfigPath string
+	// kubeconfig (the Secret's content), or the management's file's; it is
+	// written, 0600, into the run directory the sidecars get.
+	kubeconfig []byte
 	// backend holds the disks: CreateVolume and DeleteVolume.
 	backend volumeBackend
 	// store is the ledger, for snapshots (tenant drivers only).
@@ -202,14 +202,11 @@ func (d *driver) run(ctx context.Context) {
 		return
 	}
 	defer os.RemoveAll(dir)
-	kubeconfig := d.kubeconfigPath
-	if kubeconfig == "" {
-		// The Secret's content, as the Pod mounts it (never logged).
-		kubeconfig = filepath.Join(dir, "kubeconfig")
-		if err := os.WriteFile(kubeconfig, d.kubeconfig, 0o600); err != nil {
-			d.logf("driver", "error", "write the sidecars' kubeconfig: %v", err)
-			return
-		}
+	// As the Pod mounts the Secret's content (never logged).
+	kubeconfig := filepath.Join(dir, "kubeconfig")
+	if err := os.WriteFile(kubeconfig, d.kubeconfig, 0o600); err != nil {
+		d.logf("driver", "error", "write the sidecars' kubeconfig: %v", err)
+		return
 	}
 	plugin := &csiPlugin{name: d.name, backend: d.backend, attach: d.t != nil, claim: d.claimByUID, logf: d.logf, due: map[string]time.Time{}}
 	if d.t != nil {

@@ -30,6 +30,7 @@ import (
 	"context"
 	"encoding/json"
 	"fmt"
+	"os"
 	"slices"
 	"strings"
 	"sync"
@@ -379,7 +380,12 @@ func (s *sim) startInfra(ctx context.Context, factory dynamicinformer.DynamicSha
 			s.log.printf("infra", "", "error", "%v", err)
 			return
 		}
-		d := &driver{s: s, name: infraDriverName, cs: s.mgmt, dyn: s.dyn, kubeconfigPath: absPath(s.cfg.management),
+		kubeconfig, err := os.ReadFile(s.cfg.management)
+		if err != nil {
+			s.log.printf("infra", "", "error", "read the management kubeconfig for its provisioner: %v", err)
+			return
+		}
+		d := &driver{s: s, name: infraDriverName, cs: s.mgmt, dyn: s.dyn, kubeconfig: kubeconfig,
 			backend: &ledgerBackend{store: s.store, log: s.log, owner: infraOwner, layer: "management"},
 			logf: func(component, action, format string, args ...any) {
 				s.log.printf(component, "", action, format, args...)

@@ -95,6 +95,11 @@ func (t *tenant) kcsiConfig(ctx context.Context) (*rest.Config, error) {
 	k := &t.kcsi
 	k.mu.Lock()
 	defer k.mu.Unlock()
+	return t.kcsiConfigLocked(ctx, k)
+}
+
+// kcsiConfigLocked is kcsiConfig with k.mu held.
+func (t *tenant) kcsiConfigLocked(ctx context.Context, k *kcsiIdentity) (*rest.Config, error) {
 	token, err := t.tokenLocked(ctx, k)
 	if err != nil {
 		return nil, err
@@ -106,11 +111,10 @@ func (t *tenant) kcsiConfig(ctx context.Context) (*rest.Config, error) {
 
 func (t *tenant) checkKcsi(ctx context.Context, k *kcsiIdentity) (bool, string) {
 	sa := t.name + "-kcsi"
-	if _, err := t.tokenLocked(ctx, k); err != nil {
+	cfg, err := t.kcsiConfigLocked(ctx, k)
+	if err != nil {
 		return false, err.Error()
 	}
-	cfg := rest.AnonymousClientConfig(t.s.restCfg)
-	cfg.BearerToken = k.token
 	cs, err := kubernetes.NewForConfig(cfg)
 	if err != nil {
 		return false, err.Error()
