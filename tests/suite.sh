@@ -59,7 +59,9 @@ cargo test --locked --no-run --message-format=json-render-diagnostics >"$list"
 built=$((SECONDS - started))
 declare -A exe=()
 while IFS= read -r line; do
-    [[ "$line" == *'"reason":"compiler-artifact"'* && "$line" == *'"test":true'* ]] || continue
+    # The test harnesses only: their profile says "test" (the binary
+    # cargo also builds for the tests to run is not one).
+    [[ "$line" == *'"reason":"compiler-artifact"'* && "$line" =~ \"profile\":\{[^}]*\"test\":true ]] || continue
     path="$(sed -n 's/.*"executable":"\([^"]*\)".*/\1/p' <<<"$line")"
     name="$(sed -n 's/.*"target":{[^}]*"name":"\([^"]*\)".*/\1/p' <<<"$line")"
     kind="$(sed -n 's/.*"target":{"kind":\["\([^"]*\)".*/\1/p' <<<"$line")"
