@@ -22,6 +22,10 @@
 set -euo pipefail
 cd "$(dirname "${BASH_SOURCE[0]}")/.."
 
+if ((BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1))); then
+    echo "suite.sh: needs bash 5.1 or newer (it waits with 'wait -n -p'); this is bash $BASH_VERSION" >&2
+    exit 2
+fi
 jobs="${VOLUME_GATE_TEST_JOBS:-3}"
 if ! [[ "$jobs" =~ ^[1-9][0-9]*$ ]]; then
     echo "suite.sh: VOLUME_GATE_TEST_JOBS must be a positive integer, not '$jobs'" >&2
