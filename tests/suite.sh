@@ -48,8 +48,7 @@ order=(load faults security gated infra bypass teardown chart_install attach bin
 weight() { [[ "$1" == load ]] && echo 2 || echo 1; }
 
 started=$SECONDS
-for script in tests/harness/build.sh tests/flux/build.sh tests/helm/build.sh \
-    tests/certmanager/build.sh tests/csi/build.sh; do
+for script in tests/*/build.sh; do
     bash "$script" >/dev/null
 done
 go_built=$((SECONDS - started))
