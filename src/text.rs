@@ -33,6 +33,16 @@ pub fn count(n: usize, noun: &str) -> String {
     }
 }
 
+/// `a, b and 3 more`: at most `n` of `names`, in their order.
+pub fn listed<'a>(names: impl IntoIterator<Item = &'a String>, n: usize) -> String {
+    let names: Vec<&String> = names.into_iter().collect();
+    let shown: Vec<&str> = names.iter().take(n).map(|s| s.as_str()).collect();
+    match names.len() - shown.len() {
+        0 => shown.join(", "),
+        more => format!("{} and {more} more", shown.join(", ")),
+    }
+}
+
 /// Messages are one human line, bounded.
 pub fn one_line(s: &str) -> String {
     shorten(
@@ -45,6 +55,14 @@ pub fn one_line(s: &str) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn listed_names_at_most_n_and_counts_the_rest() {
+        let names: Vec<String> = ["a", "b", "c"].map(String::from).to_vec();
+        assert_eq!(listed(&names, 5), "a, b, c");
+        assert_eq!(listed(&names, 2), "a, b and 1 more");
+        assert_eq!(listed(&Vec::new(), 2), "");
+    }
 
     #[test]
     fn bounded_cuts_at_a_char_boundary_and_states_the_length() {

@@ -14,6 +14,7 @@ mod common;
 use std::time::Duration;
 
 use common::tenant::{Tenant, TenantOptions};
+use common::wait::eventually;
 use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use volume_gate::record::Phase;
@@ -296,6 +297,71 @@ async fn a_datavolume_that_cannot_be_deleted_keeps_the_tenant_blocked_naming_it(
     released_and_gone(&t).await;
     assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
     assert!(t.infra_objects(Some(&before)).await.is_empty());
+}
+
+/// A tenant snapshot is, behind it, a VolumeSnapshot of the management
+/// storage (the KubeVirt driver's CreateSnapshot), and the driver's
+/// DeleteSnapshot returns as soon as that one is deleted: `Released` waits
+/// for it to go, and one that cannot go keeps the tenant `Blocked` naming it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_management_snapshot_that_cannot_go_keeps_the_tenant_blocked_naming_it() {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("stucksnap")).await;
+    t.wait_custody().await;
+    t.install_snapshot_api("sim-snapshots").await;
+    t.with_held_claims(&["data"]).await;
+    let taken = t
+        .take_snapshot("apps", "data-snap", "data", "sim-snapshots")
+        .await;
+    let stuck = format!("snapshot-{}", taken.uid);
+    let hold =
+        json!([{"op": "add", "path": "/metadata/finalizers/-", "value": "example.com/keep"}]);
+    t.infra_snapshots()
+        .patch(
+            &stuck,
+            &PatchParams::default(),
+            &Patch::Json::<()>(serde_json::from_value(hold).unwrap()),
+        )
+        .await
+        .expect("add a finalizer to the management VolumeSnapshot");
+
+    t.delete_parent().await;
+    let note = next_blocked(&t, "Blocked naming the management VolumeSnapshot", |m| {
+        m.contains(&stuck)
+    })
+    .await;
+    assert!(
+        note.contains(
+            "the disks are freed, but the management cluster still holds 1 VolumeSnapshot being deleted"
+        ),
+        "{note}"
+    );
+    assert!(
+        t.parent().await.is_some(),
+        "the parent is held while the snapshot is"
+    );
+
+    // Its finalizer removed, it goes, and the tenant is released.
+    eventually("the finalizer removed", Duration::from_secs(30), || async {
+        let mut vs = t
+            .infra_snapshots()
+            .get(&stuck)
+            .await
+            .map_err(|e| e.to_string())?;
+        vs.metadata
+            .finalizers
+            .get_or_insert_default()
+            .retain(|f| f != "example.com/keep");
+        vs.metadata.managed_fields = None;
+        t.infra_snapshots()
+            .replace(&stuck, &PostParams::default(), &vs)
+            .await
+            .map(|_| ())
+            .map_err(|e| e.to_string())
+    })
+    .await;
+    released_and_gone(&t).await;
+    assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
 }
 
 /// The hole this closes: without an inventory, the infra labels are all the

@@ -3,6 +3,13 @@
 //! worker and their contents waited for, so storage keeps nothing of the
 //! tenant; a tenant without that API is released as well, the absent API
 //! skipped rather than reported as a failure.
+//!
+//! Snapshots are taken and freed by Kubernetes' own snapshot-controller and
+//! csi-snapshotter (external-snapshotter), in the tenant cluster beside the
+//! tenant's driver and in the management cluster beside its storage, as on
+//! the KubeVirt path: a tenant snapshot is a VolumeSnapshot of the
+//! DataVolume's PVC in the tenant's management namespace, and the snapshot
+//! on storage is the management storage's.
 
 mod common;
 
@@ -14,74 +21,24 @@ const WORKER_WARNINGS: [&str; 3] = ["Blocked", "Overridden", "FreedFromManagemen
 use std::sync::{Arc, Mutex};
 use std::time::Duration;
 
-use common::cluster::repo_root;
-use common::tenant::{STORAGE_CLASS, Tenant, resource};
+use common::tenant::{
+    SNAPSHOT_GROUP, STORAGE_CLASS, Taken, Tenant, content_resource, snapshot_resource,
+};
 use common::wait::eventually;
 use futures::StreamExt;
-use kube::api::{Api, ApiResource, DynamicObject, PostParams};
+use kube::api::{Api, ApiResource, DynamicObject};
 use kube::runtime::{WatchStreamExt, watcher};
 use serde_json::{Value, json};
 use volume_gate::record::{Phase, Record};
 
-const DRIVER: &str = "csi.volume-gate.test";
-const SNAPSHOT_GROUP: &str = "snapshot.storage.k8s.io";
-
 fn env() -> &'static common::Env {
     common::gated()
-}
-
-fn snapshot_resource() -> ApiResource {
-    resource(SNAPSHOT_GROUP, "v1", "VolumeSnapshot", "volumesnapshots")
-}
-
-fn content_resource() -> ApiResource {
-    resource(
-        SNAPSHOT_GROUP,
-        "v1",
-        "VolumeSnapshotContent",
-        "volumesnapshotcontents",
-    )
 }
 
 /// Whether the tenant API serves the snapshot group at all.
 async fn snapshot_api_served(t: &Tenant) -> Result<bool, String> {
     let groups = t.api.list_api_groups().await.map_err(|e| e.to_string())?;
     Ok(groups.groups.iter().any(|g| g.name == SNAPSHOT_GROUP))
-}
-
-/// Installs the snapshot CRDs in the tenant cluster and waits until the
-/// three resources are served.
-async fn install_snapshot_api(t: &Tenant) {
-    common::manifests::apply_file(
-        &t.api,
-        &repo_root().join("tests/fixtures/crds/tenant-snapshots/snapshot.storage.k8s.io.yaml"),
-    )
-    .await;
-    eventually(
-        "snapshot.storage.k8s.io/v1 served by the tenant API",
-        Duration::from_secs(30),
-        || async {
-            let list = t
-                .api
-                .list_api_group_resources("snapshot.storage.k8s.io/v1")
-                .await
-                .map_err(|e| e.to_string())?;
-            let names: Vec<&str> = list.resources.iter().map(|r| r.name.as_str()).collect();
-            if [
-                "volumesnapshots",
-                "volumesnapshotcontents",
-                "volumesnapshotclasses",
-            ]
-            .iter()
-            .all(|n| names.contains(n))
-            {
-                Ok(())
-            } else {
-                Err(format!("{names:?}"))
-            }
-        },
-    )
-    .await;
 }
 
 /// What a watch on the tenant API saw: `Delete` events by name, and the
@@ -183,13 +140,7 @@ async fn a_tenants_volume_snapshot_is_deleted_by_the_worker_and_storage_keeps_no
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("snap")).await;
     t.wait_custody().await;
-    install_snapshot_api(&t).await;
-    let class = json!({
-        "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
-        "metadata": {"name": "sim-snapshots"},
-        "driver": DRIVER, "deletionPolicy": "Delete",
-    });
-    common::manifests::apply(&t.api, &class).await;
+    t.install_snapshot_api("sim-snapshots").await;
 
     t.tenant_namespace("apps").await;
     t.claim("apps", "data", STORAGE_CLASS).await;
@@ -198,62 +149,76 @@ async fn a_tenants_volume_snapshot_is_deleted_by_the_worker_and_storage_keeps_no
     let volumes = env.sim.volumes_of(&t.namespace, &t.name);
     assert_eq!(volumes.len(), 1, "one volume provisioned: {volumes:?}");
 
-    let snapshots: Api<DynamicObject> =
-        Api::namespaced_with(t.api.clone(), "apps", &snapshot_resource());
-    let mut vs = DynamicObject::new("data-snap", &snapshot_resource()).within("apps");
-    vs.data = json!({"spec": {"volumeSnapshotClassName": "sim-snapshots", "source": {"persistentVolumeClaimName": "data"}}});
-    let vs = snapshots
-        .create(&PostParams::default(), &vs)
-        .await
-        .expect("create VolumeSnapshot");
-    let uid = vs.metadata.uid.clone().expect("uid");
+    // Kubernetes' snapshot-controller and csi-snapshotter take it: ready,
+    // bound to a content.
+    let Taken {
+        uid,
+        content: content_name,
+    } = t
+        .take_snapshot("apps", "data-snap", "data", "sim-snapshots")
+        .await;
 
-    // The driver takes it: ready, bound to a content, recorded on storage.
-    let content_name = eventually(
-        "VolumeSnapshot ready and bound",
-        Duration::from_secs(90),
-        || {
-            let snapshots = snapshots.clone();
-            async move {
-                let vs = snapshots
-                    .get("data-snap")
-                    .await
-                    .map_err(|e| e.to_string())?;
-                let ready = vs
-                    .data
-                    .pointer("/status/readyToUse")
-                    .and_then(Value::as_bool)
-                    == Some(true);
-                match vs
-                    .data
-                    .pointer("/status/boundVolumeSnapshotContentName")
-                    .and_then(Value::as_str)
-                {
-                    Some(c) if ready => Ok(c.to_string()),
-                    _ => Err(format!("status {:?}", vs.data.get("status"))),
-                }
-            }
-        },
-    )
-    .await;
-    let snap_file = format!("{}.{}.snap-{uid}", t.namespace, t.name);
-    let on_storage = env.sim.volumes_of(&t.namespace, &t.name);
-    assert!(
-        on_storage.contains(&snap_file),
-        "the snapshot is on storage as {snap_file}: {on_storage:?}"
+    // The KubeVirt driver's CreateSnapshot: a VolumeSnapshot of the
+    // DataVolume's PVC in the tenant's management namespace, named
+    // snapshot-<UID of the tenant's VolumeSnapshot>, with the infra labels;
+    // the content's snapshot handle is its name.
+    let infra_name = format!("snapshot-{uid}");
+    let infra = t
+        .infra_snapshots()
+        .get(&infra_name)
+        .await
+        .unwrap_or_else(|e| panic!("VolumeSnapshot {}/{infra_name}: {e}", t.namespace));
+    assert_eq!(
+        json!([infra.data.pointer("/spec/source/persistentVolumeClaimName")]),
+        json!(t.volume_handles().await),
+        "of the DataVolume's PVC behind the tenant volume"
     );
+    assert_eq!(
+        infra
+            .metadata
+            .labels
+            .as_ref()
+            .and_then(|l| l.get("cluster.x-k8s.io/cluster-name")),
+        Some(&t.name),
+        "labelled with the tenant's infra labels: {:?}",
+        infra.metadata.labels
+    );
+    // The management storage's snapshot of the management disk.
+    let on_storage = env.sim.volumes_of(&t.namespace, &t.name);
     assert_eq!(
         on_storage.len(),
         2,
         "one volume and one snapshot: {on_storage:?}"
     );
-    let rec = storage_record(env, &snap_file);
-    assert_eq!(rec["kind"], "snapshot");
+    let records: Vec<(String, Value)> = on_storage
+        .iter()
+        .map(|f| (f.clone(), storage_record(env, f)))
+        .collect();
+    let (snap_file, rec) = records
+        .iter()
+        .find(|(_, r)| r["kind"] == "snapshot")
+        .unwrap_or_else(|| panic!("a snapshot on storage: {records:?}"));
+    let (disk_file, _) = records
+        .iter()
+        .find(|(_, r)| r["kind"] == "volume")
+        .unwrap_or_else(|| panic!("a disk on storage: {records:?}"));
+    assert_eq!(rec["layer"], "management", "{rec}");
     assert_eq!(
-        json!([rec["sourceVolumeHandle"]]),
-        json!(t.volume_handles().await),
-        "taken of the tenant's volume"
+        rec["sourceVolumeHandle"].as_str(),
+        Some(disk_file.as_str()),
+        "taken of the tenant volume's disk: {rec}"
     );
+    assert_eq!(
+        snap_file,
+        &format!(
+            "{}.{}.snapshot-{}",
+            t.namespace,
+            t.name,
+            infra.metadata.uid.as_deref().unwrap_or_default()
+        ),
+        "named after the management VolumeSnapshot"
+    );
+    let snap_file = snap_file.clone();
     let contents: Api<DynamicObject> = Api::all_with(t.api.clone(), &content_resource());
     let content = contents
         .get(&content_name)
@@ -271,7 +236,7 @@ async fn a_tenants_volume_snapshot_is_deleted_by_the_worker_and_storage_keeps_no
             .data
             .pointer("/status/snapshotHandle")
             .and_then(Value::as_str),
-        Some(snap_file.as_str())
+        Some(infra_name.as_str())
     );
 
     // Watch the snapshot API through the teardown: the tenant API server is
@@ -306,28 +271,34 @@ async fn a_tenants_volume_snapshot_is_deleted_by_the_worker_and_storage_keeps_no
         );
     }
 
+    // The tenant's driver deleted the management VolumeSnapshot (its
+    // DeleteSnapshot) before it was uninstalled, and the management
+    // storage freed the snapshot behind it.
     let log = env.sim.log();
     let tenant_key = format!(" {}/{} ", t.namespace, t.name);
     let ours: Vec<&str> = log.lines().filter(|l| l.contains(&tenant_key)).collect();
-    let freed = ours
-        .iter()
-        .position(|l| {
-            l.contains(" deleted ")
-                && l.contains(&format!("snapshot {snap_file} (content {content_name})"))
-        })
-        .unwrap_or_else(|| {
-            panic!(
-                "the driver freed the snapshot on storage:\n{}",
-                ours.join("\n")
-            )
-        });
+    let position = |what: &str, pred: &dyn Fn(&str) -> bool| {
+        ours.iter()
+            .position(|l| pred(l))
+            .unwrap_or_else(|| panic!("{what}:\n{}", ours.join("\n")))
+    };
+    let unsnapped = position("the driver deleted the management VolumeSnapshot", &|l| {
+        l.contains(" snapshot ")
+            && l.contains(&format!(
+                "deleted VolumeSnapshot {}/{infra_name}",
+                t.namespace
+            ))
+    });
+    position("the management storage freed the snapshot", &|l| {
+        l.contains(" deleted ") && l.contains(&format!("snapshot {snap_file} "))
+    });
     let deactivated = ours
         .iter()
         .position(|l| l.contains(" deactivated "))
         .unwrap_or(usize::MAX);
     assert!(
-        freed < deactivated,
-        "the snapshot was freed before the driver went:\n{}",
+        unsnapped < deactivated,
+        "the snapshot was deleted before the driver went:\n{}",
         ours.join("\n")
     );
 
@@ -422,4 +393,62 @@ async fn a_tenant_without_the_snapshot_api_is_released_and_never_reports_a_snaps
         left.is_empty(),
         "storage holds nothing of the tenant: {left:?}"
     );
+}
+
+/// A snapshot the tenant asked to keep (its class's deletionPolicy Retain):
+/// the worker deletes the tenant's VolumeSnapshot, its content stays, so its
+/// driver never calls DeleteSnapshot and the management VolumeSnapshot
+/// behind it and the snapshot on storage stay too; `Released` says so
+/// instead of waiting for them.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_snapshot_whose_content_is_retain_is_kept_and_released_names_it() {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("keepsnap")).await;
+    t.wait_custody().await;
+    t.install_snapshot_api("sim-snapshots").await;
+    let retain = json!({
+        "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+        "metadata": {"name": "sim-snapshots-retain"},
+        "driver": common::tenant::DRIVER, "deletionPolicy": "Retain",
+    });
+    common::manifests::apply(&t.api, &retain).await;
+    t.with_held_claims(&["data"]).await;
+    let taken = t
+        .take_snapshot("apps", "kept-snap", "data", "sim-snapshots-retain")
+        .await;
+    let kept = format!("snapshot-{}", taken.uid);
+    t.infra_snapshots()
+        .get(&kept)
+        .await
+        .unwrap_or_else(|e| panic!("the management VolumeSnapshot {kept}: {e}"));
+
+    t.delete_parent().await;
+    let record = t
+        .wait_phase(Phase::Released, Duration::from_secs(180))
+        .await;
+    let message = record.message.unwrap_or_default();
+    assert!(
+        message.contains("but 1 snapshot kept, as its tenant content's deletionPolicy Retain asks")
+            && message.contains(&kept),
+        "Released names the kept snapshot: {message}"
+    );
+    t.wait_parent_gone(Duration::from_secs(180)).await;
+
+    let vs = t
+        .infra_snapshots()
+        .get(&kept)
+        .await
+        .unwrap_or_else(|e| panic!("{kept} is kept: {e}"));
+    assert!(
+        vs.metadata.deletion_timestamp.is_none(),
+        "and not being deleted: {:?}",
+        vs.metadata
+    );
+    let left = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(
+        left.len(),
+        1,
+        "only the kept snapshot is on storage: {left:?}"
+    );
+    assert_eq!(storage_record(env, &left[0])["kind"], "snapshot");
 }

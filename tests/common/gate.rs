@@ -488,7 +488,8 @@ impl Gate {
     }
 }
 
-/// The CRDs the tests need on the management cluster.
+/// The CRDs the tests need on the management cluster, and the
+/// snapshot.storage.k8s.io ones its storage serves.
 pub async fn apply_crds(cp: &ControlPlane) {
     let client = cp.management_client().await;
     let dir = super::cluster::repo_root().join("tests/fixtures/crds/management");
@@ -497,6 +498,7 @@ pub async fn apply_crds(cp: &ControlPlane) {
         .map(|e| e.unwrap().path())
         .collect();
     files.sort();
+    files.extend(super::sim::snapshot_crds());
     for f in files {
         manifests::apply_file(&client, &f).await;
     }

@@ -12,12 +12,31 @@ use super::cluster::{ControlPlane, run_build_script};
 use super::process::Process;
 
 /// The directory `tests/csi/build.sh` prints: Kubernetes' CSI sidecars
-/// `csi-provisioner` and `csi-attacher`, which the simulator runs beside
-/// its CSI plugin for every tenant driver and for the management storage.
+/// `csi-provisioner`, `csi-attacher`, `csi-snapshotter` and
+/// `snapshot-controller`, which the simulator runs beside its CSI plugin for
+/// every tenant driver and for the management storage, and in `crds/` the
+/// snapshot.storage.k8s.io CRDs of the same external-snapshotter release.
 pub fn sidecars_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| run_build_script("tests/csi/build.sh"))
         .clone()
+}
+
+/// The snapshot.storage.k8s.io CRDs (VolumeSnapshotClass,
+/// VolumeSnapshotContent, VolumeSnapshot) of the external-snapshotter
+/// release the sidecars are built from: what Cozystack installs in a tenant
+/// cluster (its vsnap-crd release) and what the management cluster's storage
+/// serves.
+pub fn snapshot_crds() -> Vec<PathBuf> {
+    let dir = sidecars_dir().join("crds");
+    [
+        "volumesnapshotclasses",
+        "volumesnapshotcontents",
+        "volumesnapshots",
+    ]
+    .iter()
+    .map(|r| dir.join(format!("snapshot.storage.k8s.io_{r}.yaml")))
+    .collect()
 }
 
 pub struct Simulator {

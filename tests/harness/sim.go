@@ -561,11 +561,6 @@ func removeFinalizerDynamic(ctx context.Context, c dynamic.ResourceInterface, na
 	return err == nil, err
 }
 
-var backgroundDeletion = func() metav1.DeleteOptions {
-	p := metav1.DeletePropagationBackground
-	return metav1.DeleteOptions{PropagationPolicy: &p}
-}
-
 // tenantRESTConfig parses an admin kubeconfig (from the Secret) into a
 // client configuration with short timeouts: the tenant API may be stopped
 // at any moment, and nothing must hang on it.

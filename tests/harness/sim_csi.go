@@ -89,7 +89,11 @@ func (p *csiPlugin) ControllerGetCapabilities(context.Context, *csi.ControllerGe
 	rpc := func(t csi.ControllerServiceCapability_RPC_Type) *csi.ControllerServiceCapability {
 		return &csi.ControllerServiceCapability{Type: &csi.ControllerServiceCapability_Rpc{Rpc: &csi.ControllerServiceCapability_RPC{Type: t}}}
 	}
-	caps := []*csi.ControllerServiceCapability{rpc(csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME)}
+	caps := []*csi.ControllerServiceCapability{
+		rpc(csi.ControllerServiceCapability_RPC_CREATE_DELETE_VOLUME),
+		rpc(csi.ControllerServiceCapability_RPC_CREATE_DELETE_SNAPSHOT),
+		rpc(csi.ControllerServiceCapability_RPC_LIST_SNAPSHOTS),
+	}
 	if p.attach {
 		caps = append(caps, rpc(csi.ControllerServiceCapability_RPC_PUBLISH_UNPUBLISH_VOLUME))
 	}

@@ -6,15 +6,15 @@ import (
 	"os"
 	"path/filepath"
 	"strings"
-	"sync/atomic"
+	"sync"
 	"time"
 
+	csi "github.com/container-storage-interface/spec/lib/go/csi"
 	corev1 "k8s.io/api/core/v1"
 	"k8s.io/apimachinery/pkg/api/resource"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/informers"
 	"k8s.io/client-go/kubernetes"
-	corelisters "k8s.io/client-go/listers/core/v1"
 	"k8s.io/client-go/tools/cache"
 	"k8s.io/client-go/util/workqueue"
 	"k8s.io/utils/ptr"
@@ -22,8 +22,8 @@ import (
 
 // driver is one provisioner: the CSI controller plugin (sim_csi.go) served
 // on a unix socket and Kubernetes' external-provisioner running against
-// its cluster (a tenant's, or the management cluster's own storage), plus,
-// for a tenant, the snapshot side (sim_snapshot.go). It exists only while
+// its cluster (a tenant's, or the management cluster's own storage), plus
+// the snapshot side (sim_snapshot.go) once that cluster serves it. It exists only while
 // the driver is installed; when it is stopped, nothing frees the tenant's
 // volumes, which is exactly the incident this project prevents.
 type driver struct {
@@ -36,25 +36,15 @@ type driver struct {
 	// kubeconfig (the Secret's content), or the management's file's; it is
 	// written, 0600, into the run directory the sidecars get.
 	kubeconfig []byte
-	// backend holds the disks: CreateVolume and DeleteVolume.
+	// backend holds the disks and their snapshots.
 	backend volumeBackend
-	// store is the ledger, for snapshots (tenant drivers only).
-	store *storage
 	// logf logs for this provisioner (the tenant's column, or "-").
 	logf func(component, action, format string, args ...any)
 	// prefix names its sidecars' log files.
 	prefix string
-	q      workqueue.TypedRateLimitingInterface[string]
 
-	pvcs     corelisters.PersistentVolumeClaimLister
 	pvcByUID cache.Indexer
-	pvs      corelisters.PersistentVolumeLister
-
-	// snap is set once the tenant is found to serve the snapshot API.
-	snap atomic.Pointer[snapshotter]
 }
-
-func (d *driver) setSnapshotter(sn *snapshotter) { d.snap.Store(sn) }
 
 // volumeBackend is where a provisioner's disks live.
 type volumeBackend interface {
@@ -68,6 +58,13 @@ type volumeBackend interface {
 	// unpublish detaches it, nil if it was not attached.
 	publish(ctx context.Context, handle, nodeID string) error
 	unpublish(ctx context.Context, handle, nodeID string) error
+	// createSnapshot is CreateSnapshot `name` of volume source, idempotent
+	// on name; deleteSnapshot is DeleteSnapshot, nil once the snapshot is
+	// freed or was never there; snapshot is the snapshot `id`, nil if it is
+	// not there.
+	createSnapshot(ctx context.Context, name, source string) (*csi.Snapshot, error)
+	deleteSnapshot(ctx context.Context, id string) error
+	snapshot(ctx context.Context, id string) (*csi.Snapshot, error)
 }
 
 // newDriver is a tenant's CSI driver: with an infra layer in the profile
@@ -79,7 +76,7 @@ func newDriver(t *tenant, cs kubernetes.Interface, dyn dynamic.Interface, kubeco
 		b = &kcsiBackend{t: t}
 	}
 	return &driver{s: t.s, t: t, name: t.s.cfg.driver, cs: cs, dyn: dyn, kubeconfig: kubeconfig, backend: b,
-		store: t.s.store, logf: t.logf, prefix: "csi-" + t.ns + "." + t.name}
+		logf: t.logf, prefix: "csi-" + t.ns + "." + t.name}
 }
 
 // ledgerBackend keeps each disk as a file in the storage ledger.
@@ -173,26 +170,22 @@ func newItemQueue(name string) workqueue.TypedRateLimitingInterface[string] {
 		workqueue.TypedRateLimitingQueueConfig[string]{Name: name})
 }
 
-// run serves the plugin and runs the external-provisioner against it
-// until ctx ends; for a tenant, also the snapshot side.
+// run serves the plugin and runs the external-provisioner (and attacher)
+// against it until ctx ends, and the snapshot side once the cluster serves
+// it.
 func (d *driver) run(ctx context.Context) {
-	d.q = newItemQueue("driver")
-	defer d.q.ShutDown()
-	// The resync is a safety net only: every decision is also triggered by
-	// the event that makes it possible.
 	f := informers.NewSharedInformerFactory(d.cs, 30*time.Second)
 	pvcInf := f.Core().V1().PersistentVolumeClaims()
-	pvInf := f.Core().V1().PersistentVolumes()
 	if err := pvcInf.Informer().AddIndexers(cache.Indexers{byUID: func(obj any) ([]string, error) {
 		return []string{string(obj.(*corev1.PersistentVolumeClaim).UID)}, nil
 	}}); err != nil {
 		d.logf("driver", "error", "index claims: %v", err)
 		return
 	}
-	d.pvcs, d.pvcByUID, d.pvs = pvcInf.Lister(), pvcInf.Informer().GetIndexer(), pvInf.Lister()
+	d.pvcByUID = pvcInf.Informer().GetIndexer()
 	f.Start(ctx.Done())
 	defer f.Shutdown()
-	if !cache.WaitForCacheSync(ctx.Done(), pvcInf.Informer().HasSynced, pvInf.Informer().HasSynced) {
+	if !cache.WaitForCacheSync(ctx.Done(), pvcInf.Informer().HasSynced) {
 		return
 	}
 
@@ -219,13 +212,13 @@ func (d *driver) run(ctx context.Context) {
 		return
 	}
 	defer srv.stop()
-	sidecars := make(chan struct{})
-	go func() {
-		defer close(sidecars)
+	var sidecars sync.WaitGroup
+	sidecars.Go(func() {
 		runSidecars(ctx, d.s.cfg.sidecars, d.s.cfg.sidecarLogs, d.prefix, cozystackSidecars(sock, kubeconfig, plugin.attach), d.logf)
-	}()
+	})
+	sidecars.Go(func() { d.runSnapshotSidecars(ctx, sock, kubeconfig) })
 	// The sidecars stop before the plugin they talk to.
-	defer func() { <-sidecars }()
+	defer sidecars.Wait()
 
 	if d.t != nil {
 		// The controller gets its ServiceAccount token when it starts, as a
@@ -234,14 +227,8 @@ func (d *driver) run(ctx context.Context) {
 			d.t.kcsi.logged = why
 			d.logf("driver", "identity-missing", "at start: %s", why)
 		}
-		go d.runSnapshots(ctx)
 	}
-	go func() {
-		<-ctx.Done()
-		d.q.ShutDown()
-	}()
-	for d.processNext(ctx) {
-	}
+	<-ctx.Done()
 }
 
 const byUID = "uid"
@@ -253,32 +240,4 @@ func (d *driver) claimByUID(uid string) *corev1.PersistentVolumeClaim {
 		return nil
 	}
 	return objs[0].(*corev1.PersistentVolumeClaim)
-}
-
-// processNext handles one VolumeSnapshot ("vs/") or content ("vsc/") key.
-func (d *driver) processNext(ctx context.Context) bool {
-	key, quit := d.q.Get()
-	if quit {
-		return false
-	}
-	defer d.q.Done(key)
-	kind, rest, _ := strings.Cut(key, "/")
-	var err error
-	sn := d.snap.Load()
-	switch {
-	case sn == nil || !sn.synced():
-		// Decide on complete caches only.
-		d.q.AddAfter(key, time.Second)
-	case kind == "vs":
-		err = sn.syncSnapshot(ctx, rest)
-	case kind == "vsc":
-		err = sn.syncContent(ctx, rest)
-	}
-	if err != nil && ctx.Err() == nil {
-		d.logf("driver", "error", "%s: %v (retrying)", key, err)
-		d.q.AddRateLimited(key)
-		return true
-	}
-	d.q.Forget(key)
-	return true
 }

@@ -1,50 +1,127 @@
 package main
 
+// The snapshot side of a driver, as Cozystack runs it: Kubernetes' own
+// snapshot-controller and csi-snapshotter (external-snapshotter, built by
+// tests/csi/build.sh) beside the CSI plugin, and the plugin's CreateSnapshot,
+// DeleteSnapshot and ListSnapshots.
+//
+// Cozystack's R-kcsi-controller Deployment runs both beside the KubeVirt
+// driver's controller, against the tenant API through the admin kubeconfig
+// (packages/apps/kubernetes/templates/csi/deploy.yaml: `--timeout=1m
+// --worker-threads=10` for csi-snapshotter, `--worker-threads=10` for
+// snapshot-controller, image v8.3.0, no leader election). They run here
+// once the cluster serves snapshot.storage.k8s.io (the tenant gets the CRDs
+// from its own release; until then the real snapshot-controller exits and
+// its container restarts). Everything Kubernetes decides (the contents,
+// their finalizers, when DeleteSnapshot is called and retried) is theirs.
+//
+// The plugin follows the KubeVirt driver's controller
+// (github.com/kubevirt/csi-driver pkg/service/controller.go,
+// ControllerService.CreateSnapshot / DeleteSnapshot / ListSnapshots, and
+// pkg/kubevirt/client.go CreateVolumeSnapshot / DeleteVolumeSnapshot): a
+// tenant snapshot is a VolumeSnapshot of the DataVolume's PVC in the
+// tenant's management namespace, named as the request (`snapshot-<tenant
+// VolumeSnapshot UID>`), with the tenant's infra labels and no class; the
+// driver waits up to 2 minutes for it to be ready after creating it. That
+// VolumeSnapshot is taken by the management cluster's own storage, through
+// the same two sidecars run against the management cluster and the
+// management plugin (ledgerBackend): the snapshot on storage is a ledger
+// file of kind "snapshot", layer "management". A driver without the infra
+// layer (the Proxmox path) keeps its snapshots in the ledger itself.
+
 import (
 	"context"
-	"encoding/json"
 	"fmt"
-	"slices"
 	"time"
 
-	corev1 "k8s.io/api/core/v1"
+	csi "github.com/container-storage-interface/spec/lib/go/csi"
+	"google.golang.org/grpc/codes"
+	"google.golang.org/grpc/status"
+	"google.golang.org/protobuf/types/known/timestamppb"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	"k8s.io/apimachinery/pkg/api/resource"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
-	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime/schema"
-	"k8s.io/apimachinery/pkg/types"
-	"k8s.io/client-go/dynamic/dynamicinformer"
-	"k8s.io/client-go/tools/cache"
+	"k8s.io/client-go/dynamic"
 )
-
-// The snapshot side of the driver: the snapshot controller and the CSI
-// snapshotter for this driver, only when the tenant serves
-// snapshot.storage.k8s.io (an absent API is skipped, not an error).
-// Snapshots are recorded on storage like volumes (kind "snapshot"): a
-// snapshot left behind is tenant data left behind.
 
 var (
-	gvrVolumeSnapshot        = schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshots"}
-	gvrVolumeSnapshotContent = schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshotcontents"}
-	gvrVolumeSnapshotClass   = schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshotclasses"}
+	gvrVolumeSnapshot      = schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshots"}
+	gvrVolumeSnapshotClass = schema.GroupVersionResource{Group: "snapshot.storage.k8s.io", Version: "v1", Resource: "volumesnapshotclasses"}
 )
 
-const (
-	vsBoundFinalizer    = "snapshot.storage.kubernetes.io/volumesnapshot-bound-protection"
-	vsSourceFinalizer   = "snapshot.storage.kubernetes.io/volumesnapshot-as-source-protection"
-	vscBoundFinalizer   = "snapshot.storage.kubernetes.io/volumesnapshotcontent-bound-protection"
-	annDefaultSnapClass = "snapshot.storage.kubernetes.io/is-default-class"
-)
+// infraSnapshotClass is the management cluster's default VolumeSnapshotClass
+// for its storage: the KubeVirt driver's VolumeSnapshots name no class.
+const infraSnapshotClass = "sim-infra-snapshots"
 
-type snapshotter struct {
-	d                *driver
-	vs, vsc, vsclass cache.GenericLister
-	synced           func() bool
+// snapshotReadyWait is how long the KubeVirt driver waits for a snapshot it
+// created to be ready (client.go, waitForVolumeSnapshotReady).
+const snapshotReadyWait = 2 * time.Minute
+
+func (p *csiPlugin) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotRequest) (*csi.CreateSnapshotResponse, error) {
+	name, source := req.GetName(), req.GetSourceVolumeId()
+	switch {
+	case name == "":
+		return nil, status.Error(codes.InvalidArgument, "name missing in request")
+	case source == "":
+		return nil, status.Error(codes.InvalidArgument, "source volume ID missing in request")
+	}
+	snap, err := p.backend.createSnapshot(ctx, name, source)
+	if err != nil {
+		p.logf("driver", "error", "CreateSnapshot %s of %s: %v", name, source, err)
+		return nil, err
+	}
+	p.logf("driver", "snapshot", "CreateSnapshot %s of %s: id=%s ready=%t", name, source, snap.GetSnapshotId(), snap.GetReadyToUse())
+	return &csi.CreateSnapshotResponse{Snapshot: snap}, nil
 }
 
-func (d *driver) runSnapshots(ctx context.Context) {
-	// The snapshot CRDs may be installed while the driver runs.
+func (p *csiPlugin) DeleteSnapshot(ctx context.Context, req *csi.DeleteSnapshotRequest) (*csi.DeleteSnapshotResponse, error) {
+	id := req.GetSnapshotId()
+	if id == "" {
+		return nil, status.Error(codes.InvalidArgument, "snapshot ID missing in request")
+	}
+	if err := p.backend.deleteSnapshot(ctx, id); err != nil {
+		p.logf("driver", "error", "DeleteSnapshot %s: %v", id, err)
+		return nil, err
+	}
+	p.logf("driver", "snapshot", "DeleteSnapshot %s done", id)
+	return &csi.DeleteSnapshotResponse{}, nil
+}
+
+// ListSnapshots serves the one query the snapshotter makes (by snapshot ID,
+// for a pre-provisioned content); a list of them all is not served.
+func (p *csiPlugin) ListSnapshots(ctx context.Context, req *csi.ListSnapshotsRequest) (*csi.ListSnapshotsResponse, error) {
+	id := req.GetSnapshotId()
+	if id == "" {
+		return nil, status.Error(codes.Unimplemented, "this plugin lists snapshots by snapshot ID only")
+	}
+	snap, err := p.backend.snapshot(ctx, id)
+	if err != nil {
+		return nil, err
+	}
+	if snap == nil || (req.GetSourceVolumeId() != "" && snap.GetSourceVolumeId() != req.GetSourceVolumeId()) {
+		return &csi.ListSnapshotsResponse{}, nil
+	}
+	return &csi.ListSnapshotsResponse{Entries: []*csi.ListSnapshotsResponse_Entry{{Snapshot: snap}}}, nil
+}
+
+// snapshotSidecars are csi-snapshotter and snapshot-controller with the
+// flags Cozystack passes, but the paths, the log level and the feature
+// gate: v8.7.0 enables volume group snapshots by default, which v8.3.0
+// (Cozystack's image) did not and whose CRDs no cluster here serves.
+func snapshotSidecars(sock, kubeconfig string) []sidecarSpec {
+	common := []string{"--kubeconfig=" + kubeconfig, "--v=5", "--worker-threads=10", "--feature-gates=CSIVolumeGroupSnapshot=false"}
+	return []sidecarSpec{
+		{name: "csi-snapshotter", args: append([]string{"--csi-address=" + sock, "--timeout=1m"}, common...)},
+		{name: "snapshot-controller", args: common},
+	}
+}
+
+// runSnapshotSidecars runs the snapshot side once the cluster serves
+// snapshot.storage.k8s.io, until ctx ends. Discovery is read every 10 s
+// until then, standing in for the real snapshot-controller's restarts.
+func (d *driver) runSnapshotSidecars(ctx context.Context, sock, kubeconfig string) {
 	for {
 		served, _ := resourceServed(d.cs.Discovery(), gvrVolumeSnapshot)
 		if served {
@@ -56,255 +133,240 @@ func (d *driver) runSnapshots(ctx context.Context) {
 		case <-time.After(10 * time.Second):
 		}
 	}
-	f := dynamicinformer.NewDynamicSharedInformerFactory(d.dyn, 30*time.Second)
-	vsInf, vscInf, classInf := f.ForResource(gvrVolumeSnapshot), f.ForResource(gvrVolumeSnapshotContent), f.ForResource(gvrVolumeSnapshotClass)
-	sn := &snapshotter{d: d, vs: vsInf.Lister(), vsc: vscInf.Lister(), vsclass: classInf.Lister()}
-	enqueue := func(prefix string) func(any) {
-		return func(obj any) {
-			if key, err := cache.DeletionHandlingMetaNamespaceKeyFunc(obj); err == nil {
-				d.q.Add(prefix + key)
-			}
-		}
-	}
-	vsInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    enqueue("vs/"),
-		UpdateFunc: func(_, obj any) { enqueue("vs/")(obj) },
-	})
-	// A content's changes (above all its going away) concern its snapshot.
-	contentChanged := func(obj any) {
-		u, ok := tombstone(obj).(*unstructured.Unstructured)
-		if !ok {
+	if d.t == nil {
+		if err := d.ensureSnapshotClass(ctx); err != nil {
+			d.logf("driver", "error", "%v", err)
 			return
 		}
-		enqueue("vsc/")(u)
-		ns, _, _ := unstructured.NestedString(u.Object, "spec", "volumeSnapshotRef", "namespace")
-		name, _, _ := unstructured.NestedString(u.Object, "spec", "volumeSnapshotRef", "name")
-		if name != "" {
-			d.q.Add("vs/" + ns + "/" + name)
-		}
 	}
-	vscInf.Informer().AddEventHandler(cache.ResourceEventHandlerFuncs{
-		AddFunc:    contentChanged,
-		UpdateFunc: func(_, obj any) { contentChanged(obj) },
-		DeleteFunc: contentChanged,
-	})
-	sn.synced = func() bool {
-		return vsInf.Informer().HasSynced() && vscInf.Informer().HasSynced() && classInf.Informer().HasSynced()
-	}
-	// Set before the informers start: their first events queue work for it.
-	d.setSnapshotter(sn)
-	f.Start(ctx.Done())
-	defer f.Shutdown()
-	if !cache.WaitForCacheSync(ctx.Done(), sn.synced) {
-		return
-	}
-	d.t.logf("driver", "snapshots", "tenant serves snapshot.storage.k8s.io/v1: handling VolumeSnapshots")
-	<-ctx.Done()
+	d.logf("driver", "snapshots", "the cluster serves snapshot.storage.k8s.io/v1: starting csi-snapshotter and snapshot-controller")
+	runSidecars(ctx, d.s.cfg.sidecars, d.s.cfg.sidecarLogs, d.prefix, snapshotSidecars(sock, kubeconfig), d.logf)
 }
 
-// syncSnapshot handles one VolumeSnapshot: take it (record + content) or,
-// when it is being deleted, delete its content and let it go.
-func (sn *snapshotter) syncSnapshot(ctx context.Context, key string) error {
-	d := sn.d
-	ns, name, _ := cache.SplitMetaNamespaceKey(key)
-	obj, err := sn.vs.ByNamespace(ns).Get(name)
-	if apierrors.IsNotFound(err) {
-		return nil
-	}
-	if err != nil {
-		return err
-	}
-	vs := obj.(*unstructured.Unstructured)
-	client := d.dyn.Resource(gvrVolumeSnapshot).Namespace(ns)
-	contentName, _, _ := unstructured.NestedString(vs.Object, "status", "boundVolumeSnapshotContentName")
-	if contentName == "" {
-		contentName = "snapcontent-" + string(vs.GetUID())
-	}
-
-	if vs.GetDeletionTimestamp() != nil {
-		if c, err := sn.vsc.Get(contentName); err == nil {
-			content := c.(*unstructured.Unstructured)
-			if policy, _, _ := unstructured.NestedString(content.Object, "spec", "deletionPolicy"); policy == "Delete" {
-				if content.GetDeletionTimestamp() == nil {
-					if err := d.dyn.Resource(gvrVolumeSnapshotContent).Delete(ctx, contentName, backgroundDeletion()); err != nil && !apierrors.IsNotFound(err) {
-						return err
-					}
-					d.t.logf("driver", "snapshot", "deleting content %s of snapshot %s", contentName, key)
-				}
-				return nil // wait for the content to go; its deletion requeues us
-			}
+// ensureSnapshotClass makes the management storage's default
+// VolumeSnapshotClass, retrying until ctx ends (the CRDs may be served a
+// moment before the API server accepts the objects).
+func (d *driver) ensureSnapshotClass(ctx context.Context) error {
+	class := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "snapshot.storage.k8s.io/v1",
+		"kind":       "VolumeSnapshotClass",
+		"metadata": map[string]any{
+			"name":        infraSnapshotClass,
+			"annotations": map[string]any{"snapshot.storage.kubernetes.io/is-default-class": "true"},
+		},
+		"driver":         d.name,
+		"deletionPolicy": "Delete",
+	}}
+	for {
+		_, err := d.dyn.Resource(gvrVolumeSnapshotClass).Create(ctx, class, metav1.CreateOptions{})
+		if err == nil || apierrors.IsAlreadyExists(err) {
+			return nil
 		}
-		for _, f := range []string{vsBoundFinalizer, vsSourceFinalizer} {
-			if _, err := removeFinalizerDynamic(ctx, client, name, vs.GetUID(), f); err != nil {
-				return err
-			}
+		select {
+		case <-ctx.Done():
+			return fmt.Errorf("create VolumeSnapshotClass %s: %w", infraSnapshotClass, err)
+		case <-time.After(time.Second):
 		}
-		return nil
 	}
+}
 
-	if ready, _, _ := unstructured.NestedBool(vs.Object, "status", "readyToUse"); ready {
-		return nil
+// createSnapshot keeps a snapshot of a ledger volume as a ledger file named
+// `<namespace>.<tenant>.<name>`; idempotent on name.
+func (b *ledgerBackend) createSnapshot(_ context.Context, name, source string) (*csi.Snapshot, error) {
+	src, ok := b.store.lookup(source)
+	if !ok || src.Kind != "volume" {
+		return nil, status.Errorf(codes.NotFound, "source volume %s not found", source)
 	}
-	claim, _, _ := unstructured.NestedString(vs.Object, "spec", "source", "persistentVolumeClaimName")
-	if claim == "" {
-		return nil // pre-provisioned content: not ours to take
-	}
-	class := sn.classFor(vs)
-	if class == nil {
-		return nil
-	}
-	pvc, err := d.pvcs.PersistentVolumeClaims(ns).Get(claim)
-	if err != nil || pvc.Spec.VolumeName == "" {
-		return nil // the claim's events do not requeue us; the resync does
-	}
-	pv, err := d.pvs.Get(pvc.Spec.VolumeName)
-	if err != nil || pv.Spec.CSI == nil || pv.Spec.CSI.Driver != d.name {
-		return nil
-	}
-	size := pv.Spec.Capacity[corev1.ResourceStorage]
-	policy, _, _ := unstructured.NestedString(class.Object, "deletionPolicy")
-	handle := fmt.Sprintf("%s.%s.snap-%s", d.t.ns, d.t.name, vs.GetUID())
-	created, err := d.store.create(volumeRecord{
-		Kind: "snapshot", Handle: handle, TenantNamespace: d.t.ns, Tenant: d.t.name,
-		PVC: ns + "/" + claim, PVCUID: string(pvc.UID), PV: pv.Name, Capacity: size.String(),
-		Snapshot: key, SourceHandle: pv.Spec.CSI.VolumeHandle,
+	handle := fmt.Sprintf("%s.%s.%s", src.TenantNamespace, src.Tenant, name)
+	created, err := b.store.create(volumeRecord{
+		Kind: "snapshot", Layer: b.layer, Handle: handle, TenantNamespace: src.TenantNamespace, Tenant: src.Tenant,
+		PVC: src.PVC, PVCUID: src.PVCUID, PV: src.PV, StorageClass: src.StorageClass, Capacity: src.Capacity,
+		SourceHandle: source,
 	})
 	if err != nil {
-		return fmt.Errorf("CreateSnapshot %s: %w", handle, err)
+		return nil, fmt.Errorf("CreateSnapshot %s: %w", handle, err)
+	}
+	rec, ok := b.store.lookup(handle)
+	switch {
+	case !ok:
+		return nil, status.Errorf(codes.Unavailable, "snapshot %s: record not readable yet", handle)
+	case rec.SourceHandle != source:
+		return nil, status.Errorf(codes.AlreadyExists, "snapshot %s exists of volume %s, not %s", handle, rec.SourceHandle, source)
 	}
 	if created {
-		d.t.logf("storage", "created", "snapshot %s of volume %s", handle, pv.Spec.CSI.VolumeHandle)
+		b.log.printf("storage", src.TenantNamespace+"/"+src.Tenant, "created", "snapshot %s of volume %s", handle, source)
 	}
-	now := time.Now()
-	content := &unstructured.Unstructured{Object: map[string]any{
-		"apiVersion": "snapshot.storage.k8s.io/v1",
-		"kind":       "VolumeSnapshotContent",
-		"metadata":   map[string]any{"name": contentName, "finalizers": []any{vscBoundFinalizer}},
-		"spec": map[string]any{
-			"driver":                  d.name,
-			"deletionPolicy":          policy,
-			"volumeSnapshotClassName": class.GetName(),
-			"source":                  map[string]any{"volumeHandle": pv.Spec.CSI.VolumeHandle},
-			"volumeSnapshotRef": map[string]any{
-				"apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshot",
-				"namespace": ns, "name": name, "uid": string(vs.GetUID()),
-			},
-		},
-	}}
-	contents := d.dyn.Resource(gvrVolumeSnapshotContent)
-	got, err := contents.Create(ctx, content, metav1.CreateOptions{})
-	if apierrors.IsAlreadyExists(err) {
-		got, err = contents.Get(ctx, contentName, metav1.GetOptions{})
+	return ledgerSnapshot(rec), nil
+}
+
+func ledgerSnapshot(rec volumeRecord) *csi.Snapshot {
+	size, _ := resource.ParseQuantity(rec.Capacity)
+	created, _ := time.Parse(time.RFC3339, rec.Created)
+	return &csi.Snapshot{SnapshotId: rec.Handle, SourceVolumeId: rec.SourceHandle, SizeBytes: size.Value(),
+		CreationTime: timestamppb.New(created), ReadyToUse: true}
+}
+
+// deleteSnapshot frees a ledger snapshot; one that is not there is success.
+func (b *ledgerBackend) deleteSnapshot(ctx context.Context, id string) error {
+	rec, ok := b.store.lookup(id)
+	if ok && rec.Kind != "snapshot" {
+		return status.Errorf(codes.InvalidArgument, "%s is a volume, not a snapshot", id)
 	}
-	if err != nil {
-		return fmt.Errorf("create VolumeSnapshotContent %s: %w", contentName, err)
-	}
-	got.Object["status"] = map[string]any{
-		"snapshotHandle": handle, "readyToUse": true,
-		"restoreSize": size.Value(), "creationTime": now.UnixNano(),
-	}
-	if _, err := contents.UpdateStatus(ctx, got, metav1.UpdateOptions{}); err != nil {
-		return fmt.Errorf("status of VolumeSnapshotContent %s: %w", contentName, err)
-	}
-	if !slices.Contains(vs.GetFinalizers(), vsBoundFinalizer) {
-		patch := fmt.Appendf(nil, `{"metadata":{"finalizers":%s}}`, mustJSON(append(vs.GetFinalizers(), vsBoundFinalizer)))
-		if _, err := client.Patch(ctx, name, types.MergePatchType, patch, metav1.PatchOptions{}); err != nil {
+	if b.mayFree != nil {
+		if err := b.mayFree(ctx, id); err != nil {
 			return err
 		}
 	}
-	fresh, err := client.Get(ctx, name, metav1.GetOptions{})
+	existed, err := b.store.remove(id)
 	if err != nil {
-		return err
+		return fmt.Errorf("DeleteSnapshot %s: %w", id, err)
 	}
-	fresh.Object["status"] = map[string]any{
-		"boundVolumeSnapshotContentName": contentName, "readyToUse": true,
-		"restoreSize": size.String(), "creationTime": now.UTC().Format(time.RFC3339),
-	}
-	if _, err := client.UpdateStatus(ctx, fresh, metav1.UpdateOptions{}); err != nil {
-		return fmt.Errorf("status of VolumeSnapshot %s: %w", key, err)
-	}
-	d.t.logf("driver", "snapshot", "took %s of claim %s/%s: content=%s handle=%s policy=%s", key, ns, claim, contentName, handle, policy)
-	return nil
-}
-
-// classFor returns the VolumeSnapshotClass of this driver that vs uses
-// (named, or the default one), or nil.
-func (sn *snapshotter) classFor(vs *unstructured.Unstructured) *unstructured.Unstructured {
-	name, _, _ := unstructured.NestedString(vs.Object, "spec", "volumeSnapshotClassName")
-	if name != "" {
-		obj, err := sn.vsclass.Get(name)
-		if err != nil {
-			return nil
-		}
-		c := obj.(*unstructured.Unstructured)
-		if drv, _, _ := unstructured.NestedString(c.Object, "driver"); drv != sn.d.name {
-			return nil
-		}
-		return c
-	}
-	all, _ := sn.vsclass.List(labels.Everything())
-	for _, obj := range all {
-		c := obj.(*unstructured.Unstructured)
-		drv, _, _ := unstructured.NestedString(c.Object, "driver")
-		if drv == sn.d.name && c.GetAnnotations()[annDefaultSnapClass] == "true" {
-			return c
-		}
+	if existed {
+		b.log.printf("storage", rec.TenantNamespace+"/"+rec.Tenant, "deleted", "snapshot %s (of volume %s)", id, rec.SourceHandle)
 	}
 	return nil
 }
 
-// syncContent handles one VolumeSnapshotContent of this driver: a deleted
-// content with policy Delete frees its snapshot on storage; a content whose
-// snapshot is gone is deleted (the snapshot controller's job).
-func (sn *snapshotter) syncContent(ctx context.Context, name string) error {
-	d := sn.d
-	obj, err := sn.vsc.Get(name)
-	if apierrors.IsNotFound(err) {
-		return nil
+func (b *ledgerBackend) snapshot(_ context.Context, id string) (*csi.Snapshot, error) {
+	rec, ok := b.store.lookup(id)
+	if !ok || rec.Kind != "snapshot" {
+		return nil, nil
 	}
+	return ledgerSnapshot(rec), nil
+}
+
+// volumeSnapshots is the management VolumeSnapshot API of the tenant's
+// namespace, as R-kcsi.
+func (b *kcsiBackend) volumeSnapshots(ctx context.Context) (dynamic.ResourceInterface, error) {
+	dyn, _, err := b.clients(ctx)
 	if err != nil {
-		return err
+		return nil, err
 	}
-	c := obj.(*unstructured.Unstructured)
-	if drv, _, _ := unstructured.NestedString(c.Object, "spec", "driver"); drv != d.name {
-		return nil
+	return dyn.Resource(gvrVolumeSnapshot).Namespace(b.t.ns), nil
+}
+
+// createSnapshot follows the driver's CreateSnapshot: an existing
+// VolumeSnapshot of that name is returned as it is (or AlreadyExists if it
+// is of another volume); otherwise the DataVolume must exist (NotFound),
+// the VolumeSnapshot is created and waited for, up to 2 minutes, to be
+// ready.
+func (b *kcsiBackend) createSnapshot(ctx context.Context, name, source string) (*csi.Snapshot, error) {
+	t := b.t
+	vss, err := b.volumeSnapshots(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("CreateSnapshot %s: %w", name, err)
 	}
-	policy, _, _ := unstructured.NestedString(c.Object, "spec", "deletionPolicy")
-	handle, _, _ := unstructured.NestedString(c.Object, "status", "snapshotHandle")
-	contents := d.dyn.Resource(gvrVolumeSnapshotContent)
-	if c.GetDeletionTimestamp() != nil {
-		if policy == "Delete" && handle != "" {
-			existed, err := d.store.remove(handle)
-			if err != nil {
-				return fmt.Errorf("DeleteSnapshot %s: %w", handle, err)
+	vs, err := vss.Get(ctx, name, metav1.GetOptions{})
+	if err != nil && !apierrors.IsNotFound(err) {
+		b.refused("CreateSnapshot "+name, err)
+		return nil, fmt.Errorf("CreateSnapshot %s: get VolumeSnapshot %s/%s: %w", name, t.ns, name, err)
+	}
+	if err == nil {
+		return b.kcsiSnapshot(vs, source)
+	}
+	dvs, err := b.dataVolumes(ctx)
+	if err != nil {
+		return nil, fmt.Errorf("CreateSnapshot %s: %w", name, err)
+	}
+	if _, err := dvs.Get(ctx, source, metav1.GetOptions{}); err != nil {
+		if apierrors.IsNotFound(err) {
+			return nil, status.Errorf(codes.NotFound, "source DataVolume %s/%s not found", t.ns, source)
+		}
+		b.refused("CreateSnapshot "+name, err)
+		return nil, fmt.Errorf("CreateSnapshot %s: get DataVolume %s/%s: %w", name, t.ns, source, err)
+	}
+	obj := &unstructured.Unstructured{Object: map[string]any{
+		"apiVersion": "snapshot.storage.k8s.io/v1",
+		"kind":       "VolumeSnapshot",
+		"metadata":   map[string]any{"name": name, "namespace": t.ns, "labels": toAny(infraLabels(t.name))},
+		"spec":       map[string]any{"source": map[string]any{"persistentVolumeClaimName": source}},
+	}}
+	if _, err := vss.Create(ctx, obj, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+		b.refused("CreateSnapshot "+name, err)
+		return nil, fmt.Errorf("CreateSnapshot %s: create VolumeSnapshot %s/%s: %w", name, t.ns, name, err)
+	}
+	t.logf("driver", "snapshot", "created VolumeSnapshot %s/%s of DataVolume %s", t.ns, name, source)
+	deadline := time.Now().Add(snapshotReadyWait)
+	for {
+		vs, err = vss.Get(ctx, name, metav1.GetOptions{})
+		if err == nil {
+			if ready, _, _ := unstructured.NestedBool(vs.Object, "status", "readyToUse"); ready {
+				return b.kcsiSnapshot(vs, source)
 			}
-			if existed {
-				d.t.logf("storage", "deleted", "snapshot %s (content %s)", handle, name)
-			}
 		}
-		_, err := removeFinalizerDynamic(ctx, contents, name, c.GetUID(), vscBoundFinalizer)
+		if time.Now().After(deadline) {
+			return nil, fmt.Errorf("CreateSnapshot %s: VolumeSnapshot %s/%s not ready within %s (last error: %v)", name, t.ns, name, snapshotReadyWait, err)
+		}
+		select {
+		case <-ctx.Done():
+			return nil, status.FromContextError(ctx.Err()).Err()
+		case <-time.After(time.Second):
+		}
+	}
+}
+
+// kcsiSnapshot is the CSI view of a management VolumeSnapshot
+// (createCsiSnapshot); source, when set, must be the volume it is of.
+func (b *kcsiBackend) kcsiSnapshot(vs *unstructured.Unstructured, source string) (*csi.Snapshot, error) {
+	of, _, _ := unstructured.NestedString(vs.Object, "spec", "source", "persistentVolumeClaimName")
+	if source != "" && of != source {
+		return nil, status.Errorf(codes.AlreadyExists, "VolumeSnapshot %s/%s exists of volume %s, not %s", vs.GetNamespace(), vs.GetName(), of, source)
+	}
+	ready, _, _ := unstructured.NestedBool(vs.Object, "status", "readyToUse")
+	sizeText, _, _ := unstructured.NestedString(vs.Object, "status", "restoreSize")
+	size, _ := resource.ParseQuantity(sizeText)
+	return &csi.Snapshot{SnapshotId: vs.GetName(), SourceVolumeId: of, SizeBytes: size.Value(),
+		CreationTime: timestamppb.New(vs.GetCreationTimestamp().Time), ReadyToUse: ready}, nil
+}
+
+// infraSnapshot gets the management VolumeSnapshot `id`: nil if it is not
+// there, an error if it lacks the tenant's infra labels (not this
+// controller's: client.go's ErrInvalidSnapshot).
+func (b *kcsiBackend) infraSnapshot(ctx context.Context, what, id string) (*unstructured.Unstructured, dynamic.ResourceInterface, error) {
+	vss, err := b.volumeSnapshots(ctx)
+	if err != nil {
+		return nil, nil, fmt.Errorf("%s %s: %w", what, id, err)
+	}
+	vs, err := vss.Get(ctx, id, metav1.GetOptions{})
+	switch {
+	case apierrors.IsNotFound(err):
+		return nil, vss, nil
+	case err != nil:
+		b.refused(what+" "+id, err)
+		return nil, nil, fmt.Errorf("%s %s: get VolumeSnapshot: %w", what, id, err)
+	}
+	for k, v := range infraLabels(b.t.name) {
+		if vs.GetLabels()[k] != v {
+			return nil, nil, fmt.Errorf("%s %s: invalid snapshot: VolumeSnapshot %s/%s lacks label %s=%s", what, id, b.t.ns, id, k, v)
+		}
+	}
+	return vs, vss, nil
+}
+
+// deleteSnapshot follows the driver's DeleteSnapshot: a VolumeSnapshot that
+// is not there is success; it is deleted and not waited for (the management
+// storage frees the snapshot behind it).
+func (b *kcsiBackend) deleteSnapshot(ctx context.Context, id string) error {
+	vs, vss, err := b.infraSnapshot(ctx, "DeleteSnapshot", id)
+	if err != nil || vs == nil {
 		return err
 	}
-	refNS, _, _ := unstructured.NestedString(c.Object, "spec", "volumeSnapshotRef", "namespace")
-	refName, _, _ := unstructured.NestedString(c.Object, "spec", "volumeSnapshotRef", "name")
-	refUID, _, _ := unstructured.NestedString(c.Object, "spec", "volumeSnapshotRef", "uid")
-	if refName == "" || refUID == "" || policy != "Delete" {
-		return nil
+	err = vss.Delete(ctx, id, metav1.DeleteOptions{})
+	switch {
+	case err == nil:
+		b.t.logf("driver", "snapshot", "deleted VolumeSnapshot %s/%s (DeleteSnapshot returns; the management storage frees it)", b.t.ns, id)
+	case apierrors.IsNotFound(err):
+	default:
+		b.refused("DeleteSnapshot "+id, err)
+		return fmt.Errorf("DeleteSnapshot %s: delete VolumeSnapshot: %w", id, err)
 	}
-	if vs, err := sn.vs.ByNamespace(refNS).Get(refName); err == nil && string(vs.(*unstructured.Unstructured).GetUID()) == refUID {
-		return nil
-	}
-	if err := contents.Delete(ctx, name, backgroundDeletion()); err != nil && !apierrors.IsNotFound(err) {
-		return err
-	}
-	d.t.logf("driver", "snapshot", "deleting content %s: its snapshot %s/%s is gone", name, refNS, refName)
 	return nil
 }
 
-func mustJSON(v any) []byte {
-	b, err := json.Marshal(v)
-	if err != nil {
-		panic(err)
+func (b *kcsiBackend) snapshot(ctx context.Context, id string) (*csi.Snapshot, error) {
+	vs, _, err := b.infraSnapshot(ctx, "ListSnapshots", id)
+	if err != nil || vs == nil {
+		return nil, err
 	}
-	return b
+	return b.kcsiSnapshot(vs, "")
 }

@@ -296,6 +296,10 @@ fn justified() -> BTreeMap<String, BTreeSet<Grant>> {
         g("", "persistentvolumes", "watch", None),
         // Keeping a disk: reclaim policy Retain on its management PV.
         g("", "persistentvolumes", "patch", None),
+        // The management storage's VolumeSnapshots behind a tenant's
+        // snapshots, waited for before Released; never written.
+        g("snapshot.storage.k8s.io", "volumesnapshots", "list", None),
+        g("snapshot.storage.k8s.io", "volumesnapshots", "watch", None),
         // The VM attachment Pods that hold those disks' PVCs.
         g("", "pods", "list", None),
         g("", "pods", "delete", None),
@@ -358,6 +362,22 @@ fn denied_worker(names: &Names) -> Vec<Denied<'_>> {
         ("", "persistentvolumeclaims", "", "get", t, "data"),
         ("", "persistentvolumeclaims", "", "watch", t, ""),
         ("", "persistentvolumes", "", "delete", None, "pv-1"),
+        (
+            "snapshot.storage.k8s.io",
+            "volumesnapshots",
+            "",
+            "delete",
+            t,
+            "snap-1",
+        ),
+        (
+            "snapshot.storage.k8s.io",
+            "volumesnapshots",
+            "",
+            "create",
+            t,
+            "",
+        ),
         ("", "persistentvolumes", "", "update", None, "pv-1"),
         ("", "namespaces", "", "patch", None, "tenant-x"),
         ("", "namespaces", "", "update", None, "tenant-x"),

@@ -8,7 +8,10 @@
 use std::collections::{BTreeSet, HashSet};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
-use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Preconditions};
+use kube::api::{
+    Api, ApiResource, DeleteParams, DynamicObject, ListParams, ObjectMeta, Preconditions,
+};
+use kube::core::GroupVersionKind;
 use tracing::{info, instrument, warn};
 
 use super::claims::{self, ClaimKey};
@@ -17,7 +20,7 @@ use super::wait::{NoProgress, wait_gone};
 use super::{Outcome, blocked};
 use crate::profile::InfraSpec;
 use crate::record::{Inventory, Phase, Record, Update, now_rfc3339};
-use crate::text::count;
+use crate::text::{count, listed};
 use crate::worker::events::Reason;
 use crate::worker::{Context, ErrorKind, TenantRef};
 
@@ -250,10 +253,7 @@ pub(super) async fn management_layer(
         );
     }
     if observed.is_empty() {
-        return Ok(Outcome::Released {
-            inventory: inv,
-            note: None,
-        });
+        return snapshots_then_released(ctx, t, spec, inv).await;
     }
     ctx.write_record(
         t,
@@ -272,10 +272,7 @@ pub(super) async fn management_layer(
     let disks: HashSet<String> = observed.volumes.iter().map(|h| h.name.clone()).collect();
     let observed = wait_disks_then_observe(ctx, t, spec, disks, &mut inv).await?;
     if observed.is_empty() {
-        return Ok(Outcome::Released {
-            inventory: inv,
-            note: None,
-        });
+        return snapshots_then_released(ctx, t, spec, inv).await;
     }
     Ok(blocked(
         ErrorKind::VolumesRemain,
@@ -285,6 +282,131 @@ pub(super) async fn management_layer(
             ctx.settings.wait_bound.as_secs(),
             observed.describe(&spec.kind, 5),
             kind = spec.kind,
+        ),
+        Some(inv),
+    ))
+}
+
+/// The management cluster's VolumeSnapshots of a tenant: in its namespace,
+/// with its infra labels. On the KubeVirt path the driver's CreateSnapshot
+/// makes one per tenant snapshot, and its DeleteSnapshot deletes it and
+/// returns at once: the management storage frees the snapshot behind it
+/// when it goes. `going` are being deleted; the others were not (a tenant
+/// snapshot whose content is Retain) and are kept.
+struct InfraSnapshots {
+    api: Api<DynamicObject>,
+    going: HashSet<String>,
+    kept: Vec<String>,
+}
+
+/// Lists [`InfraSnapshots`]; `None` when the management cluster does not
+/// serve snapshot.storage.k8s.io/v1.
+async fn infra_snapshots(
+    ctx: &Context,
+    t: &TenantRef,
+    spec: &InfraSpec,
+) -> Result<Option<InfraSnapshots>, kube::Error> {
+    let ar = ApiResource::from_gvk_with_plural(
+        &GroupVersionKind::gvk("snapshot.storage.k8s.io", "v1", "VolumeSnapshot"),
+        "volumesnapshots",
+    );
+    let api = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &t.namespace, &ar);
+    let selector = spec
+        .labels_of(&t.name)
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    let list = match api
+        .list_metadata(&ListParams::default().labels(&selector))
+        .await
+    {
+        Ok(l) => l,
+        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(None),
+        Err(e) => return Err(e),
+    };
+    let (mut going, mut kept) = (HashSet::new(), Vec::new());
+    for m in list.items.into_iter().map(|o| o.metadata) {
+        let Some(name) = m.name else { continue };
+        if m.deletion_timestamp.is_some() {
+            going.insert(name);
+        } else {
+            kept.push(name);
+        }
+    }
+    kept.sort();
+    Ok(Some(InfraSnapshots { api, going, kept }))
+}
+
+/// The disks are gone: `Released` once the management storage has freed
+/// the tenant's snapshots being deleted (watched until none has gone for
+/// `--wait-bound`, then `Blocked` naming them); the ones kept are named in
+/// the note ("1 volume freed, none left on storage: but 1 snapshot kept,
+/// as its tenant content's deletionPolicy Retain asks: …").
+async fn snapshots_then_released(
+    ctx: &Context,
+    t: &TenantRef,
+    spec: &InfraSpec,
+    inv: Inventory,
+) -> Result<Outcome, kube::Error> {
+    let Some(snapshots) = infra_snapshots(ctx, t, spec).await? else {
+        return Ok(Outcome::Released {
+            inventory: inv,
+            note: None,
+        });
+    };
+    let note = (!snapshots.kept.is_empty()).then(|| {
+        format!(
+            "but {} kept, as {} tenant content's deletionPolicy Retain asks: VolumeSnapshot {} in the management cluster",
+            count(snapshots.kept.len(), "snapshot"),
+            if snapshots.kept.len() == 1 { "its" } else { "their" },
+            listed(&snapshots.kept, 5)
+        )
+    });
+    if snapshots.going.is_empty() {
+        return Ok(Outcome::Released {
+            inventory: inv,
+            note,
+        });
+    }
+    let mut going: Vec<String> = snapshots.going.iter().cloned().collect();
+    going.sort();
+    ctx.write_record(
+        t,
+        &Update {
+            phase: Some(Phase::Releasing),
+            message: Some(format!(
+                "the disks are freed; waiting for the management storage to free {}: {}",
+                count(going.len(), "snapshot"),
+                listed(&going, 5)
+            )),
+            inventory: Some(inv.clone()),
+            ..Default::default()
+        },
+    )
+    .await?;
+    let left = wait_gone(
+        snapshots.api,
+        snapshots.going,
+        ctx.settings.wait_bound,
+        &NoProgress,
+    )
+    .await?;
+    if left.is_empty() {
+        return Ok(Outcome::Released {
+            inventory: inv,
+            note,
+        });
+    }
+    Ok(blocked(
+        ErrorKind::VolumesRemain,
+        format!(
+            "the disks are freed, but the management cluster still holds {} being deleted, none gone for {}s: {} \
+             (the management storage frees a snapshot when its VolumeSnapshot goes; a finalizer, or no snapshot \
+             controller running there, keeps it)",
+            count(left.len(), "VolumeSnapshot"),
+            ctx.settings.wait_bound.as_secs(),
+            listed(&left, 5)
         ),
         Some(inv),
     ))

@@ -16,6 +16,7 @@ mod access;
 mod driver;
 mod management;
 mod parent;
+mod snapshot;
 mod workload;
 
 use std::collections::BTreeMap;
@@ -40,6 +41,8 @@ pub use management::{
     InfraObjects, bare_parent, delete_unreleasable_disk, paper_parent, unreleasable_disk,
     wait_namespace_gone,
 };
+#[allow(unused_imports)]
+pub use snapshot::{DRIVER, SNAPSHOT_GROUP, Taken, content_resource, snapshot_resource};
 
 pub const STORAGE_CLASS: &str = "sim";
 
