@@ -151,6 +151,12 @@ func (p *csiPlugin) CreateVolume(ctx context.Context, req *csi.CreateVolumeReque
 	if len(req.GetVolumeCapabilities()) == 0 {
 		return nil, status.Error(codes.InvalidArgument, "volume capabilities missing in request")
 	}
+	if src := req.GetVolumeContentSource(); src != nil {
+		// The KubeVirt driver restores a snapshot or clones a volume as a
+		// DataVolume with that source; this plugin does not play it, and a
+		// blank disk in its place would be a lie.
+		return nil, status.Errorf(codes.Unimplemented, "volume %s: creating from a content source (%v) is not played by this plugin", name, src)
+	}
 	bytes := req.GetCapacityRange().GetRequiredBytes()
 	if bytes <= 0 {
 		return nil, status.Errorf(codes.InvalidArgument, "volume %s: no required capacity", name)
