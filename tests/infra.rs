@@ -364,6 +364,51 @@ async fn a_management_snapshot_that_cannot_go_keeps_the_tenant_blocked_naming_it
     assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
 }
 
+/// A tenant whose API dies holding a snapshot: its disks are freed from the
+/// management side, but its management VolumeSnapshot is not being deleted
+/// and nothing left can say whether the tenant meant to keep it: kept, and
+/// named in `Released`.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_dead_tenants_management_snapshot_is_kept_and_named_when_it_is_released() {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("deadsnap")).await;
+    t.wait_custody().await;
+    t.install_snapshot_api("sim-snapshots").await;
+    t.with_held_claims(&["data"]).await;
+    let taken = t
+        .take_snapshot("apps", "data-snap", "data", "sim-snapshots")
+        .await;
+    let kept = format!("snapshot-{}", taken.uid);
+
+    // The driver stops, so the phase holds after the inventory; then the
+    // tenant API dies.
+    t.set_driver(&env.sim, false).await;
+    t.delete_parent().await;
+    t.wait_inventory().await;
+    env.cp.cluster_down(&t.cluster.name);
+
+    let record = released_and_gone(&t).await;
+    let message = record.message.clone().unwrap_or_default();
+    assert!(
+        message.contains("1 volume freed from the management side")
+            && message.contains(&format!("but 1 snapshot kept: VolumeSnapshot {kept}"))
+            && message.contains("cannot tell"),
+        "{message}"
+    );
+    let vs = t
+        .infra_snapshots()
+        .get(&kept)
+        .await
+        .unwrap_or_else(|e| panic!("{kept} is kept: {e}"));
+    assert!(
+        vs.metadata.deletion_timestamp.is_none(),
+        "{:?}",
+        vs.metadata
+    );
+    let left = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(left.len(), 1, "only the snapshot is on storage: {left:?}");
+}
+
 /// The hole this closes: without an inventory, the infra labels are all the
 /// phase finds a dead tenant's disks by, and whoever edits the tenant
 /// namespace could remove them and leave the disks behind.

@@ -253,7 +253,7 @@ pub(super) async fn management_layer(
         );
     }
     if observed.is_empty() {
-        return snapshots_then_released(ctx, t, spec, inv).await;
+        return snapshots_then_released(ctx, t, spec, inv, None, Kept::Retain).await;
     }
     ctx.write_record(
         t,
@@ -272,7 +272,7 @@ pub(super) async fn management_layer(
     let disks: HashSet<String> = observed.volumes.iter().map(|h| h.name.clone()).collect();
     let observed = wait_disks_then_observe(ctx, t, spec, disks, &mut inv).await?;
     if observed.is_empty() {
-        return snapshots_then_released(ctx, t, spec, inv).await;
+        return snapshots_then_released(ctx, t, spec, inv, None, Kept::Retain).await;
     }
     Ok(blocked(
         ErrorKind::VolumesRemain,
@@ -338,6 +338,31 @@ async fn infra_snapshots(
     Ok(Some(InfraSnapshots { api, going, kept }))
 }
 
+/// Why a management VolumeSnapshot that is not being deleted is kept.
+#[derive(Clone, Copy, Debug, PartialEq)]
+enum Kept {
+    /// The tenant's driver did not delete it: its content is Retain.
+    Retain,
+    /// The tenant API is dead: whether its content was Retain is unknown.
+    TenantDead,
+}
+
+/// The part of the `Released` message that names the snapshots kept.
+fn kept_note(kept: &[String], why: Kept) -> String {
+    let n = count(kept.len(), "snapshot");
+    let names = listed(kept, 5);
+    match why {
+        Kept::Retain => format!(
+            "but {n} kept, as {} tenant content's deletionPolicy Retain asks: VolumeSnapshot {names} in the management cluster",
+            if kept.len() == 1 { "its" } else { "their" }
+        ),
+        Kept::TenantDead => format!(
+            "but {n} kept: VolumeSnapshot {names} in the management cluster, whose tenant content's \
+             deletionPolicy the unreachable tenant API cannot tell (delete it there if the data is not wanted)"
+        ),
+    }
+}
+
 /// The disks are gone: `Released` once the management storage has freed
 /// the tenant's snapshots being deleted (watched until none has gone for
 /// `--wait-bound`, then `Blocked` naming them); the ones kept are named in
@@ -348,21 +373,20 @@ async fn snapshots_then_released(
     t: &TenantRef,
     spec: &InfraSpec,
     inv: Inventory,
+    note: Option<String>,
+    why: Kept,
 ) -> Result<Outcome, kube::Error> {
     let Some(snapshots) = infra_snapshots(ctx, t, spec).await? else {
         return Ok(Outcome::Released {
             inventory: inv,
-            note: None,
+            note,
         });
     };
-    let note = (!snapshots.kept.is_empty()).then(|| {
-        format!(
-            "but {} kept, as {} tenant content's deletionPolicy Retain asks: VolumeSnapshot {} in the management cluster",
-            count(snapshots.kept.len(), "snapshot"),
-            if snapshots.kept.len() == 1 { "its" } else { "their" },
-            listed(&snapshots.kept, 5)
-        )
-    });
+    let kept = (!snapshots.kept.is_empty()).then(|| kept_note(&snapshots.kept, why));
+    let note = match (note, kept) {
+        (Some(n), Some(k)) => Some(format!("{n}; {k}")),
+        (n, k) => n.or(k),
+    };
     if snapshots.going.is_empty() {
         return Ok(Outcome::Released {
             inventory: inv,
@@ -457,7 +481,9 @@ pub(super) async fn unreachable(
         .collect::<Vec<_>>()
         .join(",");
     if observed.is_empty() && disks::unmapped(inv.as_ref()).is_empty() {
-        return Ok(released_from_management(ctx, inv, &why, &labels, spec));
+        let (inventory, note) = released_from_management(ctx, inv, &why, &labels, spec);
+        return snapshots_then_released(ctx, t, spec, inventory, Some(note), Kept::TenantDead)
+            .await;
     }
 
     let mut freed = Vec::new();
@@ -484,7 +510,9 @@ pub(super) async fn unreachable(
         let i = inv.as_mut().expect("freed from an inventory");
         observed = record_and_wait_freed(ctx, t, spec, &why, &freed, i, &observed).await?;
         if observed.is_empty() && disks::unmapped(inv.as_ref()).is_empty() {
-            return Ok(released_from_management(ctx, inv, &why, &labels, spec));
+            let (inventory, note) = released_from_management(ctx, inv, &why, &labels, spec);
+            return snapshots_then_released(ctx, t, spec, inventory, Some(note), Kept::TenantDead)
+                .await;
         }
     }
 
@@ -552,7 +580,7 @@ async fn wait_disks_then_observe(
     observe(ctx, t, spec, Some(inv)).await
 }
 
-/// `Released` decided from the management side: nothing of the tenant is
+/// `Released` decided from the management side: no disk of the tenant is
 /// left there. Every inventoried volume is gone; the note says how.
 fn released_from_management(
     ctx: &Context,
@@ -560,7 +588,7 @@ fn released_from_management(
     why: &str,
     labels: &str,
     spec: &InfraSpec,
-) -> Outcome {
+) -> (Inventory, String) {
     let mut inventory = inv.unwrap_or_else(|| Inventory::new(now_rfc3339(), Vec::new()));
     let mut newly = 0;
     for v in inventory.volumes.iter_mut().filter(|v| !v.gone) {
@@ -586,8 +614,27 @@ fn released_from_management(
             kind = spec.kind
         )
     };
-    Outcome::Released {
-        inventory,
-        note: Some(note),
+    (inventory, note)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn kept_snapshots_are_named_with_why() {
+        let one = vec!["snapshot-a".to_string()];
+        assert_eq!(
+            kept_note(&one, Kept::Retain),
+            "but 1 snapshot kept, as its tenant content's deletionPolicy Retain asks: \
+             VolumeSnapshot snapshot-a in the management cluster"
+        );
+        let many: Vec<String> = (0..7).map(|i| format!("snapshot-{i}")).collect();
+        let note = kept_note(&many, Kept::TenantDead);
+        assert!(
+            note.starts_with("but 7 snapshots kept: VolumeSnapshot snapshot-0, snapshot-1, snapshot-2, snapshot-3, snapshot-4 and 2 more")
+                && note.contains("cannot tell"),
+            "{note}"
+        );
     }
 }
