@@ -577,10 +577,14 @@ async fn baseline(
             assert!(ok, "baseline: delete pod {ns}/{name}");
         }
         step(&format!("delete pod x{}", holding.len()), &mut mark);
+        // The PVs are waited for one after another, so the first may wait
+        // for nearly the whole release: at the real provisioner's 5
+        // requests/s (~0.4 s a volume) a fixed 1,200 s failed at 5,000
+        // claims (the first PV waited on was still there after 20 minutes).
+        // The timeout only has to stay out of the measurement's way.
+        let timeout = format!("--timeout={}s", 1200 + pvs.len());
         for pv in &pvs {
-            let (ok, _) = k
-                .run(&["wait", "--for=delete", pv, "--timeout=1200s"])
-                .await;
+            let (ok, _) = k.run(&["wait", "--for=delete", pv, &timeout]).await;
             assert!(ok, "baseline: wait {pv}");
         }
         step(&format!("wait pv x{}", pvs.len()), &mut mark);
