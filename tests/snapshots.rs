@@ -428,7 +428,7 @@ async fn a_snapshot_whose_content_is_retain_is_kept_and_released_names_it() {
         .await;
     let message = record.message.unwrap_or_default();
     assert!(
-        message.contains("but 1 snapshot kept, as its tenant content's deletionPolicy Retain asks")
+        message.contains("but 1 snapshot kept, not deleted by the tenant's driver (a tenant content with deletionPolicy Retain")
             && message.contains(&kept),
         "Released names the kept snapshot: {message}"
     );

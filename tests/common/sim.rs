@@ -15,7 +15,8 @@ use super::process::Process;
 /// `csi-provisioner`, `csi-attacher`, `csi-snapshotter` and
 /// `snapshot-controller`, which the simulator runs beside its CSI plugin for
 /// every tenant driver and for the management storage, and in `crds/` the
-/// snapshot.storage.k8s.io CRDs of the same external-snapshotter release.
+/// snapshot.storage.k8s.io CRDs of the external-snapshotter client module
+/// they are compiled against (v8.6.0).
 pub fn sidecars_dir() -> PathBuf {
     static DIR: OnceLock<PathBuf> = OnceLock::new();
     DIR.get_or_init(|| run_build_script("tests/csi/build.sh"))
@@ -24,7 +25,7 @@ pub fn sidecars_dir() -> PathBuf {
 
 /// The snapshot.storage.k8s.io CRDs (VolumeSnapshotClass,
 /// VolumeSnapshotContent, VolumeSnapshot) of the external-snapshotter
-/// release the sidecars are built from: what Cozystack installs in a tenant
+/// client module the sidecars are compiled against: what Cozystack installs in a tenant
 /// cluster (its vsnap-crd release) and what the management cluster's storage
 /// serves.
 pub fn snapshot_crds() -> Vec<PathBuf> {

@@ -3,7 +3,8 @@
 # `csi-attacher`, `csi-snapshotter` and `snapshot-controller`, built from the
 # Go module proxy at the versions go.mod names) and, in crds/, the
 # snapshot.storage.k8s.io CRDs of the external-snapshotter client module
-# that go.mod names (what Cozystack's vsnap-crd chart installs), building them first if the cache has none for these sources
+# that go.mod names, the one the binaries are compiled against (what
+# Cozystack's vsnap-crd chart installs), building them first if the cache has none for these sources
 # (tests/build-go.sh: the cache, its key and its installation).
 #
 #   VOLUME_GATE_HARNESS_CACHE  cache root (default: $HOME/.cache/volume-gate)

@@ -85,8 +85,8 @@ type ledgerBackend struct {
 	log   *simLog
 	// owner names the tenant a claim's disk belongs to.
 	owner func(pvc *corev1.PersistentVolumeClaim) (ns, tenant string)
-	// mayFree, when set, must allow each DeleteVolume.
-	mayFree func(ctx context.Context, handle string) error
+	// mayFree, when set, must allow each DeleteVolume and DeleteSnapshot.
+	mayFree func(ctx context.Context, what, id string) error
 	// layer is recorded with each disk ("" for the tenant's own).
 	layer string
 }
@@ -110,7 +110,7 @@ func (b *ledgerBackend) createVolume(_ context.Context, name string, pvc *corev1
 
 func (b *ledgerBackend) deleteVolume(ctx context.Context, handle string) error {
 	if b.mayFree != nil {
-		if err := b.mayFree(ctx, handle); err != nil {
+		if err := b.mayFree(ctx, "DeleteVolume", handle); err != nil {
 			return err
 		}
 	}
@@ -224,7 +224,7 @@ func (d *driver) run(ctx context.Context) {
 		// The controller gets its ServiceAccount token when it starts, as a
 		// Pod gets its projected token.
 		if ok, why := d.t.kcsiAllowed(ctx); !ok {
-			d.t.kcsi.logged = why
+			d.t.kcsi.noteRefusal(why)
 			d.logf("driver", "identity-missing", "at start: %s", why)
 		}
 	}

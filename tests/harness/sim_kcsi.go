@@ -30,8 +30,22 @@ type kcsiIdentity struct {
 	reason    string
 	checkedAt time.Time
 	// logged is the last reason logged for not being able to free a
-	// volume, so each reason is logged once. Used by the driver goroutine.
-	logged string
+	// volume or snapshot, so each reason is logged once. Guarded by
+	// loggedMu (CSI calls are served concurrently).
+	loggedMu sync.Mutex
+	logged   string
+}
+
+// noteRefusal reports whether why is a new reason to log (and records it);
+// an empty why clears the last one.
+func (k *kcsiIdentity) noteRefusal(why string) bool {
+	k.loggedMu.Lock()
+	defer k.loggedMu.Unlock()
+	if why == k.logged {
+		return false
+	}
+	k.logged = why
+	return why != ""
 }
 
 // kcsiCheckTTL bounds how stale a verdict on the identity may be.
@@ -134,19 +148,19 @@ func (t *tenant) checkKcsi(ctx context.Context, k *kcsiIdentity) (bool, string) 
 	return true, ""
 }
 
-// mayFree is the identity check before a DeleteVolume: an error (logged
-// once per reason) while the controller's identity may not free a disk.
-func (t *tenant) mayFree(ctx context.Context, handle string) error {
+// mayFree is the identity check before a DeleteVolume or DeleteSnapshot
+// (what): an error (logged once per reason) while the controller's
+// identity may not free a disk.
+func (t *tenant) mayFree(ctx context.Context, what, id string) error {
 	ok, why := t.kcsiAllowed(ctx)
 	if ok {
-		t.kcsi.logged = ""
+		t.kcsi.noteRefusal("")
 		return nil
 	}
-	if why != t.kcsi.logged {
-		t.kcsi.logged = why
-		t.logf("driver", "identity-missing", "cannot free volume %s: %s", handle, why)
+	if t.kcsi.noteRefusal(why) {
+		t.logf("driver", "identity-missing", "cannot free %s: %s", id, why)
 	}
-	return fmt.Errorf("DeleteVolume %s: the CSI controller's identity: %s", handle, why)
+	return fmt.Errorf("%s %s: the CSI controller's identity: %s", what, id, why)
 }
 
 // owner names the tenant whose driver provisions the claim: this one.

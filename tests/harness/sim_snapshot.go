@@ -213,7 +213,7 @@ func (b *ledgerBackend) deleteSnapshot(ctx context.Context, id string) error {
 		return status.Errorf(codes.InvalidArgument, "%s is a volume, not a snapshot", id)
 	}
 	if b.mayFree != nil {
-		if err := b.mayFree(ctx, id); err != nil {
+		if err := b.mayFree(ctx, "DeleteSnapshot", id); err != nil {
 			return err
 		}
 	}
@@ -245,6 +245,10 @@ func (b *kcsiBackend) volumeSnapshots(ctx context.Context) (dynamic.ResourceInte
 	return dyn.Resource(gvrVolumeSnapshot).Namespace(b.t.ns), nil
 }
 
+// Errors of the management API are returned as they are (gRPC code
+// Unknown, which csi-snapshotter takes as final), as the driver returns
+// them; only a wait cut by the call's deadline is non-final.
+//
 // createSnapshot follows the driver's CreateSnapshot: an existing
 // VolumeSnapshot of that name is returned as it is (or AlreadyExists if it
 // is of another volume); otherwise the DataVolume must exist (NotFound),
@@ -262,6 +266,9 @@ func (b *kcsiBackend) createSnapshot(ctx context.Context, name, source string) (
 		return nil, fmt.Errorf("CreateSnapshot %s: get VolumeSnapshot %s/%s: %w", name, t.ns, name, err)
 	}
 	if err == nil {
+		if err := b.checkLabels("CreateSnapshot", vs); err != nil {
+			return nil, err
+		}
 		return b.kcsiSnapshot(vs, source)
 	}
 	dvs, err := b.dataVolumes(ctx)
@@ -335,12 +342,22 @@ func (b *kcsiBackend) infraSnapshot(ctx context.Context, what, id string) (*unst
 		b.refused(what+" "+id, err)
 		return nil, nil, fmt.Errorf("%s %s: get VolumeSnapshot: %w", what, id, err)
 	}
-	for k, v := range infraLabels(b.t.name) {
-		if vs.GetLabels()[k] != v {
-			return nil, nil, fmt.Errorf("%s %s: invalid snapshot: VolumeSnapshot %s/%s lacks label %s=%s", what, id, b.t.ns, id, k, v)
-		}
+	if err := b.checkLabels(what, vs); err != nil {
+		return nil, nil, err
 	}
 	return vs, vss, nil
+}
+
+// checkLabels refuses a management VolumeSnapshot without the tenant's
+// infra labels: not this controller's (client.go's ErrInvalidSnapshot, a
+// plain error, so the sidecar retries).
+func (b *kcsiBackend) checkLabels(what string, vs *unstructured.Unstructured) error {
+	for k, v := range infraLabels(b.t.name) {
+		if vs.GetLabels()[k] != v {
+			return fmt.Errorf("%s %s: invalid snapshot: VolumeSnapshot %s/%s lacks label %s=%s", what, vs.GetName(), b.t.ns, vs.GetName(), k, v)
+		}
+	}
+	return nil
 }
 
 // deleteSnapshot follows the driver's DeleteSnapshot: a VolumeSnapshot that

@@ -341,7 +341,8 @@ async fn infra_snapshots(
 /// Why a management VolumeSnapshot that is not being deleted is kept.
 #[derive(Clone, Copy, Debug, PartialEq)]
 enum Kept {
-    /// The tenant's driver did not delete it: its content is Retain.
+    /// The tenant's driver did not delete it: its content is Retain (or
+    /// it never finished taking it).
     Retain,
     /// The tenant API is dead: whether its content was Retain is unknown.
     TenantDead,
@@ -350,14 +351,19 @@ enum Kept {
 /// The part of the `Released` message that names the snapshots kept.
 fn kept_note(kept: &[String], why: Kept) -> String {
     let n = count(kept.len(), "snapshot");
+    let noun = if kept.len() == 1 {
+        "VolumeSnapshot"
+    } else {
+        "VolumeSnapshots"
+    };
     let names = listed(kept, 5);
     match why {
         Kept::Retain => format!(
-            "but {n} kept, as {} tenant content's deletionPolicy Retain asks: VolumeSnapshot {names} in the management cluster",
-            if kept.len() == 1 { "its" } else { "their" }
+            "but {n} kept, not deleted by the tenant's driver (a tenant content with deletionPolicy Retain, \
+             or a snapshot it never finished taking): {noun} {names} in the management cluster"
         ),
         Kept::TenantDead => format!(
-            "but {n} kept: VolumeSnapshot {names} in the management cluster, whose tenant content's \
+            "but {n} kept: {noun} {names} in the management cluster, whose tenant content's \
              deletionPolicy the unreachable tenant API cannot tell (delete it there if the data is not wanted)"
         ),
     }
@@ -367,7 +373,7 @@ fn kept_note(kept: &[String], why: Kept) -> String {
 /// the tenant's snapshots being deleted (watched until none has gone for
 /// `--wait-bound`, then `Blocked` naming them); the ones kept are named in
 /// the note ("1 volume freed, none left on storage: but 1 snapshot kept,
-/// as its tenant content's deletionPolicy Retain asks: …").
+/// not deleted by the tenant's driver …").
 async fn snapshots_then_released(
     ctx: &Context,
     t: &TenantRef,
@@ -426,8 +432,9 @@ async fn snapshots_then_released(
         ErrorKind::VolumesRemain,
         format!(
             "the disks are freed, but the management cluster still holds {} being deleted, none gone for {}s: {} \
-             (the management storage frees a snapshot when its VolumeSnapshot goes; a finalizer, or no snapshot \
-             controller running there, keeps it)",
+             (the management storage frees a snapshot when the snapshot controllers there delete its \
+             VolumeSnapshotContent, and the VolumeSnapshot goes after it; a finalizer, or no snapshot controller \
+             running there, keeps it)",
             count(left.len(), "VolumeSnapshot"),
             ctx.settings.wait_bound.as_secs(),
             listed(&left, 5)
@@ -604,7 +611,7 @@ fn released_from_management(
         .count();
     let note = if freed_here > 0 {
         format!(
-            "the tenant API cannot be reached ({why}); {} freed from the management side, and nothing of the tenant is left there",
+            "the tenant API cannot be reached ({why}); {} freed from the management side, and no disk of the tenant is left there",
             count(freed_here, "volume")
         )
     } else {
@@ -626,13 +633,13 @@ mod tests {
         let one = vec!["snapshot-a".to_string()];
         assert_eq!(
             kept_note(&one, Kept::Retain),
-            "but 1 snapshot kept, as its tenant content's deletionPolicy Retain asks: \
-             VolumeSnapshot snapshot-a in the management cluster"
+            "but 1 snapshot kept, not deleted by the tenant's driver (a tenant content with deletionPolicy \
+             Retain, or a snapshot it never finished taking): VolumeSnapshot snapshot-a in the management cluster"
         );
         let many: Vec<String> = (0..7).map(|i| format!("snapshot-{i}")).collect();
         let note = kept_note(&many, Kept::TenantDead);
         assert!(
-            note.starts_with("but 7 snapshots kept: VolumeSnapshot snapshot-0, snapshot-1, snapshot-2, snapshot-3, snapshot-4 and 2 more")
+            note.starts_with("but 7 snapshots kept: VolumeSnapshots snapshot-0, snapshot-1, snapshot-2, snapshot-3, snapshot-4 and 2 more")
                 && note.contains("cannot tell"),
             "{note}"
         );
