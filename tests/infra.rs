@@ -308,12 +308,7 @@ async fn a_management_snapshot_that_cannot_go_keeps_the_tenant_blocked_naming_it
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("stucksnap")).await;
     t.wait_custody().await;
-    t.install_snapshot_api("sim-snapshots").await;
-    t.with_held_claims(&["data"]).await;
-    let taken = t
-        .take_snapshot("apps", "data-snap", "data", "sim-snapshots")
-        .await;
-    let stuck = format!("snapshot-{}", taken.uid);
+    let stuck = t.with_snapshot("sim-snapshots").await;
     let hold =
         json!([{"op": "add", "path": "/metadata/finalizers/-", "value": "example.com/keep"}]);
     t.infra_snapshots()
@@ -373,12 +368,7 @@ async fn a_dead_tenants_management_snapshot_is_kept_and_named_when_it_is_release
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("deadsnap")).await;
     t.wait_custody().await;
-    t.install_snapshot_api("sim-snapshots").await;
-    t.with_held_claims(&["data"]).await;
-    let taken = t
-        .take_snapshot("apps", "data-snap", "data", "sim-snapshots")
-        .await;
-    let kept = format!("snapshot-{}", taken.uid);
+    let kept = t.with_snapshot("sim-snapshots").await;
 
     // The driver stops, so the phase holds after the inventory; then the
     // tenant API dies.
@@ -395,16 +385,7 @@ async fn a_dead_tenants_management_snapshot_is_kept_and_named_when_it_is_release
             && message.contains("cannot tell"),
         "{message}"
     );
-    let vs = t
-        .infra_snapshots()
-        .get(&kept)
-        .await
-        .unwrap_or_else(|e| panic!("{kept} is kept: {e}"));
-    assert!(
-        vs.metadata.deletion_timestamp.is_none(),
-        "{:?}",
-        vs.metadata
-    );
+    t.assert_infra_snapshot_kept(&kept).await;
     let left = env.sim.volumes_of(&t.namespace, &t.name);
     assert_eq!(left.len(), 1, "only the snapshot is on storage: {left:?}");
 }

@@ -140,7 +140,7 @@ async fn a_tenants_volume_snapshot_is_deleted_by_the_worker_and_storage_keeps_no
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("snap")).await;
     t.wait_custody().await;
-    t.install_snapshot_api("sim-snapshots").await;
+    t.install_snapshot_api().await;
 
     t.tenant_namespace("apps").await;
     t.claim("apps", "data", STORAGE_CLASS).await;
@@ -405,18 +405,7 @@ async fn a_snapshot_whose_content_is_retain_is_kept_and_released_names_it() {
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("keepsnap")).await;
     t.wait_custody().await;
-    t.install_snapshot_api("sim-snapshots").await;
-    let retain = json!({
-        "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
-        "metadata": {"name": "sim-snapshots-retain"},
-        "driver": common::tenant::DRIVER, "deletionPolicy": "Retain",
-    });
-    common::manifests::apply(&t.api, &retain).await;
-    t.with_held_claims(&["data"]).await;
-    let taken = t
-        .take_snapshot("apps", "kept-snap", "data", "sim-snapshots-retain")
-        .await;
-    let kept = format!("snapshot-{}", taken.uid);
+    let kept = t.with_snapshot("sim-snapshots-retain").await;
     t.infra_snapshots()
         .get(&kept)
         .await
@@ -434,16 +423,7 @@ async fn a_snapshot_whose_content_is_retain_is_kept_and_released_names_it() {
     );
     t.wait_parent_gone(Duration::from_secs(180)).await;
 
-    let vs = t
-        .infra_snapshots()
-        .get(&kept)
-        .await
-        .unwrap_or_else(|e| panic!("{kept} is kept: {e}"));
-    assert!(
-        vs.metadata.deletion_timestamp.is_none(),
-        "and not being deleted: {:?}",
-        vs.metadata
-    );
+    t.assert_infra_snapshot_kept(&kept).await;
     let left = env.sim.volumes_of(&t.namespace, &t.name);
     assert_eq!(
         left.len(),

@@ -38,10 +38,10 @@ pub struct Taken {
 impl Tenant {
     /// Installs the snapshot CRDs in the tenant cluster (as Cozystack's
     /// vsnap-crd release does), waits until the three resources are served,
-    /// and makes VolumeSnapshotClass `class` of the tenant's driver,
-    /// deletionPolicy Delete, not the default (as Cozystack's
-    /// `kubevirt-snapshots`).
-    pub async fn install_snapshot_api(&self, class: &str) {
+    /// and makes two VolumeSnapshotClasses of the tenant's driver, neither
+    /// the default (as Cozystack's `kubevirt-snapshots`): `sim-snapshots`
+    /// (deletionPolicy Delete) and `sim-snapshots-retain` (Retain).
+    pub async fn install_snapshot_api(&self) {
         for crd in crate::common::sim::snapshot_crds() {
             crate::common::manifests::apply_file(&self.api, &crd).await;
         }
@@ -70,12 +70,17 @@ impl Tenant {
             },
         )
         .await;
-        let class = json!({
-            "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
-            "metadata": {"name": class},
-            "driver": DRIVER, "deletionPolicy": "Delete",
-        });
-        crate::common::manifests::apply(&self.api, &class).await;
+        for (name, policy) in [
+            ("sim-snapshots", "Delete"),
+            ("sim-snapshots-retain", "Retain"),
+        ] {
+            let class = json!({
+                "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
+                "metadata": {"name": name},
+                "driver": DRIVER, "deletionPolicy": policy,
+            });
+            crate::common::manifests::apply(&self.api, &class).await;
+        }
     }
 
     /// Creates VolumeSnapshot `ns/name` of claim `claim` in class `class`
@@ -115,6 +120,32 @@ impl Tenant {
         )
         .await;
         Taken { uid, content }
+    }
+
+    /// The snapshot API and its classes, claim `data` held by a Pod, and
+    /// snapshot `apps/data-snap` of it in `class` taken; returns the
+    /// name of the management VolumeSnapshot behind it (the KubeVirt
+    /// driver's `snapshot-<tenant VolumeSnapshot UID>`).
+    pub async fn with_snapshot(&self, class: &str) -> String {
+        self.install_snapshot_api().await;
+        self.with_held_claims(&["data"]).await;
+        let taken = self.take_snapshot("apps", "data-snap", "data", class).await;
+        format!("snapshot-{}", taken.uid)
+    }
+
+    /// Asserts that management VolumeSnapshot `name` is still there and not
+    /// being deleted.
+    pub async fn assert_infra_snapshot_kept(&self, name: &str) {
+        let vs = self
+            .infra_snapshots()
+            .get(name)
+            .await
+            .unwrap_or_else(|e| panic!("{name} is kept: {e}"));
+        assert!(
+            vs.metadata.deletion_timestamp.is_none(),
+            "{name} is not being deleted: {:?}",
+            vs.metadata
+        );
     }
 
     /// The management cluster's VolumeSnapshots in the tenant's namespace.
