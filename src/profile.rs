@@ -209,6 +209,16 @@ impl InfraSpec {
             .collect()
     }
 
+    /// `tenant`'s infra labels as a label selector (`k=v,...`), for list
+    /// calls and messages.
+    pub fn selector_of(&self, tenant: &str) -> String {
+        self.labels_of(tenant)
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",")
+    }
+
     /// Whether `labels` carry every one of `tenant`'s infra labels.
     pub fn is_tenants(&self, labels: &BTreeMap<String, String>, tenant: &str) -> bool {
         self.labels

@@ -311,12 +311,7 @@ async fn infra_snapshots(
         "volumesnapshots",
     );
     let api = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &t.namespace, &ar);
-    let selector = spec
-        .labels_of(&t.name)
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",");
+    let selector = spec.selector_of(&t.name);
     let list = match api
         .list_metadata(&ListParams::default().labels(&selector))
         .await
@@ -481,12 +476,7 @@ pub(super) async fn unreachable(
     // The tenant cannot say which of its disks are meant to stay: what no
     // inventory names as Delete is kept (docs/design.md §5c).
     keep(ctx, t, &observed, inv.as_mut(), false).await?;
-    let labels = spec
-        .labels_of(&t.name)
-        .iter()
-        .map(|(k, v)| format!("{k}={v}"))
-        .collect::<Vec<_>>()
-        .join(",");
+    let labels = spec.selector_of(&t.name);
     if observed.is_empty() && disks::unmapped(inv.as_ref()).is_empty() {
         let (inventory, note) = released_from_management(ctx, inv, &why, &labels, spec);
         return snapshots_then_released(ctx, t, spec, inventory, Some(note), Kept::TenantDead)
