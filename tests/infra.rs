@@ -14,8 +14,8 @@ mod common;
 use std::time::Duration;
 
 use common::tenant::{Tenant, TenantOptions};
-use common::wait::eventually;
-use kube::api::{DeleteParams, Patch, PatchParams, PostParams};
+use k8s_openapi::api::core::v1::PersistentVolumeClaim;
+use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
 use volume_gate::record::Phase;
 
@@ -300,20 +300,39 @@ async fn a_datavolume_that_cannot_be_deleted_keeps_the_tenant_blocked_naming_it(
 }
 
 /// A tenant snapshot is, behind it, a VolumeSnapshot of the management
-/// storage (the KubeVirt driver's CreateSnapshot), and the driver's
-/// DeleteSnapshot returns as soon as that one is deleted: `Released` waits
-/// for it to go, and one that cannot go keeps the tenant `Blocked` naming it.
+/// storage (the KubeVirt driver's CreateSnapshot), and the storage holds the
+/// snapshot as long as that VolumeSnapshot's content: `Released` waits for
+/// a content being deleted, one that cannot go keeps the tenant `Blocked`
+/// naming it, and a finalizer on the VolumeSnapshot itself holds nothing
+/// once its content, and the snapshot on storage, are gone.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn a_management_snapshot_that_cannot_go_keeps_the_tenant_blocked_naming_it() {
+async fn a_management_snapshot_that_cannot_go_keeps_the_tenant_blocked_naming_its_content() {
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("stucksnap")).await;
     t.wait_custody().await;
-    let stuck = t.with_snapshot("sim-snapshots").await;
+    let snap = t.with_snapshot("sim-snapshots").await;
+    let content = t.infra_content_of(&snap).await;
+    // A restore from it that never completes (no such StorageClass): the
+    // snapshot controller does not delete a snapshot a volume is being
+    // created from.
+    let restore: PersistentVolumeClaim = serde_json::from_value(json!({
+        "metadata": {"name": "restore", "namespace": t.namespace},
+        "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "no-such-class",
+                 "resources": {"requests": {"storage": "1Gi"}},
+                 "dataSource": {"apiGroup": "snapshot.storage.k8s.io", "kind": "VolumeSnapshot", "name": snap}}
+    }))
+    .unwrap();
+    let claims: Api<PersistentVolumeClaim> = Api::namespaced(t.management.clone(), &t.namespace);
+    claims
+        .create(&PostParams::default(), &restore)
+        .await
+        .expect("create the restoring claim");
+    // And someone else's finalizer on the VolumeSnapshot.
     let hold =
         json!([{"op": "add", "path": "/metadata/finalizers/-", "value": "example.com/keep"}]);
     t.infra_snapshots()
         .patch(
-            &stuck,
+            &snap,
             &PatchParams::default(),
             &Patch::Json::<()>(serde_json::from_value(hold).unwrap()),
         )
@@ -321,42 +340,80 @@ async fn a_management_snapshot_that_cannot_go_keeps_the_tenant_blocked_naming_it
         .expect("add a finalizer to the management VolumeSnapshot");
 
     t.delete_parent().await;
-    let note = next_blocked(&t, "Blocked naming the management VolumeSnapshot", |m| {
-        m.contains(&stuck)
+    let note = next_blocked(&t, "Blocked naming the management content", |m| {
+        m.contains(&content)
     })
     .await;
     assert!(
         note.contains(
-            "the disks are freed, but the management cluster still holds 1 VolumeSnapshot being deleted"
-        ),
+            "the disks are freed, but the management storage still holds 1 snapshot being deleted"
+        ) && note.contains(&format!("VolumeSnapshotContent {content}")),
         "{note}"
     );
     assert!(
         t.parent().await.is_some(),
         "the parent is held while the snapshot is"
     );
+    let left = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(left.len(), 1, "the snapshot is on storage: {left:?}");
 
-    // Its finalizer removed, it goes, and the tenant is released.
-    eventually("the finalizer removed", Duration::from_secs(30), || async {
-        let mut vs = t
-            .infra_snapshots()
-            .get(&stuck)
-            .await
-            .map_err(|e| e.to_string())?;
-        vs.metadata
-            .finalizers
-            .get_or_insert_default()
-            .retain(|f| f != "example.com/keep");
-        vs.metadata.managed_fields = None;
-        t.infra_snapshots()
-            .replace(&stuck, &PostParams::default(), &vs)
-            .await
-            .map(|_| ())
-            .map_err(|e| e.to_string())
-    })
-    .await;
+    // The restore given up, the snapshot controllers free the snapshot; the
+    // VolumeSnapshot's own finalizer does not hold the tenant.
+    claims
+        .delete("restore", &Default::default())
+        .await
+        .expect("delete the restoring claim");
     released_and_gone(&t).await;
     assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
+    let vs = t
+        .infra_snapshots()
+        .get(&snap)
+        .await
+        .expect("the VolumeSnapshot is still held by its finalizer");
+    assert!(
+        vs.metadata.deletion_timestamp.is_some(),
+        "{:?}",
+        vs.metadata
+    );
+}
+
+/// A management content made Retain (by the platform's VolumeSnapshotClass,
+/// or an administrator) keeps its snapshot on storage when the tenant's
+/// driver deletes the VolumeSnapshot, which then goes at once: `Released`
+/// names the content, found by the disk it is a snapshot of.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn a_retained_management_snapshot_content_is_named_in_released_and_stays_on_storage() {
+    let env = env();
+    let t = Tenant::create(env.cp, &env.cp.unique("retainsnap")).await;
+    t.wait_custody().await;
+    let snap = t.with_snapshot("sim-snapshots").await;
+    let content = t.infra_content_of(&snap).await;
+    t.infra_contents()
+        .patch(
+            &content,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"deletionPolicy": "Retain"}})),
+        )
+        .await
+        .expect("make the management content Retain");
+
+    t.delete_parent().await;
+    let record = released_and_gone(&t).await;
+    let message = record.message.clone().unwrap_or_default();
+    assert!(
+        message.contains(&format!(
+            "but 1 snapshot kept: VolumeSnapshotContent {content} left on the management storage"
+        )),
+        "{message}"
+    );
+    let kept = t
+        .infra_contents()
+        .get(&content)
+        .await
+        .expect("the content is kept");
+    assert!(kept.metadata.deletion_timestamp.is_none());
+    let left = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(left.len(), 1, "only the snapshot is on storage: {left:?}");
 }
 
 /// A tenant whose API dies holding a snapshot: its disks are freed from the
@@ -395,7 +452,6 @@ async fn a_dead_tenants_management_snapshot_is_kept_and_named_when_it_is_release
 /// namespace could remove them and leave the disks behind.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_tenants_disk_labels_cannot_be_removed_while_it_lives_and_its_other_edits_pass() {
-    use k8s_openapi::api::core::v1::PersistentVolumeClaim;
     let env = env();
     let (t, before) = tenant_with_disks("relabel").await;
     let dv = before.datavolumes[0].clone();

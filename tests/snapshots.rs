@@ -417,8 +417,10 @@ async fn a_snapshot_whose_content_is_retain_is_kept_and_released_names_it() {
         .await;
     let message = record.message.unwrap_or_default();
     assert!(
-        message.contains("but 1 snapshot kept, not deleted by the tenant's driver (a tenant content with deletionPolicy Retain")
-            && message.contains(&kept),
+        message.contains(&format!(
+            "but 1 snapshot kept: VolumeSnapshot {kept} in the management cluster, not deleted by the tenant's \
+             driver (a tenant content with deletionPolicy Retain"
+        )),
         "Released names the kept snapshot: {message}"
     );
     t.wait_parent_gone(Duration::from_secs(180)).await;

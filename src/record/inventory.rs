@@ -38,6 +38,11 @@ pub struct InfraRef {
     /// The management PV of that PVC, once seen bound.
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub pv: Option<String>,
+    /// That PV's CSI volumeHandle: the disk on the management storage, which
+    /// its VolumeSnapshotContents name as their source, so that a snapshot
+    /// of it is found after its VolumeSnapshot is gone.
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub handle: Option<String>,
     /// Set when the phase freed it from the management side because the
     /// tenant API could not be reached.
     #[serde(default, skip_serializing_if = "std::ops::Not::not")]

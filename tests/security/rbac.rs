@@ -296,10 +296,22 @@ fn justified() -> BTreeMap<String, BTreeSet<Grant>> {
         g("", "persistentvolumes", "watch", None),
         // Keeping a disk: reclaim policy Retain on its management PV.
         g("", "persistentvolumes", "patch", None),
-        // The management storage's VolumeSnapshots behind a tenant's
-        // snapshots, waited for before Released; never written.
+        // The management storage's snapshots behind a tenant's snapshots
+        // and their contents, waited for before Released; never written.
         g("snapshot.storage.k8s.io", "volumesnapshots", "list", None),
         g("snapshot.storage.k8s.io", "volumesnapshots", "watch", None),
+        g(
+            "snapshot.storage.k8s.io",
+            "volumesnapshotcontents",
+            "list",
+            None,
+        ),
+        g(
+            "snapshot.storage.k8s.io",
+            "volumesnapshotcontents",
+            "watch",
+            None,
+        ),
         // The VM attachment Pods that hold those disks' PVCs.
         g("", "pods", "list", None),
         g("", "pods", "delete", None),
@@ -377,6 +389,22 @@ fn denied_worker(names: &Names) -> Vec<Denied<'_>> {
             "create",
             t,
             "",
+        ),
+        (
+            "snapshot.storage.k8s.io",
+            "volumesnapshotcontents",
+            "",
+            "delete",
+            None,
+            "snapcontent-1",
+        ),
+        (
+            "snapshot.storage.k8s.io",
+            "volumesnapshotcontents",
+            "",
+            "patch",
+            None,
+            "snapcontent-1",
         ),
         ("", "persistentvolumes", "", "update", None, "pv-1"),
         ("", "namespaces", "", "patch", None, "tenant-x"),

@@ -21,8 +21,8 @@ use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim};
 use kube::api::ObjectMeta;
 
 use crate::profile::InfraSpec;
-use crate::record::{InfraRef, Inventory};
-use crate::text::count;
+use crate::record::{InfraRef, Inventory, MAX_FIELD_BYTES};
+use crate::text::{bounded, count};
 
 /// One management object of the tenant's disks, as last listed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -41,6 +41,8 @@ pub struct Held {
     pub reclaim: Option<String>,
     /// A PV the worker keeps (labelled `kept`): the reclaim policy it had.
     pub kept_from: Option<String>,
+    /// A PV's CSI volumeHandle.
+    pub handle: Option<String>,
 }
 
 impl Held {
@@ -125,7 +127,9 @@ pub fn attach_refs(inv: &mut Inventory, infra: &InfraSpec) {
 }
 
 /// Records the management PV behind each inventoried volume, as bound now,
-/// so the disk can still be waited for once its PVC is gone.
+/// so the disk can still be waited for once its PVC is gone, and that PV's
+/// volumeHandle, so its snapshots can be found once their VolumeSnapshots
+/// are gone.
 pub fn note_pvs(inv: &mut Inventory, observed: &Observed) {
     let bound: BTreeMap<&str, &str> = observed
         .claims
@@ -138,11 +142,21 @@ pub fn note_pvs(inv: &mut Inventory, observed: &Observed) {
                 .filter_map(|v| Some((v.claim.as_deref()?, v.name.as_str()))),
         )
         .collect();
+    let handles: BTreeMap<&str, &str> = observed
+        .volumes
+        .iter()
+        .filter_map(|v| Some((v.name.as_str(), v.handle.as_deref()?)))
+        .collect();
     for r in inv.volumes.iter_mut().filter_map(|v| v.infra.as_mut()) {
         if r.pv.is_none()
             && let Some(pv) = bound.get(r.name.as_str())
         {
             r.pv = Some(pv.to_string());
+        }
+        if r.handle.is_none()
+            && let Some(h) = r.pv.as_deref().and_then(|pv| handles.get(pv))
+        {
+            r.handle = Some(bounded(h, MAX_FIELD_BYTES));
         }
     }
 }
@@ -255,6 +269,11 @@ pub fn select(
                     .spec
                     .as_ref()
                     .and_then(|s| s.persistent_volume_reclaim_policy.clone()),
+                handle: pv
+                    .spec
+                    .as_ref()
+                    .and_then(|s| s.csi.as_ref())
+                    .map(|c| c.volume_handle.clone()),
                 ..held(&pv.metadata, phase)
             });
         }
@@ -687,6 +706,39 @@ mod tests {
         );
         assert_eq!(after.volumes.len(), 1, "{after:?}");
         assert!(after.objects.is_empty() && after.claims.is_empty());
+    }
+
+    #[test]
+    fn the_management_pv_and_its_volume_handle_are_recorded_once_seen_bound() {
+        let mut inv = inventory(&[("pvc-1", "Delete")]);
+        let mut bound = pv("pv-m1", NS, "pvc-1");
+        bound.spec.as_mut().unwrap().csi =
+            Some(k8s_openapi::api::core::v1::CSIPersistentVolumeSource {
+                driver: "infra.example".into(),
+                volume_handle: "disk-m1".into(),
+                ..Default::default()
+            });
+        let seen = select(
+            &InfraSpec::cozystack(),
+            "kubernetes-a",
+            NS,
+            Some(&inv),
+            &[meta("pvc-1", &[MINE])],
+            &[pvc("pvc-1", &[MINE], Some("pvc-1"), Some("pv-m1"))],
+            &[bound],
+        );
+        note_pvs(&mut inv, &seen);
+        let r = inv.volumes[0].infra.as_ref().expect("infra ref");
+        assert_eq!(
+            (r.pv.as_deref(), r.handle.as_deref()),
+            (Some("pv-m1"), Some("disk-m1"))
+        );
+        // Once the PV is gone, what was recorded stays.
+        note_pvs(&mut inv, &Observed::default());
+        assert_eq!(
+            inv.volumes[0].infra.as_ref().unwrap().handle.as_deref(),
+            Some("disk-m1")
+        );
     }
 
     #[test]

@@ -8,19 +8,17 @@
 use std::collections::{BTreeSet, HashSet};
 
 use k8s_openapi::api::core::v1::{PersistentVolume, PersistentVolumeClaim, Pod};
-use kube::api::{
-    Api, ApiResource, DeleteParams, DynamicObject, ListParams, ObjectMeta, Preconditions,
-};
-use kube::core::GroupVersionKind;
+use kube::api::{Api, DeleteParams, ListParams, ObjectMeta, Preconditions};
 use tracing::{info, instrument, warn};
 
 use super::claims::{self, ClaimKey};
 use super::disks::{self, Keep, Observed};
+use super::infra_snapshots::{Kept, snapshots_then_released};
 use super::wait::{NoProgress, wait_gone};
 use super::{Outcome, blocked};
 use crate::profile::InfraSpec;
 use crate::record::{Inventory, Phase, Record, Update, now_rfc3339};
-use crate::text::{count, listed};
+use crate::text::count;
 use crate::worker::events::Reason;
 use crate::worker::{Context, ErrorKind, TenantRef};
 
@@ -287,157 +285,6 @@ pub(super) async fn management_layer(
     ))
 }
 
-/// The management cluster's VolumeSnapshots of a tenant: in its namespace,
-/// with its infra labels. On the KubeVirt path the driver's CreateSnapshot
-/// makes one per tenant snapshot, and its DeleteSnapshot deletes it and
-/// returns at once: the management storage frees the snapshot behind it
-/// when it goes. `going` are being deleted; the others were not (a tenant
-/// snapshot whose content is Retain) and are kept.
-struct InfraSnapshots {
-    api: Api<DynamicObject>,
-    going: HashSet<String>,
-    kept: Vec<String>,
-}
-
-/// Lists [`InfraSnapshots`]; `None` when the management cluster does not
-/// serve snapshot.storage.k8s.io/v1.
-async fn infra_snapshots(
-    ctx: &Context,
-    t: &TenantRef,
-    spec: &InfraSpec,
-) -> Result<Option<InfraSnapshots>, kube::Error> {
-    let ar = ApiResource::from_gvk_with_plural(
-        &GroupVersionKind::gvk("snapshot.storage.k8s.io", "v1", "VolumeSnapshot"),
-        "volumesnapshots",
-    );
-    let api = Api::<DynamicObject>::namespaced_with(ctx.client.clone(), &t.namespace, &ar);
-    let selector = spec.selector_of(&t.name);
-    let list = match api
-        .list_metadata(&ListParams::default().labels(&selector))
-        .await
-    {
-        Ok(l) => l,
-        Err(kube::Error::Api(s)) if s.code == 404 => return Ok(None),
-        Err(e) => return Err(e),
-    };
-    let (mut going, mut kept) = (HashSet::new(), Vec::new());
-    for m in list.items.into_iter().map(|o| o.metadata) {
-        let Some(name) = m.name else { continue };
-        if m.deletion_timestamp.is_some() {
-            going.insert(name);
-        } else {
-            kept.push(name);
-        }
-    }
-    kept.sort();
-    Ok(Some(InfraSnapshots { api, going, kept }))
-}
-
-/// Why a management VolumeSnapshot that is not being deleted is kept.
-#[derive(Clone, Copy, Debug, PartialEq)]
-enum Kept {
-    /// The tenant's driver did not delete it: its content is Retain (or
-    /// it never finished taking it).
-    Retain,
-    /// The tenant API is dead: whether its content was Retain is unknown.
-    TenantDead,
-}
-
-/// The part of the `Released` message that names the snapshots kept.
-fn kept_note(kept: &[String], why: Kept) -> String {
-    let n = count(kept.len(), "snapshot");
-    let noun = if kept.len() == 1 {
-        "VolumeSnapshot"
-    } else {
-        "VolumeSnapshots"
-    };
-    let names = listed(kept, 5);
-    match why {
-        Kept::Retain => format!(
-            "but {n} kept, not deleted by the tenant's driver (a tenant content with deletionPolicy Retain, \
-             or a snapshot it never finished taking): {noun} {names} in the management cluster"
-        ),
-        Kept::TenantDead => format!(
-            "but {n} kept: {noun} {names} in the management cluster, whose tenant content's \
-             deletionPolicy the unreachable tenant API cannot tell (delete it there if the data is not wanted)"
-        ),
-    }
-}
-
-/// The disks are gone: `Released` once the management storage has freed
-/// the tenant's snapshots being deleted (watched until none has gone for
-/// `--wait-bound`, then `Blocked` naming them); the ones kept are named in
-/// the note ("1 volume freed, none left on storage: but 1 snapshot kept,
-/// not deleted by the tenant's driver …").
-async fn snapshots_then_released(
-    ctx: &Context,
-    t: &TenantRef,
-    spec: &InfraSpec,
-    inv: Inventory,
-    note: Option<String>,
-    why: Kept,
-) -> Result<Outcome, kube::Error> {
-    let Some(snapshots) = infra_snapshots(ctx, t, spec).await? else {
-        return Ok(Outcome::Released {
-            inventory: inv,
-            note,
-        });
-    };
-    let kept = (!snapshots.kept.is_empty()).then(|| kept_note(&snapshots.kept, why));
-    let note = match (note, kept) {
-        (Some(n), Some(k)) => Some(format!("{n}; {k}")),
-        (n, k) => n.or(k),
-    };
-    if snapshots.going.is_empty() {
-        return Ok(Outcome::Released {
-            inventory: inv,
-            note,
-        });
-    }
-    let mut going: Vec<String> = snapshots.going.iter().cloned().collect();
-    going.sort();
-    ctx.write_record(
-        t,
-        &Update {
-            phase: Some(Phase::Releasing),
-            message: Some(format!(
-                "the disks are freed; waiting for the management storage to free {}: {}",
-                count(going.len(), "snapshot"),
-                listed(&going, 5)
-            )),
-            inventory: Some(inv.clone()),
-            ..Default::default()
-        },
-    )
-    .await?;
-    let left = wait_gone(
-        snapshots.api,
-        snapshots.going,
-        ctx.settings.wait_bound,
-        &NoProgress,
-    )
-    .await?;
-    if left.is_empty() {
-        return Ok(Outcome::Released {
-            inventory: inv,
-            note,
-        });
-    }
-    Ok(blocked(
-        ErrorKind::VolumesRemain,
-        format!(
-            "the disks are freed, but the management cluster still holds {} being deleted, none gone for {}s: {} \
-             (the management storage frees a snapshot when the snapshot controllers there delete its \
-             VolumeSnapshotContent, and the VolumeSnapshot goes after it; a finalizer, or no snapshot controller \
-             running there, keeps it)",
-            count(left.len(), "VolumeSnapshot"),
-            ctx.settings.wait_bound.as_secs(),
-            listed(&left, 5)
-        ),
-        Some(inv),
-    ))
-}
-
 /// Steps 1–2 failed: the tenant API cannot be reached. Without an infra
 /// layer this is Blocked, as the override's case. With one, the management
 /// cluster is the truth left (`docs/design.md` §5b): a tenant that holds no
@@ -612,26 +459,4 @@ fn released_from_management(
         )
     };
     (inventory, note)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn kept_snapshots_are_named_with_why() {
-        let one = vec!["snapshot-a".to_string()];
-        assert_eq!(
-            kept_note(&one, Kept::Retain),
-            "but 1 snapshot kept, not deleted by the tenant's driver (a tenant content with deletionPolicy \
-             Retain, or a snapshot it never finished taking): VolumeSnapshot snapshot-a in the management cluster"
-        );
-        let many: Vec<String> = (0..7).map(|i| format!("snapshot-{i}")).collect();
-        let note = kept_note(&many, Kept::TenantDead);
-        assert!(
-            note.starts_with("but 7 snapshots kept: VolumeSnapshots snapshot-0, snapshot-1, snapshot-2, snapshot-3, snapshot-4 and 2 more")
-                && note.contains("cannot tell"),
-            "{note}"
-        );
-    }
 }

@@ -19,6 +19,7 @@
 pub mod claims;
 pub mod disks;
 pub mod holders;
+mod infra_snapshots;
 mod management;
 mod tenant_side;
 mod wait;

@@ -148,6 +148,26 @@ impl Tenant {
         );
     }
 
+    /// The content bound to management VolumeSnapshot `name`: the object
+    /// that holds the snapshot on the management storage.
+    pub async fn infra_content_of(&self, name: &str) -> String {
+        let vs = self
+            .infra_snapshots()
+            .get(name)
+            .await
+            .unwrap_or_else(|e| panic!("the management VolumeSnapshot {name}: {e}"));
+        vs.data
+            .pointer("/status/boundVolumeSnapshotContentName")
+            .and_then(Value::as_str)
+            .unwrap_or_else(|| panic!("{name} is bound: {:?}", vs.data.get("status")))
+            .to_string()
+    }
+
+    /// The management cluster's VolumeSnapshotContents.
+    pub fn infra_contents(&self) -> Api<DynamicObject> {
+        Api::all_with(self.management.clone(), &content_resource())
+    }
+
     /// The management cluster's VolumeSnapshots in the tenant's namespace.
     pub fn infra_snapshots(&self) -> Api<DynamicObject> {
         Api::namespaced_with(
