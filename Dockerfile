@@ -5,8 +5,11 @@
 FROM docker.io/library/rust:1.95.0-slim-bookworm AS build
 WORKDIR /src
 # Dependencies first, so source changes reuse the cached dependency layer.
+# The test fixture (tests/testkit) is a workspace member: Cargo reads its
+# manifest, and needs a target in it, to resolve the lock; it is not built.
 COPY Cargo.toml Cargo.lock ./
-RUN mkdir src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs \
+COPY tests/testkit/Cargo.toml tests/testkit/
+RUN mkdir -p src tests/testkit/src && echo 'fn main() {}' > src/main.rs && touch src/lib.rs tests/testkit/src/lib.rs \
     && cargo build --release --locked --bin volume-gate \
     && rm -rf src
 COPY src ./src

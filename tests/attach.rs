@@ -5,7 +5,7 @@
 //! name until someone declares the node out of service; and a driver that
 //! is slow but keeps freeing is waited for, however long it takes in all.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::time::{Duration, Instant};
 

@@ -9,7 +9,7 @@
 //!   UID, which the record publishes (the CA that certified it decides);
 //! - a parent filled so that its record cannot be written.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::sync::Arc;
 use std::time::Duration;

@@ -4,7 +4,7 @@
 //! verb and not the worker), each closed, on the real API server with the
 //! shipped webhook configurations.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::collections::BTreeMap;
 use std::time::Duration;

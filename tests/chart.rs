@@ -3,7 +3,7 @@
 //! of bad values, no drift from the kustomize base (object by object), and
 //! alerts and dashboard panels that name only metrics the binary exports.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::process::Command;

@@ -16,7 +16,7 @@
 //! the address the API server calls here). The kubelet's part, copying the
 //! Secret into the volume, is done by this test.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::collections::BTreeMap;
 use std::sync::Arc;

@@ -9,7 +9,7 @@
 //! points each webhook at the local process instead of the Service, which
 //! the API server here cannot route to.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};

@@ -2,7 +2,7 @@
 //! tenant API that goes away mid-phase, Retain residue. After each: zero
 //! leaked volumes, or Blocked naming the exact residue, never a silent loss.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::time::Duration;
 

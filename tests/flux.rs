@@ -4,7 +4,7 @@
 //! `chartRef` to an `ExternalArtifact` whose status points at a tarball
 //! served on loopback. The ground the gated teardown on real Flux stands on.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::time::Duration;
 

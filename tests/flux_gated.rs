@@ -6,7 +6,7 @@
 //! minutes) before retrying a failed uninstall, so a teardown that ends
 //! within a few minutes was resumed by the worker's retry request.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::time::Duration;
 

@@ -1,7 +1,7 @@
 //! volume-gate on the real control plane, installed from `manifests/`, with
 //! the simulated driver, kubelet and Cozystack teardown.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::time::Duration;
 

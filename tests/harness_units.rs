@@ -11,7 +11,7 @@
 //! And the fixture's rule for its shared environment: one configuration per
 //! test binary, a second one refused aloud.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::os::fd::{FromRawFd, OwnedFd};
 use std::path::Path;

@@ -9,7 +9,7 @@
 //! behind it), so only the driver can free it. The KubeVirt path, with a
 //! DataVolume behind each volume, is in `teardown.rs`.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::time::Duration;
 

@@ -9,7 +9,7 @@
 //! 30 s for disks per pass. Blocked messages are read from the record's
 //! history: an Event series keeps the note of its first occurrence.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::time::Duration;
 

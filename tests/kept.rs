@@ -4,7 +4,7 @@
 //! override road is `retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_storage`
 //! (`tests/faults.rs`), the Proxmox path `tests/kept_proxmox.rs`.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::time::{Duration, Instant};
 

@@ -2,7 +2,7 @@
 //! disk, nothing stands behind it in the management cluster): a Retain
 //! volume stays on storage after an override, the Delete one is freed.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::time::Duration;
 

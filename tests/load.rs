@@ -6,7 +6,7 @@
 //! Tenants run on light tenant clusters (see the harness's lightAPIs) so 50
 //! fit on one machine; `VOLUME_GATE_LOAD_TENANTS` changes the count.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::collections::BTreeMap;
 use std::sync::atomic::{AtomicBool, Ordering};

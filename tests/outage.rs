@@ -4,7 +4,7 @@
 //! zero times; with no replica answering, every everyday operation still
 //! succeeds and every guarded one is refused (failurePolicy Fail).
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::time::Duration;
 

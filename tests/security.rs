@@ -8,7 +8,7 @@
 //! Every test but the RBAC one takes `common::serial()`: they kill, restart
 //! or race shared processes, or rely on the webhook answering.
 
-mod common;
+use volume_gate_testkit as common;
 #[path = "security/mod.rs"]
 mod security;
 

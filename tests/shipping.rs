@@ -3,7 +3,7 @@
 //! binary has, the certificate script works against a real API server, and
 //! the custody and status commands do what the README says.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::collections::BTreeMap;
 use std::process::Command;

@@ -11,7 +11,7 @@
 //! DataVolume's PVC in the tenant's management namespace, and the snapshot
 //! on storage is the management storage's.
 
-mod common;
+use volume_gate_testkit as common;
 
 /// The worker's Warning Events. helm-controller may record one
 /// UninstallFailed: the gate refuses the hook while the management cluster

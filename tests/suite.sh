@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # Runs every test of the crate, several test binaries at once.
 #
-# Each test binary starts its own control plane (tests/common/cluster.rs) and
+# Each test binary starts its own control plane (tests/testkit/src/cluster.rs) and
 # spends most of its time waiting on it: measured on 2 cores, `faults` keeps
 # the CPUs 18% busy, `bypass` 40%, and only `load` (50 tenant clusters) more
 # than 90%. `cargo test` runs the binaries one after another, so the suite's

@@ -6,7 +6,7 @@
 //! not the one the table states. All rows are walked before the test
 //! fails, so a red run lists every row that is wrong.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::future::Future;

@@ -7,7 +7,7 @@
 //! pinned down here, from the hook's output (the simulator's log, one line
 //! per output line) and from the API state.
 
-mod common;
+use volume_gate_testkit as common;
 
 use std::time::Duration;
 

@@ -21,10 +21,9 @@ use tokio_rustls::client::TlsStream;
 use tokio_util::sync::CancellationToken;
 use volume_gate::certs::{self, CertBundle, ServingSpec};
 
-#[path = "common/secret_volume.rs"]
-mod secret_volume;
 use secret_volume::SecretVolume;
 use volume_gate::tls::{self, CertReloader};
+use volume_gate_testkit::secret_volume;
 
 const DEADLINE: Duration = Duration::from_secs(20);
 

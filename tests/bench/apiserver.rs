@@ -38,8 +38,7 @@
 //! last line gives gate/null at p50 and p99 per operation (medians over
 //! rounds) against the target of at most 1.05. No assertion on timings.
 
-#[path = "../common/mod.rs"]
-mod common;
+use volume_gate_testkit as common;
 #[path = "null_webhook.rs"]
 mod null_webhook;
 

@@ -4,7 +4,7 @@
 //!     cargo run --release --example bench-burst -- --rounds 5
 //!
 //! Starts the harness's real management control plane (kube-apiserver, etcd,
-//! kube-controller-manager; `tests/common`), applies the CRDs, and creates
+//! kube-controller-manager; `tests/testkit`), applies the CRDs, and creates
 //! `--tenants` tenants, each a namespace with its parent HelmRelease (in
 //! custody: the finalizer `volumes.cozystack.io/release`) and children
 //! labelled `cozystack.io/target-cluster-name`, `--children` in all, among
@@ -31,8 +31,7 @@
 //! ratio gate p99 / bare-GET p99 on the last line, against the target of
 //! at most 1.2 × that in-run floor. No assertion on timings.
 
-#[path = "../common/mod.rs"]
-mod common;
+use volume_gate_testkit as common;
 
 use std::sync::Arc;
 use std::sync::atomic::{AtomicUsize, Ordering};

@@ -28,8 +28,7 @@
 //! hook's remaining steps and Helm's uninstall. No assertion is made on any
 //! figure.
 
-#[path = "../common/mod.rs"]
-mod common;
+use volume_gate_testkit as common;
 #[path = "scale_common.rs"]
 mod scale;
 

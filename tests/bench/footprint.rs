@@ -29,8 +29,7 @@
 //!
 //! No assertion is made on any figure; the last line is the ratio line.
 
-#[path = "../common/mod.rs"]
-mod common;
+use volume_gate_testkit as common;
 #[path = "scale_common.rs"]
 mod scale;
 

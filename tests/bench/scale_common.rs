@@ -2,7 +2,7 @@
 //! the fixture's gate with worker flags and request tracing of our choosing, per-request accounting from the worker's
 //! own log, process memory from /proc, workloads of many claims, and small
 //! statistics. Used by `release_scale.rs`, `footprint.rs`, `concurrency.rs`
-//! and `flux_resume.rs` through `#[path]`, beside `tests/common`.
+//! and `flux_resume.rs` through `#[path]`, beside the fixture (`tests/testkit`).
 #![allow(dead_code)]
 
 use std::collections::{BTreeMap, HashMap, HashSet};

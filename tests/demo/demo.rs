@@ -9,8 +9,7 @@
 //! until every volume is freed, and the worker's retry request ending it.
 //! Everything it starts stops when it exits.
 
-#[path = "../common/mod.rs"]
-mod common;
+use volume_gate_testkit as common;
 
 use std::time::{Duration, Instant};
 

@@ -1,5 +1,5 @@
 //! What the security scenarios of `tests/security.rs` are made of, one
-//! module per scenario's subject, beside the fixture (`tests/common`).
+//! module per scenario's subject, beside the fixture (`tests/testkit`).
 
 pub mod hostile;
 pub mod logs;

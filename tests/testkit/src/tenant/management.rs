@@ -10,7 +10,7 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams, PostParams};
 use serde_json::json;
 
 use super::{Tenant, datavolume_resource};
-use crate::common::wait::eventually;
+use crate::wait::eventually;
 
 /// The tenant's objects on the management side of its volumes (the infra
 /// layer): DataVolumes and PVCs labelled for it in its namespace, and the
@@ -98,7 +98,7 @@ impl Tenant {
     /// The management PVs the worker keeps for this tenant: found as an
     /// operator finds them (README), by the `kept-namespace` label.
     pub async fn kept_disks(&self) -> Vec<PersistentVolume> {
-        let keys = crate::common::keys();
+        let keys = crate::keys();
         Api::<PersistentVolume>::all(self.management.clone())
             .list(
                 &ListParams::default()
@@ -183,10 +183,10 @@ pub async fn delete_unreleasable_disk(client: &kube::Client, ns: &str, r: &str) 
 /// spec suspended: no chart runs), taken into custody at creation by the
 /// mutating webhook.
 pub async fn bare_parent(hrs: &Api<DynamicObject>, r: &str) {
-    let profile = crate::common::profile();
+    let profile = crate::profile();
     let parent = json!({"apiVersion": "helm.toolkit.fluxcd.io/v2", "kind": "HelmRelease",
         "metadata": {"name": r, "labels": profile.parent.match_labels},
-        "spec": crate::common::flux::inert_spec("kubernetes")});
+        "spec": crate::flux::inert_spec("kubernetes")});
     let created = hrs
         .create(
             &PostParams::default(),

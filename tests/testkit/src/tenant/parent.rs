@@ -8,10 +8,10 @@ use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
 use volume_gate::record::{Phase, Record};
 
 use super::Tenant;
-use crate::common::flux::ready_condition;
-use crate::common::gate::helmrelease_resource;
-use crate::common::history::Seen;
-use crate::common::wait::eventually;
+use crate::flux::ready_condition;
+use crate::gate::helmrelease_resource;
+use crate::history::Seen;
+use crate::wait::eventually;
 
 impl Tenant {
     pub fn hr_api(&self) -> Api<DynamicObject> {
@@ -28,10 +28,7 @@ impl Tenant {
 
     pub async fn record(&self) -> Record {
         let p = self.parent().await.expect("parent exists");
-        Record::from_annotations(
-            &crate::common::keys(),
-            &p.metadata.annotations.unwrap_or_default(),
-        )
+        Record::from_annotations(&crate::keys(), &p.metadata.annotations.unwrap_or_default())
     }
 
     /// The parent's raw record annotations.
@@ -39,7 +36,7 @@ impl Tenant {
         self.parent()
             .await
             .and_then(|p| p.metadata.annotations)
-            .and_then(|a| a.get(&crate::common::keys().volumes).cloned())
+            .and_then(|a| a.get(&crate::keys().volumes).cloned())
     }
 
     /// Deletes the Kubernetes application: the parent release.
@@ -62,7 +59,7 @@ impl Tenant {
     pub async fn wait_custody(&self) {
         let api = self.hr_api();
         let name = self.name.clone();
-        let finalizer = crate::common::profile().custody_finalizer;
+        let finalizer = crate::profile().custody_finalizer;
         eventually(
             "custody finalizer on the parent",
             Duration::from_secs(30),
@@ -108,7 +105,7 @@ impl Tenant {
     /// Waits until the worker has written the inventory into the record
     /// (the next version, after the last one a wait returned, that has it).
     pub async fn wait_inventory(&self) -> String {
-        let volumes = crate::common::keys().volumes;
+        let volumes = crate::keys().volumes;
         self.history
             .next_matching(
                 "inventory in the record",
@@ -160,7 +157,7 @@ impl Tenant {
                 Seen::Gone => None,
             })
             .collect();
-        let request_key = crate::common::profile().parent.reconcile_request_annotation;
+        let request_key = crate::profile().parent.reconcile_request_annotation;
         let request = |p: &DynamicObject| {
             p.metadata
                 .annotations

@@ -14,8 +14,9 @@ use k8s_openapi::api::core::v1::{Namespace, ServiceAccount};
 use kube::api::{Api, ObjectMeta, PostParams};
 use serde::Deserialize;
 
+/// The repository: two levels above this crate (`tests/testkit`).
 pub fn repo_root() -> PathBuf {
-    PathBuf::from(env!("CARGO_MANIFEST_DIR"))
+    PathBuf::from(concat!(env!("CARGO_MANIFEST_DIR"), "/../.."))
 }
 
 /// One cluster of the harness (`DIR/NAME/info.json`).

@@ -21,20 +21,27 @@ pub const NAMESPACE: &str = "volume-gate";
 pub const WORKER_SA: &str = "volume-gate-worker";
 pub const WEBHOOK_SA: &str = "volume-gate-webhook";
 
-/// The volume-gate binary: Cargo's for tests; for the demo example, built
-/// beside it (examples do not get CARGO_BIN_EXE_*).
+/// The volume-gate binary, beside the running executable's directory:
+/// for the package's tests (`target/<profile>/deps/<test>`), the one Cargo
+/// builds for them; for the demo and the benchmarks
+/// (`target/<profile>/examples/<name>`), built first (Cargo builds no binary
+/// for an example).
 pub fn binary() -> PathBuf {
-    if let Some(p) = option_env!("CARGO_BIN_EXE_volume-gate") {
-        return PathBuf::from(p);
-    }
     static BUILT: std::sync::OnceLock<PathBuf> = std::sync::OnceLock::new();
     BUILT
         .get_or_init(|| {
             let exe = std::env::current_exe().expect("current exe");
-            let profile_dir = exe
-                .parent()
-                .and_then(|d| d.parent())
-                .expect("target/<profile>/examples");
+            let dir = exe.parent().expect("target/<profile>/<kind>");
+            let profile_dir = dir.parent().expect("target/<profile>");
+            let binary = profile_dir.join("volume-gate");
+            if dir.ends_with("deps") {
+                assert!(
+                    binary.is_file(),
+                    "{} is missing: run the tests with cargo test (or tests/suite.sh), which builds it",
+                    binary.display()
+                );
+                return binary;
+            }
             let release = profile_dir.ends_with("release");
             let cargo = std::env::var("CARGO").unwrap_or_else(|_| "cargo".into());
             let mut cmd = Command::new(cargo);
@@ -47,7 +54,7 @@ pub fn binary() -> PathBuf {
                 cmd.status().expect("run cargo build").success(),
                 "cargo build --bin volume-gate failed"
             );
-            profile_dir.join("volume-gate")
+            binary
         })
         .clone()
 }

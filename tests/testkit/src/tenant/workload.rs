@@ -9,8 +9,8 @@ use kube::api::{Api, ListParams, PostParams};
 use serde_json::{Value, json};
 
 use super::{SIM_NODE, STORAGE_CLASS, Tenant};
-use crate::common::sim::Simulator;
-use crate::common::wait::eventually;
+use crate::sim::Simulator;
+use crate::wait::eventually;
 
 impl Tenant {
     pub async fn tenant_namespace(&self, ns: &str) {

@@ -8,10 +8,10 @@ use kube::api::{Api, DynamicObject, PostParams};
 use serde_json::{Value, json};
 
 use super::{Tenant, kubeconfig_data};
-use crate::common::cluster::repo_root;
-use crate::common::gate::helmrelease_resource;
-use crate::common::manifests;
-use crate::common::wait::eventually;
+use crate::cluster::repo_root;
+use crate::gate::helmrelease_resource;
+use crate::manifests;
+use crate::wait::eventually;
 
 impl Tenant {
     /// Points the admin kubeconfig Secret at `server` (e.g. an address where
@@ -24,7 +24,7 @@ impl Tenant {
         let patch = json!({"data": kubeconfig_data(moved.as_bytes())});
         secrets
             .patch(
-                &crate::common::profile().kubeconfig_secret_name(&self.name),
+                &crate::profile().kubeconfig_secret_name(&self.name),
                 &kube::api::PatchParams::default(),
                 &kube::api::Patch::Merge(&patch),
             )
@@ -40,7 +40,7 @@ impl Tenant {
     ) -> Result<(), kube::Error> {
         let api: Api<DynamicObject> =
             Api::namespaced_with(client.clone(), &self.namespace, &helmrelease_resource());
-        let key = crate::common::keys().override_reason;
+        let key = crate::keys().override_reason;
         let patch = json!({"metadata": {"annotations": {key: reason}}});
         api.patch(
             &self.name,
@@ -79,7 +79,7 @@ impl Tenant {
 
     /// Waits until RBAC lets `group` use the override verb here.
     async fn wait_override_authorized(&self, group: &str) {
-        let permission = crate::common::profile().override_permission;
+        let permission = crate::profile().override_permission;
         wait_authorized(
             &self.management,
             group,

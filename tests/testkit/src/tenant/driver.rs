@@ -6,8 +6,8 @@ use std::time::Duration;
 use serde_json::{Value, json};
 
 use super::Tenant;
-use crate::common::sim::Simulator;
-use crate::common::wait::eventually;
+use crate::sim::Simulator;
+use crate::wait::eventually;
 
 impl Tenant {
     /// Stops (or restarts) this tenant's simulated CSI driver while its
@@ -45,7 +45,7 @@ impl Tenant {
         let patch = json!({"metadata": {"annotations": {key: value}}});
         self.hr_api()
             .patch(
-                &crate::common::profile().csi_release_name(&self.name),
+                &crate::profile().csi_release_name(&self.name),
                 &kube::api::PatchParams::default(),
                 &kube::api::Patch::Merge(&patch),
             )

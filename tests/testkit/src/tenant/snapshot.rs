@@ -9,7 +9,7 @@ use kube::api::{Api, ApiResource, DynamicObject, PostParams};
 use serde_json::{Value, json};
 
 use super::{Tenant, resource};
-use crate::common::wait::eventually;
+use crate::wait::eventually;
 
 /// The tenant's CSI driver (the simulator's `--driver`).
 pub const DRIVER: &str = "csi.volume-gate.test";
@@ -42,8 +42,8 @@ impl Tenant {
     /// the default (as Cozystack's `kubevirt-snapshots`): `sim-snapshots`
     /// (deletionPolicy Delete) and `sim-snapshots-retain` (Retain).
     pub async fn install_snapshot_api(&self) {
-        for crd in crate::common::sim::snapshot_crds() {
-            crate::common::manifests::apply_file(&self.api, &crd).await;
+        for crd in crate::sim::snapshot_crds() {
+            crate::manifests::apply_file(&self.api, &crd).await;
         }
         eventually(
             "snapshot.storage.k8s.io/v1 served by the tenant API",
@@ -79,7 +79,7 @@ impl Tenant {
                 "metadata": {"name": name},
                 "driver": DRIVER, "deletionPolicy": policy,
             });
-            crate::common::manifests::apply(&self.api, &class).await;
+            crate::manifests::apply(&self.api, &class).await;
         }
     }
 
