@@ -220,6 +220,23 @@ fn snapshot_resource(kind: &str, plural: &str) -> ApiResource {
     )
 }
 
+/// The management cluster's VolumeSnapshots in the tenant's namespace.
+fn snapshots_api(ctx: &Context, t: &TenantRef) -> Api<DynamicObject> {
+    Api::namespaced_with(
+        ctx.client.clone(),
+        &t.namespace,
+        &snapshot_resource("VolumeSnapshot", "volumesnapshots"),
+    )
+}
+
+/// The management cluster's VolumeSnapshotContents (cluster-scoped).
+fn contents_api(ctx: &Context) -> Api<DynamicObject> {
+    Api::all_with(
+        ctx.client.clone(),
+        &snapshot_resource("VolumeSnapshotContent", "volumesnapshotcontents"),
+    )
+}
+
 fn text(o: &DynamicObject, pointer: &str) -> Option<String> {
     o.data
         .pointer(pointer)
@@ -236,12 +253,7 @@ async fn observe(
     spec: &InfraSpec,
     inv: &Inventory,
 ) -> Result<Option<Plan>, kube::Error> {
-    let vs = Api::<DynamicObject>::namespaced_with(
-        ctx.client.clone(),
-        &t.namespace,
-        &snapshot_resource("VolumeSnapshot", "volumesnapshots"),
-    );
-    let snapshots = match vs.list(&ListParams::default()).await {
+    let snapshots = match snapshots_api(ctx, t).list(&ListParams::default()).await {
         Ok(l) => l.items,
         Err(kube::Error::Api(s)) if s.code == 404 => return Ok(None),
         Err(e) => return Err(e),
@@ -256,13 +268,7 @@ async fn observe(
             content: text(o, "/status/boundVolumeSnapshotContentName"),
         })
         .collect();
-    let contents = Api::<DynamicObject>::all_with(
-        ctx.client.clone(),
-        &snapshot_resource("VolumeSnapshotContent", "volumesnapshotcontents"),
-    )
-    .list(&ListParams::default())
-    .await?
-    .items;
+    let contents = contents_api(ctx).list(&ListParams::default()).await?.items;
     let contents: Vec<ContentSeen> = contents
         .iter()
         .map(|o| ContentSeen {
@@ -338,12 +344,8 @@ pub(super) async fn snapshots_then_released(
     )
     .await?;
     let bound = ctx.settings.wait_bound;
-    let contents = Api::<DynamicObject>::all_with(
-        ctx.client.clone(),
-        &snapshot_resource("VolumeSnapshotContent", "volumesnapshotcontents"),
-    );
     let mut left: Vec<String> = wait_gone(
-        contents,
+        contents_api(ctx),
         plan.going.into_iter().collect(),
         bound,
         &NoProgress,
@@ -353,13 +355,8 @@ pub(super) async fn snapshots_then_released(
     .map(|c| format!("VolumeSnapshotContent {c}"))
     .collect();
     if left.is_empty() && !plan.unbound_going.is_empty() {
-        let snapshots = Api::<DynamicObject>::namespaced_with(
-            ctx.client.clone(),
-            &t.namespace,
-            &snapshot_resource("VolumeSnapshot", "volumesnapshots"),
-        );
         left = wait_gone(
-            snapshots,
+            snapshots_api(ctx, t),
             plan.unbound_going.into_iter().collect(),
             bound,
             &NoProgress,
