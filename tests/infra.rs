@@ -14,6 +14,7 @@ use volume_gate_testkit as common;
 use std::time::Duration;
 
 use common::tenant::{Tenant, TenantOptions};
+use common::wait::eventually;
 use k8s_openapi::api::core::v1::PersistentVolumeClaim;
 use kube::api::{Api, DeleteParams, Patch, PatchParams, PostParams};
 use serde_json::json;
@@ -363,6 +364,17 @@ async fn a_management_snapshot_that_cannot_go_keeps_the_tenant_blocked_naming_it
         .delete("restore", &Default::default())
         .await
         .expect("delete the restoring claim");
+    // The snapshot-controller retries the VolumeSnapshot with a backoff that
+    // has grown while the restore held it (up to 5 minutes): a change to it
+    // queues it now, as any edit would. Its timing is not what is tested.
+    t.infra_snapshots()
+        .patch(
+            &snap,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"annotations": {"example.com/restore": "gone"}}})),
+        )
+        .await
+        .expect("annotate the management VolumeSnapshot");
     released_and_gone(&t).await;
     assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
     let vs = t
@@ -375,12 +387,29 @@ async fn a_management_snapshot_that_cannot_go_keeps_the_tenant_blocked_naming_it
         "{:?}",
         vs.metadata
     );
+    // Let it go, so the namespace can be.
+    let finalizers: Vec<String> = vs
+        .metadata
+        .finalizers
+        .unwrap_or_default()
+        .into_iter()
+        .filter(|f| f != "example.com/keep")
+        .collect();
+    t.infra_snapshots()
+        .patch(
+            &snap,
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"metadata": {"finalizers": finalizers}})),
+        )
+        .await
+        .expect("remove the finalizer");
 }
 
 /// A management content made Retain (by the platform's VolumeSnapshotClass,
 /// or an administrator) keeps its snapshot on storage when the tenant's
 /// driver deletes the VolumeSnapshot, which then goes at once: `Released`
-/// names the content, found by the disk it is a snapshot of.
+/// names the content, found by the disk it is a snapshot of (its
+/// VolumeSnapshot deleted first here, so nothing else can find it).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_retained_management_snapshot_content_is_named_in_released_and_stays_on_storage() {
     let env = env();
@@ -396,6 +425,24 @@ async fn a_retained_management_snapshot_content_is_named_in_released_and_stays_o
         )
         .await
         .expect("make the management content Retain");
+    // Its VolumeSnapshot deleted first (by whoever may edit the namespace):
+    // the content, Retain, stays, and nothing but the disk it is a snapshot
+    // of ties it to the tenant any more.
+    t.infra_snapshots()
+        .delete(&snap, &DeleteParams::default())
+        .await
+        .expect("delete the management VolumeSnapshot");
+    eventually(
+        "the management VolumeSnapshot gone",
+        Duration::from_secs(60),
+        || async {
+            match t.infra_snapshots().get_opt(&snap).await {
+                Ok(None) => Ok(()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
 
     t.delete_parent().await;
     let record = released_and_gone(&t).await;

@@ -58,9 +58,7 @@ pub struct ContentSeen {
     pub snapshot_uid: String,
     /// `spec.source.volumeHandle`: the disk it is a snapshot of.
     pub source: Option<String>,
-    /// `status.snapshotHandle` is set: the storage holds the snapshot (the
-    /// csi-snapshotter clears it once DeleteSnapshot has succeeded, before
-    /// it lets the content go).
+    /// The storage holds the snapshot, or may yet ([`holds_snapshot`]).
     pub held: bool,
 }
 
@@ -123,7 +121,7 @@ pub fn plan(
             // A snapshot still wanted (or still being taken).
             Some(s) if !c.deleting && s.labelled => out.not_deleted.push(s.name.clone()),
             Some(s) if !c.deleting => out.others.push(s.name.clone()),
-            // Nothing on storage, and nothing will be.
+            // Nothing on storage, and nothing will be: DeleteSnapshot done.
             _ if !c.held => {}
             // Retain: the storage keeps it, whatever becomes of the objects.
             _ if !c.delete => out.left.push(c.name.clone()),
@@ -200,7 +198,8 @@ pub fn kept_note(plan: &Plan, why: Kept) -> Option<String> {
     if !plan.left.is_empty() {
         parts.push(format!(
             "{} left on the management storage (deletionPolicy Retain, or its VolumeSnapshot deleted before \
-             it; delete it there if the data is not wanted)",
+             it; if the data is not wanted, set its deletionPolicy to Delete, then delete it: a Retain content \
+             deleted leaves the snapshot on storage with nothing naming it)",
             named("VolumeSnapshotContent", &plan.left)
         ));
     }
@@ -244,6 +243,27 @@ fn text(o: &DynamicObject, pointer: &str) -> Option<String> {
         .map(str::to_string)
 }
 
+/// Whether content `o` holds a snapshot on storage, or may yet. The
+/// csi-snapshotter sets `status.snapshotHandle` once CreateSnapshot has
+/// returned and keeps creating until then, even while the content or its
+/// VolumeSnapshot is being deleted; it clears the handle once DeleteSnapshot
+/// has succeeded, then lets the content go. So only a content without a
+/// handle that is being deleted, marked `volumesnapshot-being-deleted` and
+/// not `volumesnapshot-being-created` (the sidecar's "remove the finalizer
+/// only" case, `shouldDelete`) is known to hold nothing.
+fn holds_snapshot(o: &DynamicObject) -> bool {
+    let annotated = |key: &str| {
+        o.metadata
+            .annotations
+            .as_ref()
+            .is_some_and(|a| a.contains_key(key))
+    };
+    let done = o.metadata.deletion_timestamp.is_some()
+        && annotated("snapshot.storage.kubernetes.io/volumesnapshot-being-deleted")
+        && !annotated("snapshot.storage.kubernetes.io/volumesnapshot-being-created");
+    text(o, "/status/snapshotHandle").is_some() || !done
+}
+
 /// Lists the VolumeSnapshots of the tenant's namespace and all
 /// VolumeSnapshotContents, and plans; `None` when the management cluster
 /// does not serve snapshot.storage.k8s.io/v1.
@@ -279,7 +299,7 @@ async fn observe(
             snapshot: text(o, "/spec/volumeSnapshotRef/name").unwrap_or_default(),
             snapshot_uid: text(o, "/spec/volumeSnapshotRef/uid").unwrap_or_default(),
             source: text(o, "/spec/source/volumeHandle"),
-            held: text(o, "/status/snapshotHandle").is_some(),
+            held: holds_snapshot(o),
         })
         .collect();
     let handles: HashSet<&str> = inv
@@ -378,8 +398,9 @@ pub(super) async fn snapshots_then_released(
         format!(
             "the disks are freed, but the management storage still holds {} being deleted, none gone for {}s: {} \
              (the storage frees a snapshot when the csi-snapshotter there has deleted it and its \
-             VolumeSnapshotContent goes; a finalizer on the content, a failing DeleteSnapshot (the content's \
-             events say why), or no snapshot controller running there keeps it)",
+             VolumeSnapshotContent goes; what keeps one is in the events of its VolumeSnapshot or \
+             VolumeSnapshotContent there: a claim restoring from it, a failing DeleteSnapshot, a finalizer, \
+             or no snapshot controller running)",
             count(left.len(), "snapshot"),
             bound.as_secs(),
             listed(&left, 5)
@@ -552,6 +573,58 @@ mod tests {
         );
         assert_eq!(p.unbound_going, BTreeSet::from(["going".to_string()]));
         assert_eq!(p.not_deleted, vec!["taking".to_string()]);
+    }
+
+    #[test]
+    fn a_content_holds_nothing_only_once_delete_snapshot_is_done() {
+        let content = |handle: bool, deleting: bool, annotations: &[&str]| {
+            let mut o = DynamicObject::new(
+                "c",
+                &snapshot_resource("VolumeSnapshotContent", "volumesnapshotcontents"),
+            );
+            if handle {
+                o.data = serde_json::json!({"status": {"snapshotHandle": "snap-1"}});
+            }
+            if deleting {
+                o.metadata.deletion_timestamp = Some(
+                    k8s_openapi::apimachinery::pkg::apis::meta::v1::Time(Default::default()),
+                );
+            }
+            o.metadata.annotations = Some(
+                annotations
+                    .iter()
+                    .map(|a| {
+                        (
+                            format!("snapshot.storage.kubernetes.io/{a}"),
+                            "yes".to_string(),
+                        )
+                    })
+                    .collect(),
+            );
+            o
+        };
+        assert!(holds_snapshot(&content(
+            true,
+            true,
+            &["volumesnapshot-being-deleted"]
+        )));
+        // Not taken yet: the csi-snapshotter goes on creating it.
+        assert!(holds_snapshot(&content(false, false, &[])));
+        assert!(holds_snapshot(&content(false, true, &[])));
+        assert!(holds_snapshot(&content(
+            false,
+            true,
+            &[
+                "volumesnapshot-being-deleted",
+                "volumesnapshot-being-created"
+            ]
+        )));
+        // DeleteSnapshot succeeded (or there was nothing to delete).
+        assert!(!holds_snapshot(&content(
+            false,
+            true,
+            &["volumesnapshot-being-deleted"]
+        )));
     }
 
     #[test]
