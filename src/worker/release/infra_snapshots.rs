@@ -81,6 +81,12 @@ pub struct Plan {
     /// Contents that stay with their VolumeSnapshot gone or going:
     /// deletionPolicy Retain, or a VolumeSnapshot gone before them.
     pub left: Vec<String>,
+    /// With only part of the tenant's disks known (a truncated inventory,
+    /// a disk whose handle was never seen): contents in the tenant's
+    /// namespace that hold a snapshot, whose VolumeSnapshot is gone and
+    /// whose disk is not among those known. They may be of the tenant's
+    /// disks; named, not counted as kept.
+    pub unlisted: Vec<String>,
 }
 
 impl Plan {
@@ -91,12 +97,14 @@ impl Plan {
 
 /// Decides, from the VolumeSnapshots of the tenant's namespace and all
 /// VolumeSnapshotContents, what is waited for and what is kept (see the
-/// module's documentation). `handles` are the tenant's disks' volumeHandles.
+/// module's documentation). `handles` are the tenant's disks' volumeHandles,
+/// all of them when `complete`.
 pub fn plan(
     namespace: &str,
     snapshots: &[SnapshotSeen],
     contents: &[ContentSeen],
     handles: &HashSet<&str>,
+    complete: bool,
 ) -> Plan {
     let by_name: HashMap<&str, &SnapshotSeen> =
         snapshots.iter().map(|s| (s.name.as_str(), s)).collect();
@@ -111,6 +119,9 @@ pub fn plan(
             .filter(|s| c.snapshot_uid.is_empty() || s.uid == c.snapshot_uid);
         let of_disk = c.source.as_deref().is_some_and(|h| handles.contains(h));
         if !(of_disk || vs.is_some_and(|s| s.labelled)) {
+            if !complete && vs.is_none() && c.held {
+                out.unlisted.push(c.name.clone());
+            }
             continue;
         }
         if let Some(s) = vs {
@@ -150,7 +161,12 @@ pub fn plan(
             }
         }
     }
-    for v in [&mut out.not_deleted, &mut out.others, &mut out.left] {
+    for v in [
+        &mut out.not_deleted,
+        &mut out.others,
+        &mut out.left,
+        &mut out.unlisted,
+    ] {
         v.sort();
         v.dedup();
     }
@@ -203,13 +219,27 @@ pub fn kept_note(plan: &Plan, why: Kept) -> Option<String> {
             named("VolumeSnapshotContent", &plan.left)
         ));
     }
-    (!parts.is_empty()).then(|| {
+    let unlisted = (!plan.unlisted.is_empty()).then(|| {
+        format!(
+            "the record does not know every disk of the tenant (its inventory is truncated, or a disk's \
+             handle was never seen), so {} in its namespace whose VolumeSnapshot is gone may be of its disks \
+             (compare spec.source.volumeHandle with the tenant's disks)",
+            named("VolumeSnapshotContent", &plan.unlisted)
+        )
+    });
+    let kept = (!parts.is_empty()).then(|| {
         format!(
             "but {} kept: {}",
             count(plan.kept(), "snapshot"),
             parts.join("; ")
         )
-    })
+    });
+    match (kept, unlisted) {
+        (Some(k), Some(u)) => Some(format!("{k}; and {u}")),
+        (Some(k), None) => Some(k),
+        (None, Some(u)) => Some(format!("but {u}")),
+        (None, None) => None,
+    }
 }
 
 fn snapshot_resource(kind: &str, plural: &str) -> ApiResource {
@@ -288,6 +318,21 @@ async fn observe(
             content: text(o, "/status/boundVolumeSnapshotContentName"),
         })
         .collect();
+    let handles: HashSet<&str> = inv
+        .volumes
+        .iter()
+        .filter_map(|v| v.infra.as_ref()?.handle.as_deref())
+        .collect();
+    let complete = !inv.truncated
+        && inv
+            .volumes
+            .iter()
+            .all(|v| v.infra.as_ref().is_none_or(|r| r.handle.is_some()));
+    if snapshots.is_empty() && handles.is_empty() && complete {
+        // No snapshot in the namespace and no disk a content could be of:
+        // the cluster's contents are not listed.
+        return Ok(Some(Plan::default()));
+    }
     let contents = contents_api(ctx).list(&ListParams::default()).await?.items;
     let contents: Vec<ContentSeen> = contents
         .iter()
@@ -302,12 +347,13 @@ async fn observe(
             held: holds_snapshot(o),
         })
         .collect();
-    let handles: HashSet<&str> = inv
-        .volumes
-        .iter()
-        .filter_map(|v| v.infra.as_ref()?.handle.as_deref())
-        .collect();
-    Ok(Some(plan(&t.namespace, &snapshots, &contents, &handles)))
+    Ok(Some(plan(
+        &t.namespace,
+        &snapshots,
+        &contents,
+        &handles,
+        complete,
+    )))
 }
 
 /// The disks are gone: `Released` once the management storage has freed
@@ -449,6 +495,7 @@ mod tests {
             &[vs("s", true, true, Some("c"))],
             &[vsc("c", "s", true, true, "disk-1")],
             &handles(),
+            true,
         );
         assert_eq!(p.going, BTreeSet::from(["c".to_string()]));
         assert!(p.unbound_going.is_empty() && p.kept() == 0, "{p:?}");
@@ -458,7 +505,7 @@ mod tests {
     fn a_snapshot_held_after_its_content_is_gone_holds_nothing() {
         // A foreign finalizer on the VolumeSnapshot: the content, and the
         // snapshot on storage, went before it.
-        let p = plan(NS, &[vs("s", true, true, Some("c"))], &[], &handles());
+        let p = plan(NS, &[vs("s", true, true, Some("c"))], &[], &handles(), true);
         assert_eq!(p, Plan::default());
     }
 
@@ -469,6 +516,7 @@ mod tests {
             &[vs("s", true, true, Some("c"))],
             &[vsc("c", "s", true, false, "disk-1")],
             &handles(),
+            true,
         );
         assert_eq!(p.going, BTreeSet::from(["c".to_string()]));
     }
@@ -481,6 +529,7 @@ mod tests {
                 &snapshots,
                 &[vsc("c", "s", false, false, "disk-1")],
                 &handles(),
+                true,
             );
             assert_eq!(p.left, vec!["c".to_string()], "{snapshots:?}");
             assert!(p.going.is_empty() && p.unbound_going.is_empty());
@@ -494,6 +543,7 @@ mod tests {
             &[],
             &[vsc("c", "gone", true, false, "disk-1")],
             &handles(),
+            true,
         );
         assert_eq!(p.left, vec!["c".to_string()]);
     }
@@ -505,13 +555,13 @@ mod tests {
             held: false,
             ..vsc("c", "s", true, true, "disk-1")
         };
-        let p = plan(NS, &[vs("s", true, true, Some("c"))], &[freed], &handles());
+        let p = plan(NS, &[vs("s", true, true, Some("c"))], &[freed], &handles(), true);
         assert_eq!(p, Plan::default());
     }
 
     #[test]
     fn a_retain_content_deleted_by_hand_still_leaves_its_snapshot_on_storage() {
-        let p = plan(NS, &[], &[vsc("c", "s", false, true, "disk-1")], &handles());
+        let p = plan(NS, &[], &[vsc("c", "s", false, true, "disk-1")], &handles(), true);
         assert_eq!(p.left, vec!["c".to_string()]);
         assert!(p.going.is_empty());
     }
@@ -529,6 +579,7 @@ mod tests {
                 vsc("c2", "theirs", true, false, "disk-1"),
             ],
             &handles(),
+            true,
         );
         assert_eq!(p.not_deleted, vec!["mine".to_string()]);
         assert_eq!(p.others, vec!["theirs".to_string()]);
@@ -556,8 +607,42 @@ mod tests {
                 },
             ],
             &handles(),
+            true,
         );
         assert_eq!(p, Plan::default());
+    }
+
+    #[test]
+    fn with_part_of_the_disks_known_an_orphan_content_of_an_unknown_disk_is_named_as_perhaps_the_tenants()
+     {
+        let contents = [
+            // VolumeSnapshot gone, disk not among those recorded.
+            vsc("c-unknown", "gone", false, false, "disk-9"),
+            // Nothing on storage: not named.
+            ContentSeen {
+                held: false,
+                ..vsc("c-freed", "gone", true, true, "disk-8")
+            },
+            // Another namespace: never the tenant's.
+            ContentSeen {
+                namespace: "tenant-b".into(),
+                ..vsc("c-elsewhere", "gone", false, false, "disk-7")
+            },
+        ];
+        let partial = plan(NS, &[], &contents, &handles(), false);
+        assert_eq!(partial.unlisted, vec!["c-unknown".to_string()]);
+        assert_eq!(partial.kept(), 0, "named, not counted as kept");
+        let note = kept_note(&partial, Kept::Retain).unwrap();
+        assert!(
+            note.starts_with("but the record does not know every disk of the tenant")
+                && note.contains("VolumeSnapshotContent c-unknown in its namespace"),
+            "{note}"
+        );
+        // Every disk known: a content of none of them is another's.
+        assert_eq!(
+            plan(NS, &[], &contents, &handles(), true),
+            Plan::default()
+        );
     }
 
     #[test]
@@ -570,6 +655,7 @@ mod tests {
             ],
             &[],
             &handles(),
+            true,
         );
         assert_eq!(p.unbound_going, BTreeSet::from(["going".to_string()]));
         assert_eq!(p.not_deleted, vec!["taking".to_string()]);
