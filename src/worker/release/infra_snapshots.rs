@@ -555,13 +555,25 @@ mod tests {
             held: false,
             ..vsc("c", "s", true, true, "disk-1")
         };
-        let p = plan(NS, &[vs("s", true, true, Some("c"))], &[freed], &handles(), true);
+        let p = plan(
+            NS,
+            &[vs("s", true, true, Some("c"))],
+            &[freed],
+            &handles(),
+            true,
+        );
         assert_eq!(p, Plan::default());
     }
 
     #[test]
     fn a_retain_content_deleted_by_hand_still_leaves_its_snapshot_on_storage() {
-        let p = plan(NS, &[], &[vsc("c", "s", false, true, "disk-1")], &handles(), true);
+        let p = plan(
+            NS,
+            &[],
+            &[vsc("c", "s", false, true, "disk-1")],
+            &handles(),
+            true,
+        );
         assert_eq!(p.left, vec!["c".to_string()]);
         assert!(p.going.is_empty());
     }
@@ -639,10 +651,7 @@ mod tests {
             "{note}"
         );
         // Every disk known: a content of none of them is another's.
-        assert_eq!(
-            plan(NS, &[], &contents, &handles(), true),
-            Plan::default()
-        );
+        assert_eq!(plan(NS, &[], &contents, &handles(), true), Plan::default());
     }
 
     #[test]
