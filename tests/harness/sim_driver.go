@@ -58,11 +58,11 @@ type volumeBackend interface {
 	// unpublish detaches it, nil if it was not attached.
 	publish(ctx context.Context, handle, nodeID string) error
 	unpublish(ctx context.Context, handle, nodeID string) error
-	// createSnapshot is CreateSnapshot `name` of volume source, idempotent
-	// on name; deleteSnapshot is DeleteSnapshot, nil once the snapshot is
+	// createSnapshot is CreateSnapshot `name` of volume source with the
+	// class's parameters, idempotent on name; deleteSnapshot is DeleteSnapshot, nil once the snapshot is
 	// freed or was never there; snapshot is the snapshot `id`, nil if it is
 	// not there.
-	createSnapshot(ctx context.Context, name, source string) (*csi.Snapshot, error)
+	createSnapshot(ctx context.Context, name, source string, params map[string]string) (*csi.Snapshot, error)
 	deleteSnapshot(ctx context.Context, id string) error
 	snapshot(ctx context.Context, id string) (*csi.Snapshot, error)
 }

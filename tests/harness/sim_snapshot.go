@@ -55,6 +55,15 @@ var (
 // for its storage: the KubeVirt driver's VolumeSnapshots name no class.
 const infraSnapshotClass = "sim-infra-snapshots"
 
+// infraSnapshotClassRetain is the management storage's Retain class, for a
+// platform that keeps its tenants' snapshots: a tenant class names it by
+// the KubeVirt driver's parameter below.
+const infraSnapshotClassRetain = "sim-infra-snapshots-retain"
+
+// infraSnapshotClassParameter is the tenant VolumeSnapshotClass parameter
+// naming the management class (client.go InfraSnapshotClassNameParameter).
+const infraSnapshotClassParameter = "infraSnapshotClassName"
+
 // snapshotReadyWait is how long the KubeVirt driver waits for a snapshot it
 // created to be ready (client.go, waitForVolumeSnapshotReady).
 const snapshotReadyWait = 2 * time.Minute
@@ -67,7 +76,7 @@ func (p *csiPlugin) CreateSnapshot(ctx context.Context, req *csi.CreateSnapshotR
 	case source == "":
 		return nil, status.Error(codes.InvalidArgument, "source volume ID missing in request")
 	}
-	snap, err := p.backend.createSnapshot(ctx, name, source)
+	snap, err := p.backend.createSnapshot(ctx, name, source, req.GetParameters())
 	if err != nil {
 		p.logf("driver", "error", "CreateSnapshot %s of %s: %v", name, source, err)
 		return nil, err
@@ -143,36 +152,43 @@ func (d *driver) runSnapshotSidecars(ctx context.Context, sock, kubeconfig strin
 	runSidecars(ctx, d.s.cfg.sidecars, d.s.cfg.sidecarLogs, d.prefix, snapshotSidecars(sock, kubeconfig), d.logf)
 }
 
-// ensureSnapshotClass makes the management storage's default
-// VolumeSnapshotClass, retrying until ctx ends (the CRDs may be served a
-// moment before the API server accepts the objects).
+// ensureSnapshotClass makes the management storage's VolumeSnapshotClasses,
+// the default (Delete) and a Retain one, retrying until ctx ends (the CRDs
+// may be served a moment before the API server accepts the objects).
 func (d *driver) ensureSnapshotClass(ctx context.Context) error {
-	class := &unstructured.Unstructured{Object: map[string]any{
-		"apiVersion": "snapshot.storage.k8s.io/v1",
-		"kind":       "VolumeSnapshotClass",
-		"metadata": map[string]any{
-			"name":        infraSnapshotClass,
-			"annotations": map[string]any{"snapshot.storage.kubernetes.io/is-default-class": "true"},
-		},
-		"driver":         d.name,
-		"deletionPolicy": "Delete",
-	}}
-	for {
-		_, err := d.dyn.Resource(gvrVolumeSnapshotClass).Create(ctx, class, metav1.CreateOptions{})
-		if err == nil || apierrors.IsAlreadyExists(err) {
-			return nil
+	for _, c := range []struct {
+		name, policy string
+		isDefault    bool
+	}{{infraSnapshotClass, "Delete", true}, {infraSnapshotClassRetain, "Retain", false}} {
+		meta := map[string]any{"name": c.name}
+		if c.isDefault {
+			meta["annotations"] = map[string]any{"snapshot.storage.kubernetes.io/is-default-class": "true"}
 		}
-		select {
-		case <-ctx.Done():
-			return fmt.Errorf("create VolumeSnapshotClass %s: %w", infraSnapshotClass, err)
-		case <-time.After(time.Second):
+		class := &unstructured.Unstructured{Object: map[string]any{
+			"apiVersion":     "snapshot.storage.k8s.io/v1",
+			"kind":           "VolumeSnapshotClass",
+			"metadata":       meta,
+			"driver":         d.name,
+			"deletionPolicy": c.policy,
+		}}
+		for {
+			_, err := d.dyn.Resource(gvrVolumeSnapshotClass).Create(ctx, class, metav1.CreateOptions{})
+			if err == nil || apierrors.IsAlreadyExists(err) {
+				break
+			}
+			select {
+			case <-ctx.Done():
+				return fmt.Errorf("create VolumeSnapshotClass %s: %w", c.name, err)
+			case <-time.After(time.Second):
+			}
 		}
 	}
+	return nil
 }
 
 // createSnapshot keeps a snapshot of a ledger volume as a ledger file named
 // `<namespace>.<tenant>.<name>`; idempotent on name.
-func (b *ledgerBackend) createSnapshot(_ context.Context, name, source string) (*csi.Snapshot, error) {
+func (b *ledgerBackend) createSnapshot(_ context.Context, name, source string, _ map[string]string) (*csi.Snapshot, error) {
 	src, ok := b.store.lookup(source)
 	if !ok || src.Kind != "volume" {
 		return nil, status.Errorf(codes.NotFound, "source volume %s not found", source)
@@ -253,8 +269,13 @@ func (b *kcsiBackend) volumeSnapshots(ctx context.Context) (dynamic.ResourceInte
 // VolumeSnapshot of that name is returned as it is (or AlreadyExists if it
 // is of another volume); otherwise the DataVolume must exist (NotFound),
 // the VolumeSnapshot is created and waited for, up to 2 minutes, to be
-// ready.
-func (b *kcsiBackend) createSnapshot(ctx context.Context, name, source string) (*csi.Snapshot, error) {
+// ready. Its class is the tenant class's `infraSnapshotClassName`
+// parameter when set (controller.go CreateSnapshot reads
+// req.Parameters[infraSnapshotClassName]; client.go CreateVolumeSnapshot
+// names that class, else none, so the management default applies). The
+// driver also checks that class against its storage mapping
+// (getSnapshotClassNameFromVolumeClaimName); this does not.
+func (b *kcsiBackend) createSnapshot(ctx context.Context, name, source string, params map[string]string) (*csi.Snapshot, error) {
 	t := b.t
 	vss, err := b.volumeSnapshots(ctx)
 	if err != nil {
@@ -288,6 +309,11 @@ func (b *kcsiBackend) createSnapshot(ctx context.Context, name, source string) (
 		"metadata":   map[string]any{"name": name, "namespace": t.ns, "labels": toAny(infraLabels(t.name))},
 		"spec":       map[string]any{"source": map[string]any{"persistentVolumeClaimName": source}},
 	}}
+	if class := params[infraSnapshotClassParameter]; class != "" {
+		if err := unstructured.SetNestedField(obj.Object, class, "spec", "volumeSnapshotClassName"); err != nil {
+			return nil, err
+		}
+	}
 	if _, err := vss.Create(ctx, obj, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
 		b.refused("CreateSnapshot "+name, err)
 		return nil, fmt.Errorf("CreateSnapshot %s: create VolumeSnapshot %s/%s: %w", name, t.ns, name, err)

@@ -14,6 +14,10 @@ use crate::wait::eventually;
 /// The tenant's CSI driver (the simulator's `--driver`).
 pub const DRIVER: &str = "csi.volume-gate.test";
 
+/// The management storage's Retain VolumeSnapshotClass (the simulator's
+/// `infraSnapshotClassRetain`).
+pub const INFRA_RETAIN_CLASS: &str = "sim-infra-snapshots-retain";
+
 pub const SNAPSHOT_GROUP: &str = "snapshot.storage.k8s.io";
 
 pub fn snapshot_resource() -> ApiResource {
@@ -38,9 +42,13 @@ pub struct Taken {
 impl Tenant {
     /// Installs the snapshot CRDs in the tenant cluster (as Cozystack's
     /// vsnap-crd release does), waits until the three resources are served,
-    /// and makes two VolumeSnapshotClasses of the tenant's driver, neither
+    /// and makes three VolumeSnapshotClasses of the tenant's driver, none
     /// the default (as Cozystack's `kubevirt-snapshots`): `sim-snapshots`
-    /// (deletionPolicy Delete) and `sim-snapshots-retain` (Retain).
+    /// (deletionPolicy Delete), `sim-snapshots-retain` (Retain), and
+    /// `sim-snapshots-infra-retain` (Delete, naming the management storage's
+    /// Retain class by the KubeVirt driver's `infraSnapshotClassName`
+    /// parameter: on that path its snapshots are kept in the management
+    /// cluster).
     pub async fn install_snapshot_api(&self) {
         for crd in crate::sim::snapshot_crds() {
             crate::manifests::apply_file(&self.api, &crd).await;
@@ -70,15 +78,23 @@ impl Tenant {
             },
         )
         .await;
-        for (name, policy) in [
-            ("sim-snapshots", "Delete"),
-            ("sim-snapshots-retain", "Retain"),
+        for (name, policy, infra) in [
+            ("sim-snapshots", "Delete", None),
+            ("sim-snapshots-retain", "Retain", None),
+            (
+                "sim-snapshots-infra-retain",
+                "Delete",
+                Some(INFRA_RETAIN_CLASS),
+            ),
         ] {
-            let class = json!({
+            let mut class = json!({
                 "apiVersion": "snapshot.storage.k8s.io/v1", "kind": "VolumeSnapshotClass",
                 "metadata": {"name": name},
                 "driver": DRIVER, "deletionPolicy": policy,
             });
+            if let Some(infra) = infra {
+                class["parameters"] = json!({"infraSnapshotClassName": infra});
+            }
             crate::manifests::apply(&self.api, &class).await;
         }
     }
