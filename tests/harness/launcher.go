@@ -34,6 +34,7 @@ func cmdUp(args []string) error {
 	owner := fs.Int("owner-pid", 0, "stop everything once this process is gone")
 	timeout := fs.Duration("timeout", defaultTimeout, "how long to wait for each cluster")
 	removeState := fs.Bool("remove-state", false, "once the supervisor has stopped everything, remove DIR, unless DIR/"+keepStateFile+" or DIR/failed exists or "+keepStateEnv+" is set (a test run that passed leaves nothing behind)")
+	withNode := fs.Bool("node", false, "run a real node for the management cluster: the kubelet, containerd and runc, a CNI bridge (root; see node.go)")
 	var tenants names
 	fs.Var(&tenants, "tenant", "tenant cluster to run besides management (repeatable; default: tenant)")
 	if _, err := parseArgs(fs, args, 0); err != nil {
@@ -71,7 +72,13 @@ func cmdUp(args []string) error {
 		for _, f := range []string{"ready", "failed", "control.addr"} {
 			os.Remove(filepath.Join(dir, f))
 		}
-		if started, err = startSupervisor(dir, *owner, *timeout, *removeState, clusters); err != nil {
+		if *withNode {
+			// Before anything starts: a machine that cannot run a node says what it lacks.
+			if err := nodePreflight(); err != nil {
+				return err
+			}
+		}
+		if started, err = startSupervisor(dir, *owner, *timeout, *removeState, *withNode, clusters); err != nil {
 			return err
 		}
 		pid = started.Pid()
@@ -88,7 +95,7 @@ func cmdUp(args []string) error {
 	return printEnv(os.Stdout, dir)
 }
 
-func startSupervisor(dir string, owner int, timeout time.Duration, removeState bool, clusters []string) (*liveness.Child, error) {
+func startSupervisor(dir string, owner int, timeout time.Duration, removeState, withNode bool, clusters []string) (*liveness.Child, error) {
 	self, err := os.Executable()
 	if err != nil {
 		return nil, err
@@ -116,6 +123,9 @@ func startSupervisor(dir string, owner int, timeout time.Duration, removeState b
 	}
 	if removeState {
 		args = append(args, "--remove-state")
+	}
+	if withNode {
+		args = append(args, "--node")
 	}
 	for _, name := range clusters {
 		args = append(args, "--cluster", name)

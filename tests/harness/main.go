@@ -4,6 +4,7 @@
 package main
 
 import (
+	"context"
 	"errors"
 	"flag"
 	"fmt"
@@ -17,15 +18,18 @@ import (
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
 	kcm "k8s.io/kubernetes/cmd/kube-controller-manager/app"
 	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
+	kubelet "k8s.io/kubernetes/cmd/kubelet/app"
 )
 
 const usage = `usage: harness COMMAND [flags]
 
 Components (one per process, flags as the upstream binaries):
-  etcd | kube-apiserver | kube-controller-manager | kube-scheduler | kubectl
+  etcd | kube-apiserver | kube-controller-manager | kube-scheduler | kubectl | kubelet
 
 Launcher:
-  up --state DIR [--owner-pid PID] [--tenant NAME]... [--timeout 3m]
+  up --state DIR [--owner-pid PID] [--tenant NAME]... [--timeout 3m] [--node]
+  image --out FILE --name REF [--entrypoint JSON] [--cmd JSON] [--user U] [--env K=V]... [--file DST=SRC]... [--link DST=TARGET]...
+  node import --state DIR FILE...
   down --state DIR
   env --state DIR
   cluster up|down NAME --state DIR
@@ -34,6 +38,8 @@ Launcher:
 
 var launcherCommands = map[string]func(args []string) error{
 	"up":        cmdUp,
+	"image":     cmdImage,
+	"node":      cmdNode,
 	"down":      cmdDown,
 	"env":       cmdEnv,
 	"cluster":   cmdCluster,
@@ -71,6 +77,8 @@ func main() {
 		os.Exit(cli.Run(kcm.NewControllerManagerCommand()))
 	case "kube-scheduler":
 		os.Exit(cli.Run(scheduler.NewSchedulerCommand()))
+	case "kubelet":
+		os.Exit(cli.Run(kubelet.NewKubeletCommand(context.Background())))
 	case "kubectl":
 		if err := cli.RunNoErrOutput(kubectl.NewDefaultKubectlCommand()); err != nil {
 			kubectlutil.CheckErr(err) // prints the error as kubectl does and exits

@@ -75,8 +75,10 @@ func generatePKI(dir string) error {
 	serving.ExtKeyUsage = []x509.ExtKeyUsage{x509.ExtKeyUsageServerAuth}
 	serving.DNSNames = []string{"localhost", "kubernetes", "kubernetes.default",
 		"kubernetes.default.svc", "kubernetes.default.svc.cluster.local"}
-	// 10.96.0.1 is the kubernetes Service's ClusterIP in --service-cluster-ip-range.
-	serving.IPAddresses = []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback, net.IPv4(10, 96, 0, 1)}
+	// 10.96.0.1 is the kubernetes Service's ClusterIP in --service-cluster-ip-range;
+	// 10.244.0.1 the real node's IP (node.go), by which its Pods reach the
+	// tenant API servers.
+	serving.IPAddresses = []net.IP{net.IPv4(127, 0, 0, 1), net.IPv6loopback, net.IPv4(10, 96, 0, 1), net.IPv4(10, 244, 0, 1)}
 	if err := issue(dir, servingCertFile, servingKeyFile, serving, ca, caKey); err != nil {
 		return err
 	}

@@ -110,6 +110,10 @@ type supervisor struct {
 	closing   bool
 	clusters  map[string]*cluster
 	usedPorts map[int]bool
+
+	// withNode: the management cluster gets a real node (node.go).
+	withNode bool
+	node     *node
 }
 
 func cmdSupervise(args []string) error {
@@ -119,6 +123,7 @@ func cmdSupervise(args []string) error {
 	ownerFD := fs.Int("owner-pidfd", 0, "inherited pidfd of --owner-pid, opened by up while the owner was alive")
 	timeout := fs.Duration("timeout", defaultTimeout, "deadline for starting one cluster")
 	removeState := fs.Bool("remove-state", false, "once stopped, remove the state directory unless it is to be kept (see keepState)")
+	withNode := fs.Bool("node", false, "run a real node for the management cluster (node.go)")
 	var clusters names
 	fs.Var(&clusters, "cluster", "cluster to start (repeatable)")
 	if _, err := parseArgs(fs, args, 0); err != nil {
@@ -139,6 +144,7 @@ func cmdSupervise(args []string) error {
 	s := &supervisor{
 		state: dir, self: self, timeout: *timeout, admin: admin,
 		clusters: map[string]*cluster{}, usedPorts: map[int]bool{},
+		withNode: *withNode,
 	}
 	var ownerHandle *liveness.Handle
 	if *owner != 0 {
@@ -248,6 +254,16 @@ func (s *supervisor) run(owner *liveness.Handle, ownerPID int, clusters []string
 	if err := errors.Join(errs...); err != nil {
 		return s.fail(err)
 	}
+	if s.withNode {
+		info := s.clusters[managementCluster].info.Load()
+		n, err := s.startNode(info, time.Now().Add(s.timeout))
+		if err != nil {
+			return s.fail(fmt.Errorf("node: %w", err))
+		}
+		s.mu.Lock()
+		s.node = n
+		s.mu.Unlock()
+	}
 	if err := os.WriteFile(filepath.Join(s.state, "ready"), nil, 0o644); err != nil {
 		return s.fail(err)
 	}
@@ -269,6 +285,13 @@ func (s *supervisor) fail(err error) error {
 func (s *supervisor) shutdown() {
 	s.mu.Lock()
 	s.closing = true
+	n := s.node
+	s.mu.Unlock()
+	// The node first: its kubelet and containers talk to the management API.
+	if n != nil {
+		n.stop()
+	}
+	s.mu.Lock()
 	clusters := make([]*cluster, 0, len(s.clusters))
 	for _, c := range s.clusters {
 		clusters = append(clusters, c)
@@ -433,6 +456,17 @@ func (s *supervisor) bootCluster(c *cluster) (*clusterInfo, error) {
 	if c.light {
 		apiserverArgs = append(apiserverArgs, "--runtime-config="+lightAPIs)
 	}
+	realNode := c.name == managementCluster && s.withNode
+	if realNode {
+		// Webhooks and APIServices by a ready endpoint's IP (no kube-proxy);
+		// logs and exec through the kubelet with the admin certificate.
+		apiserverArgs = append(apiserverArgs,
+			"--enable-aggregator-routing=true",
+			"--kubelet-client-certificate="+pki(adminCertFile),
+			"--kubelet-client-key="+pki(adminKeyFile),
+			"--kubelet-preferred-address-types=InternalIP",
+		)
+	}
 	api, err := s.spawnFor(c, info, "kube-apiserver", logFile, apiserverArgs)
 	if err != nil {
 		return nil, err
@@ -476,7 +510,7 @@ func (s *supervisor) bootCluster(c *cluster) (*clusterInfo, error) {
 		return nil, err
 	}
 	waits := map[*proc]string{kcmProc: fmt.Sprintf("https://127.0.0.1:%d/healthz", c.ports[1])}
-	if c.name != managementCluster && !c.light {
+	if (c.name != managementCluster || realNode) && !c.light {
 		schedArgs := slices.Concat([]string{"kube-scheduler",
 			"--secure-port=" + strconv.Itoa(c.ports[2]),
 		}, kubeconfig, serving)
@@ -524,13 +558,22 @@ func (s *supervisor) spawnFor(c *cluster, info *clusterInfo, component string, l
 }
 
 func (s *supervisor) spawn(name, logPath string, args ...string) (*proc, error) {
+	return s.spawnBinary(name, logPath, s.self, args...)
+}
+
+// spawnBinary starts bin (a path, or a name on PATH) as a supervised process.
+func (s *supervisor) spawnBinary(name, logPath, bin string, args ...string) (*proc, error) {
 	f, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err
 	}
 	defer f.Close()
-	fmt.Fprintf(f, "=== %s harness %s\n", time.Now().Format(time.RFC3339), strings.Join(args, " "))
-	cmd := exec.Command(s.self, args...)
+	shown := "harness"
+	if bin != s.self {
+		shown = bin
+	}
+	fmt.Fprintf(f, "=== %s %s %s\n", time.Now().Format(time.RFC3339), shown, strings.Join(args, " "))
+	cmd := exec.Command(bin, args...)
 	cmd.Stdout, cmd.Stderr = f, f
 	// If the supervisor is SIGKILLed, the kernel kills its components too, so
 	// no orphan keeps a port or etcd busy.
