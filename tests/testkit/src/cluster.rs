@@ -37,6 +37,8 @@ pub struct ControlPlane {
     pub management: ClusterInfo,
     /// The tenant cluster started with the control plane, handed to the first tenant.
     pub first_tenant_cluster: String,
+    /// The management cluster has a real node (`super::node`).
+    pub node: bool,
     names: AtomicUsize,
 }
 
@@ -66,7 +68,22 @@ pub fn run_build_script(script: &str) -> PathBuf {
 
 /// The shared control plane of this test binary, started on first use.
 pub fn control_plane() -> &'static ControlPlane {
-    CONTROL_PLANE.get_or_init(|| {
+    CONTROL_PLANE.get_or_init(|| start_control_plane(false))
+}
+
+/// The shared control plane of this test binary with a real node for the
+/// management cluster (`super::node`); the binary's first use decides.
+pub fn control_plane_with_node() -> &'static ControlPlane {
+    let cp = CONTROL_PLANE.get_or_init(|| start_control_plane(true));
+    assert!(
+        cp.node,
+        "this test binary's control plane was started without the real node: use control_plane_with_node first"
+    );
+    cp
+}
+
+fn start_control_plane(node: bool) -> ControlPlane {
+    {
         let harness = harness_binary();
         let state = std::env::temp_dir().join(format!("volume-gate-cp-{}", std::process::id()));
         std::fs::create_dir_all(&state).expect("state dir");
@@ -84,6 +101,7 @@ pub fn control_plane() -> &'static ControlPlane {
                 "--tenant",
                 "t0",
             ])
+            .args(node.then_some("--node"))
             .output()
             .expect("run harness up");
         assert!(
@@ -104,9 +122,10 @@ pub fn control_plane() -> &'static ControlPlane {
             harness,
             management,
             first_tenant_cluster: "t0".into(),
+            node,
             names: AtomicUsize::new(0),
         }
-    })
+    }
 }
 
 fn read_info(state: &Path, name: &str) -> ClusterInfo {

@@ -10,6 +10,7 @@ pub mod flux;
 pub mod gate;
 pub mod history;
 pub mod manifests;
+pub mod node;
 pub mod process;
 pub mod scratch;
 pub mod secret_volume;
