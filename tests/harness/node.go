@@ -10,12 +10,13 @@ package main
 // undone when it stops, and found and undone when a crashed run left it:
 //
 //   - bridge vgnode0 with 10.244.0.1/24 (the node's IP; Pods get
-//     10.244.0.10 and up), route_localnet on it, and two DNAT rules: a Pod's
+//     10.244.0.10 and up), route_localnet on it, and DNAT rules: a Pod's
 //     10.96.0.1:443 (the kubernetes Service) reaches the management API server
-//     on 127.0.0.1, and 10.244.0.1:PORT reaches 127.0.0.1:PORT (the tenant API
-//     servers, by the node's IP). Nothing is forwarded (ip_forward stays as it
-//     is) and Pods have no default route: their packets reach this machine and
-//     nothing beyond it.
+//     on 127.0.0.1, and 10.244.0.1:PORT, for the harness's listening ports,
+//     reaches 127.0.0.1:PORT (the tenant API servers, by the node's IP, from
+//     Pods and from this machine alike). Nothing is forwarded (ip_forward
+//     stays as it is) and Pods have no default route: their packets reach this
+//     machine and nothing beyond it. The kubelet listens on the node's IP.
 //   - cgroup /volume-gate-node in every v1 hierarchy (the kubelet's
 //     cgroupRoot), which holds every container.
 //   - the sysctls the kubelet sets (vm.overcommit_memory, kernel.panic, ...),
@@ -258,10 +259,18 @@ func (n *node) network(apiPort string) error {
 		return err
 	}
 	comment := []string{"-m", "comment", "--comment", nodeRuleTag}
+	// The harness's API servers listen on loopback ports of this range; the
+	// node's IP forwards exactly those to loopback, from Pods (PREROUTING)
+	// and from this machine's own processes (OUTPUT: the simulator reads the
+	// same kubeconfig Secrets as the Pods). The kubelet's own ports are below it.
+	lo, hi := listenPortRange()
+	ports := fmt.Sprintf("%d:%d", lo, hi-1)
 	rules := [][]string{
 		slices.Concat([]string{"PREROUTING", "-i", nodeBridge, "-d", kubernetesSvc + "/32", "-p", "tcp", "--dport", "443"}, comment,
 			[]string{"-j", "DNAT", "--to-destination", "127.0.0.1:" + apiPort}),
-		slices.Concat([]string{"PREROUTING", "-i", nodeBridge, "-d", nodeIP + "/32", "-p", "tcp"}, comment,
+		slices.Concat([]string{"PREROUTING", "-i", nodeBridge, "-d", nodeIP + "/32", "-p", "tcp", "--dport", ports}, comment,
+			[]string{"-j", "DNAT", "--to-destination", "127.0.0.1"}),
+		slices.Concat([]string{"OUTPUT", "-d", nodeIP + "/32", "-p", "tcp", "--dport", ports}, comment,
 			[]string{"-j", "DNAT", "--to-destination", "127.0.0.1"}),
 	}
 	for _, r := range rules {
@@ -520,7 +529,8 @@ func (n *node) importArchive(file string) error {
 }
 
 func (n *node) writeKubeletConfig(pkiDir string) (string, error) {
-	port, healthz := 10250, 10248
+	// Below listenPortRange, which the node's IP forwards to loopback.
+	port, healthz := 9250, 9248
 	config := fmt.Sprintf(`apiVersion: kubelet.config.k8s.io/v1beta1
 kind: KubeletConfiguration
 address: %s
