@@ -71,6 +71,11 @@ pub fn control_plane() -> &'static ControlPlane {
     CONTROL_PLANE.get_or_init(|| start_control_plane(false))
 }
 
+/// The control plane of this test binary, if started.
+pub fn running() -> Option<&'static ControlPlane> {
+    CONTROL_PLANE.get()
+}
+
 /// The shared control plane of this test binary with a real node for the
 /// management cluster (`super::node`); the binary's first use decides.
 pub fn control_plane_with_node() -> &'static ControlPlane {

@@ -16,6 +16,15 @@ use super::cluster::{ControlPlane, repo_root};
 /// The node's name (node.go's `nodeName`).
 pub const NODE: &str = "vg-node";
 
+/// The node's IP (node.go's `nodeIP`), by which Pods reach the harness's
+/// API servers.
+pub const NODE_IP: &str = "10.244.0.1";
+
+/// The node's IP when this binary's control plane runs the real node.
+pub fn address() -> Option<&'static str> {
+    super::cluster::running().filter(|cp| cp.node).map(|_| NODE_IP)
+}
+
 /// The image the chart's values name: `repository:tag`.
 pub fn chart_image() -> String {
     let path = repo_root().join("manifests/chart/volume-gate/values.yaml");

@@ -329,10 +329,14 @@ impl Tenant {
             .create(&pp, &tcp)
             .await
             .expect("create TenantControlPlane");
-        // Where Kamaji says the tenant's API server is.
-        let endpoint = self
-            .cluster
-            .server
+        // Where Kamaji says the tenant's API server is: with a real node,
+        // by the node's IP, which Pods and this machine's processes reach it
+        // by (the harness forwards it to loopback).
+        let rehost = |s: &str| match crate::node::address() {
+            Some(ip) => s.replace("https://127.0.0.1:", &format!("https://{ip}:")),
+            None => s.to_string(),
+        };
+        let endpoint = rehost(&self.cluster.server)
             .trim_start_matches("https://")
             .trim_end_matches('/')
             .to_string();
@@ -344,7 +348,8 @@ impl Tenant {
         .await
         .expect("TenantControlPlane status");
 
-        let kubeconfig = std::fs::read(&self.cluster.kubeconfig).expect("tenant kubeconfig");
+        let kubeconfig = std::fs::read_to_string(&self.cluster.kubeconfig).expect("tenant kubeconfig");
+        let kubeconfig = rehost(&kubeconfig).into_bytes();
         let secret: Secret = serde_json::from_value(json!({
             "metadata": {
                 "name": kubeconfig_secret,
