@@ -91,8 +91,10 @@ impl Simulator {
                 &control,
                 "--probe-interval",
                 "1s",
-                "--run-jobs",
             ])
+            // The Pods of Jobs (a chart's hooks) run as local shells on the
+            // simulated node, unless the management cluster has a real one.
+            .args(super::node::address().is_none().then_some("--run-jobs"))
             // In the state directory, which the harness removes: the
             // simulator is killed with its owner, before it could.
             .arg("--jobs-dir")
