@@ -18,6 +18,7 @@ use common::wait::eventually;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::Pod;
 use kube::api::{Api, DeleteParams, ListParams};
+use volume_gate::record::Phase;
 
 const NS: &str = "volume-gate";
 
@@ -129,4 +130,17 @@ async fn the_chart_as_installed_runs_on_the_node_ready_by_its_probes_and_serves_
         msg.contains("volume-gate") && msg.contains("CSI driver release") && msg.contains(&t.name),
         "{msg}"
     );
+
+    // The worker in its Pod takes custody, and the teardown frees every
+    // volume: the tenant's API reached by the node's IP, the management
+    // API by the kubernetes Service, the Lease held under the Pod's name.
+    t.wait_custody().await;
+    t.incident_workload().await;
+    t.wait_settled(5, 4).await;
+    assert_eq!(env.sim.volumes_of(&t.namespace, &t.name).len(), 5);
+    t.delete_parent().await;
+    t.wait_phase(Phase::Released, Duration::from_secs(240)).await;
+    t.wait_parent_gone(Duration::from_secs(180)).await;
+    let left = env.sim.volumes_of(&t.namespace, &t.name);
+    assert!(left.is_empty(), "volumes left on storage: {left:?}");
 }
