@@ -99,6 +99,7 @@ type simConfig struct {
 	probeInterval time.Duration
 	heartbeat     time.Duration
 	namespaces    map[string]bool // empty: every namespace
+	nodeIP        string          // the management cluster's real node's IP (up --node), if it has one
 }
 
 func runSim(args []string) int {
@@ -128,6 +129,7 @@ func parseSimFlags(args []string) (simConfig, error) {
 	var cfg simConfig
 	var nss names
 	fs.StringVar(&cfg.profile, "profile", "", "volume-gate's profile as JSON (`volume-gate profile` prints it): the platform's names (required)")
+	fs.StringVar(&cfg.nodeIP, "node-ip", "", "the IP of the management cluster's real node (harness up --node), whose API server routes to endpoints: virt-api then listens on it, registered by an EndpointSlice (endpoint routing has no ExternalName)")
 	fs.BoolVar(&cfg.runJobs, "run-jobs", false, "run the Pods of Jobs in the management cluster (a chart's hooks) as local shell processes on node "+jobsNodeName)
 	fs.StringVar(&cfg.jobsDir, "jobs-dir", "", "directory (created if missing) where --run-jobs runs the Pods' scripts; default a new temporary directory, removed when the simulator stops")
 	fs.StringVar(&cfg.management, "management", "", "kubeconfig of the management cluster (required)")

@@ -39,6 +39,7 @@ import (
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
+	discoveryv1 "k8s.io/api/discovery/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
@@ -315,7 +316,11 @@ func (v *virt) serveAPI(ctx context.Context) error {
 	if err != nil {
 		return err
 	}
-	l, err := net.Listen("tcp", "127.0.0.1:0")
+	host := "127.0.0.1"
+	if v.s.cfg.nodeIP != "" {
+		host = v.s.cfg.nodeIP
+	}
+	l, err := net.Listen("tcp", net.JoinHostPort(host, "0"))
 	if err != nil {
 		return err
 	}
@@ -333,7 +338,7 @@ func (v *virt) serveAPI(ctx context.Context) error {
 	if err := v.register(ctx, port, caPEM); err != nil {
 		return err
 	}
-	v.s.log.printf("virt", "", "started", "virt-api %s/v1 on 127.0.0.1:%d (APIService v1.%s, Service %s/%s)", subresourcesAPI, port, subresourcesAPI, virtNamespace, virtAPIService)
+	v.s.log.printf("virt", "", "started", "virt-api %s/v1 on %s:%d (APIService v1.%s, Service %s/%s)", subresourcesAPI, host, port, subresourcesAPI, virtNamespace, virtAPIService)
 	<-ctx.Done()
 	return nil
 }
@@ -350,6 +355,30 @@ func (v *virt) register(ctx context.Context, port int, caPEM []byte) error {
 		ObjectMeta: metav1.ObjectMeta{Name: virtAPIService, Namespace: virtNamespace},
 		Spec: corev1.ServiceSpec{Type: corev1.ServiceTypeExternalName, ExternalName: "localhost",
 			Ports: []corev1.ServicePort{{Name: "https", Port: int32(port)}}},
+	}
+	if v.s.cfg.nodeIP != "" {
+		// Routing to endpoints: a headless Service and its one endpoint,
+		// this server on the node's IP.
+		svc.Spec = corev1.ServiceSpec{Type: corev1.ServiceTypeClusterIP, ClusterIP: corev1.ClusterIPNone,
+			Ports: []corev1.ServicePort{{Name: "https", Port: int32(port)}}}
+		slice := &discoveryv1.EndpointSlice{
+			ObjectMeta: metav1.ObjectMeta{Name: virtAPIService, Namespace: virtNamespace,
+				Labels: map[string]string{discoveryv1.LabelServiceName: virtAPIService}},
+			AddressType: discoveryv1.AddressTypeIPv4,
+			Endpoints: []discoveryv1.Endpoint{{Addresses: []string{v.s.cfg.nodeIP},
+				Conditions: discoveryv1.EndpointConditions{Ready: ptr.To(true)}}},
+			Ports: []discoveryv1.EndpointPort{{Name: ptr.To("https"), Port: ptr.To(int32(port)), Protocol: ptr.To(corev1.ProtocolTCP)}},
+		}
+		slices := v.s.mgmt.DiscoveryV1().EndpointSlices(virtNamespace)
+		if old, err := slices.Get(ctx, slice.Name, metav1.GetOptions{}); err == nil {
+			slice.ResourceVersion = old.ResourceVersion
+			_, err = slices.Update(ctx, slice, metav1.UpdateOptions{})
+			if err != nil {
+				return fmt.Errorf("update EndpointSlice %s/%s: %w", virtNamespace, slice.Name, err)
+			}
+		} else if _, err := slices.Create(ctx, slice, metav1.CreateOptions{}); err != nil {
+			return fmt.Errorf("create EndpointSlice %s/%s: %w", virtNamespace, slice.Name, err)
+		}
 	}
 	services := v.s.mgmt.CoreV1().Services(virtNamespace)
 	if old, err := services.Get(ctx, svc.Name, metav1.GetOptions{}); err == nil {

@@ -95,6 +95,12 @@ impl Simulator {
             // The Pods of Jobs (a chart's hooks) run as local shells on the
             // simulated node, unless the management cluster has a real one.
             .args(super::node::address().is_none().then_some("--run-jobs"))
+            .args(
+                super::node::address()
+                    .map(|ip| ["--node-ip", ip])
+                    .into_iter()
+                    .flatten(),
+            )
             // In the state directory, which the harness removes: the
             // simulator is killed with its owner, before it could.
             .arg("--jobs-dir")
