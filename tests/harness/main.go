@@ -18,7 +18,7 @@ import (
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
 	kcm "k8s.io/kubernetes/cmd/kube-controller-manager/app"
 	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
-	kubelet "k8s.io/kubernetes/cmd/kubelet/app"
+	kubeletapp "k8s.io/kubernetes/cmd/kubelet/app"
 )
 
 const usage = `usage: harness COMMAND [flags]
@@ -78,7 +78,7 @@ func main() {
 	case "kube-scheduler":
 		os.Exit(cli.Run(scheduler.NewSchedulerCommand()))
 	case "kubelet":
-		os.Exit(cli.Run(kubelet.NewKubeletCommand(context.Background())))
+		os.Exit(cli.Run(kubeletapp.NewKubeletCommand(context.Background())))
 	case "kubectl":
 		if err := cli.RunNoErrOutput(kubectl.NewDefaultKubectlCommand()); err != nil {
 			kubectlutil.CheckErr(err) // prints the error as kubectl does and exits
