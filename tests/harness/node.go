@@ -431,6 +431,30 @@ func unmountUnder(dir string) {
 	}
 }
 
+// capSysResource is CAP_SYS_RESOURCE's bit in /proc/self/status's CapEff.
+const capSysResource = 24
+
+// canLowerOOMScore says whether this process may lower an oom_score_adj
+// below its own (CAP_SYS_RESOURCE). Some sandboxes drop it even for root:
+// the kubelet asks -998 for every Pod sandbox and runc, unable to write it,
+// fails the container ("nsexec: failed to update /proc/self/oom_score_adj:
+// Permission denied"). Without it containerd's restrict_oom_score_adj clamps
+// every score to containerd's own, the knob containerd has for exactly
+// this; the scores are not what anything here tests.
+func canLowerOOMScore() bool {
+	status, err := os.ReadFile("/proc/self/status")
+	if err != nil {
+		return false
+	}
+	for _, line := range strings.Split(string(status), "\n") {
+		if hex, ok := strings.CutPrefix(line, "CapEff:"); ok {
+			caps, err := strconv.ParseUint(strings.TrimSpace(hex), 16, 64)
+			return err == nil && caps&(1<<capSysResource) != 0
+		}
+	}
+	return false
+}
+
 func (n *node) writeContainerdConfig() error {
 	d := func(p string) string { return filepath.Join(n.dir, p) }
 	config := fmt.Sprintf(`version = 2
@@ -448,6 +472,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
   sandbox_image = %q
   disable_apparmor = true
   netns_mounts_under_state_dir = true
+  restrict_oom_score_adj = %t
   [plugins."io.containerd.grpc.v1.cri".containerd]
     snapshotter = "overlayfs"
     default_runtime_name = "runc"
@@ -458,7 +483,7 @@ disabled_plugins = ["io.containerd.snapshotter.v1.devmapper", "io.containerd.sna
   [plugins."io.containerd.grpc.v1.cri".cni]
     bin_dir = %q
     conf_dir = %q
-`, d("containerd/root"), d("containerd/state"), d("containerd.sock"), d("containerd/opt"), sandboxImage, cniBinDir, d("cni"))
+`, d("containerd/root"), d("containerd/state"), d("containerd.sock"), d("containerd/opt"), sandboxImage, !canLowerOOMScore(), cniBinDir, d("cni"))
 	return os.WriteFile(d("containerd.toml"), []byte(config), 0o644)
 }
 
