@@ -320,6 +320,9 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 	if s.jobs != nil {
 		s.wg.Go(func() { s.jobs.run(ctx) })
 	}
+	if s.jobs != nil || prof.infra != nil {
+		s.wg.Go(func() { s.runManagementNode(ctx) })
+	}
 
 	<-ctx.Done()
 	s.log.printf("sim", "", "stop", "signal received; stopping tenant workers")

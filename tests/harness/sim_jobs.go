@@ -32,8 +32,13 @@ import (
 
 const (
 	// jobsNodeName is the management cluster's one simulated node, where
-	// the Pods of Jobs run.
+	// the Pods of Jobs run (without a real node) and the VMs' hot-plug
+	// attachment Pods are bound.
 	jobsNodeName = "sim-management"
+	// simulatedTaint keeps the scheduler from placing a real Pod on the
+	// simulated node when a real node runs beside it; nothing schedules
+	// there otherwise (the Pods it holds are bound to it by name).
+	simulatedTaint = "volume-gate.test/simulated"
 	// jobNameLabel marks the Pods the Job controller creates.
 	jobNameLabel = "batch.kubernetes.io/job-name"
 	// jobTokenTTL is the lifetime of the ServiceAccount token a Pod's
@@ -64,6 +69,37 @@ type jobs struct {
 type jobProcess struct {
 	cmd  *exec.Cmd
 	done chan struct{}
+}
+
+// runManagementNode registers the simulated management node and keeps its
+// heartbeat until ctx ends: without it the pod GC controller deletes the
+// Pods bound to it (orphaned, after 40 s), the hot-plug attachment Pods
+// among them. It carries the NoSchedule taint simulatedTaint.
+func (s *sim) runManagementNode(ctx context.Context) {
+	taint := func(n *corev1.Node) {
+		if !slices.ContainsFunc(n.Spec.Taints, func(t corev1.Taint) bool { return t.Key == simulatedTaint }) {
+			n.Spec.Taints = append(n.Spec.Taints, corev1.Taint{Key: simulatedTaint, Value: "true", Effect: corev1.TaintEffectNoSchedule})
+		}
+	}
+	beat := func() {
+		err := beatNode(ctx, s.mgmt, jobsNodeName, func() {
+			s.log.printf("sim", "", "registered", "node %s in the management cluster", jobsNodeName)
+		}, taint)
+		if err != nil && ctx.Err() == nil {
+			s.log.printf("sim", "", "error", "heartbeat of node %s: %v", jobsNodeName, err)
+		}
+	}
+	beat()
+	t := time.NewTicker(s.cfg.heartbeat)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			beat()
+		}
+	}
 }
 
 func newJobs(s *sim) (*jobs, error) {
@@ -99,27 +135,6 @@ func (j *jobs) run(ctx context.Context) {
 	defer os.RemoveAll(filepath.Dir(j.bin))
 	j.q = newItemQueue("jobs")
 	defer j.q.ShutDown()
-	beat := func() {
-		err := beatNode(ctx, j.s.mgmt, jobsNodeName, func() {
-			j.s.log.printf("job", "", "registered", "node %s in the management cluster", jobsNodeName)
-		}, nil)
-		if err != nil && ctx.Err() == nil {
-			j.s.log.printf("job", "", "error", "heartbeat of node %s: %v", jobsNodeName, err)
-		}
-	}
-	beat()
-	go func() {
-		t := time.NewTicker(j.s.cfg.heartbeat)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-				beat()
-			}
-		}
-	}()
 	factory := informers.NewSharedInformerFactoryWithOptions(j.s.mgmt, 0,
 		informers.WithTweakListOptions(func(o *metav1.ListOptions) { o.LabelSelector = jobNameLabel }))
 	inf := factory.Core().V1().Pods()
