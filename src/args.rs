@@ -58,6 +58,11 @@ pub struct WebhookArgs {
     /// How often to re-read the certificate and key.
     #[arg(long, default_value = "5s", value_parser = parse_duration)]
     pub cert_reload_interval: Duration,
+    /// After SIGTERM, how long to go on serving before draining: the time
+    /// for the API server (and kube-proxy) to stop choosing this Pod. The
+    /// chart sets it; 0 drains at once.
+    #[arg(long, default_value = "0s", value_parser = parse_duration)]
+    pub shutdown_delay: Duration,
     /// The worker's username: the only identity that writes the record and
     /// removes the custody finalizer.
     #[arg(long, default_value = DEFAULT_WORKER_IDENTITY, env = "VOLUME_GATE_WORKER_IDENTITY")]

@@ -11,66 +11,111 @@
 
 use volume_gate_testkit as common;
 
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
+use common::chart::{WEBHOOK_CONFIGURATIONS, helm_ok, webhook_configuration};
 use common::tenant::Tenant;
 use common::wait::eventually;
 use k8s_openapi::api::apps::v1::Deployment;
-use k8s_openapi::api::core::v1::Pod;
-use kube::api::{Api, DeleteParams, ListParams};
+use k8s_openapi::api::core::v1::{Event, Pod};
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams, LogParams, Patch, PatchParams};
+use serde_json::json;
 use volume_gate::record::Phase;
 
 const NS: &str = "volume-gate";
 
+/// A container of `pod` that has stopped with an error (a wrong argument,
+/// mount or probe in the chart): its exit and the end of its log.
+async fn crashed(pods: &Api<Pod>, pod: &Pod) -> Option<String> {
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    for c in pod.status.as_ref()?.container_statuses.as_ref()? {
+        let last = c.last_state.as_ref().and_then(|s| s.terminated.as_ref());
+        let now = c.state.as_ref().and_then(|s| s.terminated.as_ref());
+        let Some(t) = now.or(last).filter(|t| t.exit_code != 0) else {
+            continue;
+        };
+        let log = pods
+            .logs(
+                &name,
+                &LogParams {
+                    container: Some(c.name.clone()),
+                    previous: now.is_none(),
+                    tail_lines: Some(20),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap_or_else(|e| format!("(its log could not be read: {e})"));
+        return Some(format!(
+            "container {} of Pod {name} exited {} ({}), restarts {}; its log:\n{log}",
+            c.name,
+            t.exit_code,
+            t.reason.clone().unwrap_or_default(),
+            c.restart_count
+        ));
+    }
+    None
+}
+
 /// The Pods of one of the chart's components, all Running and Ready on the
-/// node, and their image.
+/// node. A container that stops with an error fails at once, with its log.
 async fn ready_on_the_node(pods: &Api<Pod>, component: &str, replicas: usize) -> Vec<Pod> {
     let selector =
         format!("app.kubernetes.io/name=volume-gate,app.kubernetes.io/component={component}");
-    eventually(
-        &format!("{replicas} {component} Pods Running and Ready on {}", common::node::NODE),
-        Duration::from_secs(180),
-        || async {
-            let list = pods
-                .list(&ListParams::default().labels(&selector))
-                .await
-                .map_err(|e| e.to_string())?;
-            let ready: Vec<Pod> = list
-                .items
-                .iter()
-                .filter(|p| {
-                    let on_node = p.spec.as_ref().and_then(|s| s.node_name.as_deref())
-                        == Some(common::node::NODE);
-                    let ready = p
-                        .status
-                        .as_ref()
-                        .and_then(|s| s.conditions.as_ref())
-                        .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
-                    on_node && ready
-                })
-                .cloned()
-                .collect();
-            if ready.len() == replicas {
-                Ok(ready)
-            } else {
-                Err(format!(
-                    "{} of {} ready: {:?}",
-                    ready.len(),
-                    list.items.len(),
-                    list.items
-                        .iter()
-                        .map(|p| (p.metadata.name.clone(), p.status.as_ref().map(|s| (s.phase.clone(), s.container_statuses.clone()))))
-                        .collect::<Vec<_>>()
-                ))
+    let deadline = std::time::Instant::now() + Duration::from_secs(180);
+    loop {
+        let list = pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .expect("list the chart's Pods");
+        for pod in &list.items {
+            if let Some(crash) = crashed(pods, pod).await {
+                panic!("the chart's {component} does not run as installed: {crash}");
             }
-        },
-    )
-    .await
+        }
+        let ready: Vec<Pod> = list
+            .items
+            .iter()
+            .filter(|p| {
+                let on_node = p.spec.as_ref().and_then(|s| s.node_name.as_deref())
+                    == Some(common::node::NODE);
+                let ready = p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+                on_node && ready && p.metadata.deletion_timestamp.is_none()
+            })
+            .cloned()
+            .collect();
+        if ready.len() == replicas {
+            return ready;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{replicas} {component} Pods Running and Ready on {}: {} of {} ready: {:?}",
+            common::node::NODE,
+            ready.len(),
+            list.items.len(),
+            list.items
+                .iter()
+                .map(|p| (
+                    p.metadata.name.clone(),
+                    p.status
+                        .as_ref()
+                        .map(|s| (s.phase.clone(), s.container_statuses.clone()))
+                ))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn the_chart_as_installed_runs_on_the_node_ready_by_its_probes_and_serves_admission_through_its_service()
-{
+async fn the_chart_as_installed_runs_on_the_node_serves_admission_frees_a_tenant_upgrades_under_load_and_uninstalls()
+ {
     let cp = common::cluster::control_plane_with_node();
     let env = common::env(common::EnvConfig::ungated());
     let client = cp.management_client().await;
@@ -89,14 +134,14 @@ async fn the_chart_as_installed_runs_on_the_node_ready_by_its_probes_and_serves_
             NS,
             "--kubeconfig",
             cp.management.kubeconfig.to_str().unwrap(),
-            "--wait",
-            "--timeout",
-            "4m",
         ],
     );
 
     let pods: Api<Pod> = Api::namespaced(client.clone(), NS);
-    for (component, deployment) in [("webhook", "volume-gate-webhook"), ("worker", "volume-gate-worker")] {
+    for (component, deployment) in [
+        ("webhook", "volume-gate-webhook"),
+        ("worker", "volume-gate-worker"),
+    ] {
         let replicas = Api::<Deployment>::namespaced(client.clone(), NS)
             .get(deployment)
             .await
@@ -108,7 +153,9 @@ async fn the_chart_as_installed_runs_on_the_node_ready_by_its_probes_and_serves_
             let status = pod.status.unwrap_or_default();
             let containers = status.container_statuses.unwrap_or_default();
             assert!(
-                containers.iter().all(|c| c.image.ends_with(&image) || c.image == image),
+                containers
+                    .iter()
+                    .all(|c| c.image.ends_with(&image) || c.image == image),
                 "{component} runs {image}: {containers:?}"
             );
         }
@@ -138,8 +185,293 @@ async fn the_chart_as_installed_runs_on_the_node_ready_by_its_probes_and_serves_
     t.incident_workload().await;
     assert_eq!(env.sim.volumes_of(&t.namespace, &t.name).len(), 4);
     t.delete_parent().await;
-    t.wait_phase(Phase::Released, Duration::from_secs(240)).await;
+    t.wait_phase(Phase::Released, Duration::from_secs(240))
+        .await;
     t.wait_parent_gone(Duration::from_secs(180)).await;
     let left = env.sim.volumes_of(&t.namespace, &t.name);
     assert!(left.is_empty(), "volumes left on storage: {left:?}");
+    // The tenant chart's pre-delete hook ran as a real Job: its Pod started
+    // in a container on the node, in Cozystack's hook image (the kubelet's
+    // Events outlive the Pod, which the hook's delete policy removes).
+    let events: Vec<Event> = Api::<Event>::namespaced(client.clone(), &t.namespace)
+        .list(&ListParams::default())
+        .await
+        .expect("the tenant namespace's Events")
+        .items;
+    let started: Vec<&Event> = events
+        .iter()
+        .filter(|e| {
+            e.reason.as_deref() == Some("Started")
+                && e.involved_object.kind.as_deref() == Some("Pod")
+                && e.involved_object
+                    .name
+                    .as_deref()
+                    .is_some_and(|n| n.contains("-pre-cleanup-"))
+        })
+        .collect();
+    assert!(
+        !started.is_empty()
+            && started.iter().all(|e| {
+                e.source.as_ref().and_then(|s| s.host.as_deref()) == Some(common::node::NODE)
+                    || e.reporting_instance.as_deref() == Some(common::node::NODE)
+            }),
+        "the hook's Pod started on {}: {:?}",
+        common::node::NODE,
+        events
+            .iter()
+            .map(|e| (
+                e.reason.clone(),
+                e.involved_object.name.clone(),
+                e.source.clone()
+            ))
+            .collect::<Vec<_>>()
+    );
+
+    // A rolling upgrade (a new image tag, as a release brings) under a
+    // steady stream of admission requests: every one is answered by the
+    // gate while old webhook Pods stop and new ones start.
+    let u = Tenant::create(env.cp, &env.cp.unique("upgrade")).await;
+    u.wait_custody().await;
+    let next = common::node::import_volume_gate_image_as(
+        cp,
+        &common::gate::binary(),
+        &image.replace(":", ":upgrade-"),
+    );
+    let tag = next.rsplit(':').next().unwrap().to_string();
+    let stop = Arc::new(AtomicBool::new(false));
+    let load = tokio::spawn(dry_run_deletions(
+        u.hr_api(),
+        u.name.clone(),
+        3,
+        stop.clone(),
+    ));
+    let kubeconfig = cp.management.kubeconfig.to_str().unwrap().to_string();
+    let upgrade = {
+        let (chart, kubeconfig, tag) = (chart.clone(), kubeconfig.clone(), tag.clone());
+        tokio::task::spawn_blocking(move || {
+            let tag = format!("image.tag={tag}");
+            helm_ok(
+                "helm upgrade",
+                &[
+                    "upgrade",
+                    "volume-gate",
+                    chart.to_str().unwrap(),
+                    "--namespace",
+                    NS,
+                    "--kubeconfig",
+                    &kubeconfig,
+                    "--reuse-values",
+                    "--set",
+                    &tag,
+                    "--wait",
+                    "--timeout",
+                    "4m",
+                ],
+            )
+        })
+    };
+    upgrade.await.expect("helm upgrade");
+    let replicas = Api::<Deployment>::namespaced(client.clone(), NS)
+        .get("volume-gate-webhook")
+        .await
+        .expect("the webhook Deployment")
+        .spec
+        .replicas
+        .unwrap_or(1) as usize;
+    webhook_rolled_out(&pods, &next, replicas).await;
+    stop.store(true, Ordering::SeqCst);
+    let load = load.await.expect("load");
+    println!(
+        "rolling upgrade: {} admission requests refused by the gate, {} failed",
+        load.refused,
+        load.failed.len()
+    );
+    assert!(
+        load.failed.is_empty(),
+        "{} of {} admission requests failed during the rolling upgrade, first: {:?}",
+        load.failed.len(),
+        load.failed.len() + load.refused,
+        load.failed.iter().take(3).collect::<Vec<_>>()
+    );
+    assert!(load.refused > 0, "the load ran");
+
+    // The README's uninstall: custody handed back first (worker scaled to
+    // zero, webhook configurations deleted, `volume-gate custody release`),
+    // then `helm uninstall`: the live tenant keeps nothing of the gate.
+    let deployments = Api::<Deployment>::namespaced(client.clone(), NS);
+    deployments
+        .patch(
+            "volume-gate-worker",
+            &PatchParams::default(),
+            &Patch::Merge(&json!({"spec": {"replicas": 0}})),
+        )
+        .await
+        .expect("scale the worker to zero");
+    eventually("no worker Pod left", Duration::from_secs(120), || async {
+        let left = pods
+            .list(
+                &ListParams::default().labels(
+                    "app.kubernetes.io/name=volume-gate,app.kubernetes.io/component=worker",
+                ),
+            )
+            .await
+            .map_err(|e| e.to_string())?;
+        if left.items.is_empty() {
+            Ok(())
+        } else {
+            Err(format!("{} left", left.items.len()))
+        }
+    })
+    .await;
+    for (kind, plural) in WEBHOOK_CONFIGURATIONS {
+        Api::<DynamicObject>::all_with(client.clone(), &webhook_configuration(kind, plural))
+            .delete("volume-gate", &DeleteParams::default())
+            .await
+            .unwrap_or_else(|e| panic!("delete {kind}: {e}"));
+    }
+    let out = std::process::Command::new(common::gate::binary())
+        .args(["custody", "release"])
+        .env("KUBECONFIG", &cp.management.kubeconfig)
+        .output()
+        .expect("run volume-gate custody release");
+    assert!(
+        out.status.success(),
+        "{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    helm_ok(
+        "helm uninstall",
+        &[
+            "uninstall",
+            "volume-gate",
+            "--namespace",
+            NS,
+            "--kubeconfig",
+            &kubeconfig,
+            "--wait",
+        ],
+    );
+    let finalizers = u
+        .parent()
+        .await
+        .expect("the live tenant")
+        .metadata
+        .finalizers
+        .unwrap_or_default();
+    assert!(
+        !finalizers.contains(&common::profile().custody_finalizer),
+        "custody handed back: {finalizers:?}"
+    );
+    eventually(
+        "no Pod of the gate left",
+        Duration::from_secs(120),
+        || async {
+            let left = pods
+                .list(&ListParams::default().labels("app.kubernetes.io/name=volume-gate"))
+                .await
+                .map_err(|e| e.to_string())?;
+            if left.items.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{} left", left.items.len()))
+            }
+        },
+    )
+    .await;
+}
+
+/// What a stream of admission requests met: the gate's refusal (served),
+/// or anything else (an allowed deletion the gate did not earn, or the API
+/// server failing to call the webhook).
+#[derive(Default)]
+struct Load {
+    refused: usize,
+    failed: Vec<String>,
+}
+
+/// Sends dry-run deletions of tenant `name`'s CSI driver release through
+/// `api` (its namespace's HelmReleases), `workers` at a time, until `stop`:
+/// each must come back refused by the gate.
+async fn dry_run_deletions(
+    api: Api<DynamicObject>,
+    name: String,
+    workers: usize,
+    stop: Arc<AtomicBool>,
+) -> Load {
+    let release = common::profile().csi_release_name(&name);
+    let mut tasks = Vec::new();
+    for _ in 0..workers {
+        let (api, release, stop) = (api.clone(), release.clone(), stop.clone());
+        let name = name.clone();
+        tasks.push(tokio::spawn(async move {
+            let mut load = Load::default();
+            let dry_run = DeleteParams {
+                dry_run: true,
+                ..Default::default()
+            };
+            while !stop.load(Ordering::SeqCst) {
+                match api.delete(&release, &dry_run).await {
+                    Err(e) => {
+                        let msg = e.to_string();
+                        if msg.contains("volume-gate")
+                            && msg.contains("CSI driver release")
+                            && msg.contains(&name)
+                        {
+                            load.refused += 1;
+                        } else {
+                            load.failed.push(msg);
+                        }
+                    }
+                    Ok(_) => load.failed.push("allowed".into()),
+                }
+            }
+            load
+        }));
+    }
+    let mut total = Load::default();
+    for task in tasks {
+        let load = task.await.expect("load task");
+        total.refused += load.refused;
+        total.failed.extend(load.failed);
+    }
+    total
+}
+
+/// The chart's webhook Pods: exactly `replicas`, all running `image`,
+/// none terminating.
+async fn webhook_rolled_out(pods: &Api<Pod>, image: &str, replicas: usize) {
+    let selector = "app.kubernetes.io/name=volume-gate,app.kubernetes.io/component=webhook";
+    eventually(
+        "the webhook rolled out, the old Pods gone",
+        Duration::from_secs(180),
+        || async {
+            let list = pods
+                .list(&ListParams::default().labels(selector))
+                .await
+                .map_err(|e| e.to_string())?;
+            let seen: Vec<(Option<String>, String, bool)> = list
+                .items
+                .iter()
+                .map(|p| {
+                    let image = p
+                        .spec
+                        .as_ref()
+                        .map(|s| s.containers[0].image.clone().unwrap_or_default())
+                        .unwrap_or_default();
+                    (
+                        p.metadata.name.clone(),
+                        image,
+                        p.metadata.deletion_timestamp.is_some(),
+                    )
+                })
+                .collect();
+            if seen.len() == replicas && seen.iter().all(|(_, i, deleting)| i == image && !deleting)
+            {
+                Ok(())
+            } else {
+                Err(format!("{seen:?}"))
+            }
+        },
+    )
+    .await
 }

@@ -12,6 +12,7 @@ use axum::http::{StatusCode, header};
 use axum::response::{IntoResponse, Response};
 use axum::routing::post;
 use http_body_util::{BodyExt, Limited};
+use tokio_util::sync::CancellationToken;
 use tracing::{info, warn};
 
 use super::decide::{Verdict, cannot_judge};
@@ -209,7 +210,31 @@ fn json_response(status: StatusCode, body: Vec<u8>) -> Response {
     (status, [(header::CONTENT_TYPE, "application/json")], body).into_response()
 }
 
-/// `volume-gate webhook`: serve until SIGTERM/SIGINT, then drain.
+/// A token cancelled `delay` after `shutdown` is. A Pod being deleted gets
+/// SIGTERM while the API server may still pick it for a webhook call, and
+/// may write to a kept-alive connection the moment it is closed ("broken
+/// pipe", a failed admission, seen in a rolling upgrade on a real node): it
+/// goes on serving, new connections too, until its endpoint is gone.
+fn delayed(shutdown: CancellationToken, delay: Duration) -> CancellationToken {
+    if delay.is_zero() {
+        return shutdown;
+    }
+    let stop = CancellationToken::new();
+    let later = stop.clone();
+    tokio::spawn(async move {
+        shutdown.cancelled().await;
+        info!(
+            delay_seconds = delay.as_secs_f64(),
+            "serving on before draining, while the endpoints drop this Pod"
+        );
+        tokio::time::sleep(delay).await;
+        later.cancel();
+    });
+    stop
+}
+
+/// `volume-gate webhook`: serve until SIGTERM/SIGINT (and `--shutdown-delay`
+/// after it), then drain.
 pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
     let rt = Runtime::start(&args.common).await?;
     let gate = Arc::new(Gate::new(
@@ -233,7 +258,7 @@ pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
         listener,
         tls_config,
         router(gate, args.max_body_bytes),
-        rt.shutdown.clone(),
+        delayed(rt.shutdown.clone(), args.shutdown_delay),
     )
     .await;
     rt.finish().await;

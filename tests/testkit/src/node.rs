@@ -22,16 +22,18 @@ pub const NODE_IP: &str = "10.244.0.1";
 
 /// The node's IP when this binary's control plane runs the real node.
 pub fn address() -> Option<&'static str> {
-    super::cluster::running().filter(|cp| cp.node).map(|_| NODE_IP)
+    super::cluster::running()
+        .filter(|cp| cp.node)
+        .map(|_| NODE_IP)
 }
 
 /// The image the chart's values name: `repository:tag`.
 pub fn chart_image() -> String {
     let path = repo_root().join("manifests/chart/volume-gate/values.yaml");
-    let text = std::fs::read_to_string(&path)
-        .unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
-    let values: Value = serde_saphyr::from_str(&text)
-        .unwrap_or_else(|e| panic!("parse {}: {e}", path.display()));
+    let text =
+        std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
+    let values: Value =
+        serde_saphyr::from_str(&text).unwrap_or_else(|e| panic!("parse {}: {e}", path.display()));
     let image = &values["image"];
     format!(
         "{}:{}",
@@ -48,7 +50,12 @@ fn shared_libraries(binary: &Path) -> Vec<PathBuf> {
         .arg(binary)
         .output()
         .unwrap_or_else(|e| panic!("ldd {}: {e}", binary.display()));
-    assert!(out.status.success(), "ldd {}: {}", binary.display(), String::from_utf8_lossy(&out.stderr));
+    assert!(
+        out.status.success(),
+        "ldd {}: {}",
+        binary.display(),
+        String::from_utf8_lossy(&out.stderr)
+    );
     String::from_utf8_lossy(&out.stdout)
         .lines()
         .filter_map(|line| {
@@ -64,9 +71,15 @@ fn shared_libraries(binary: &Path) -> Vec<PathBuf> {
 }
 
 /// Writes volume-gate's image archive (from `binary`) under the state
-/// directory and imports it into the node; returns the image's name.
+/// directory and imports it into the node under the name the chart's values
+/// give; returns that name.
 pub fn import_volume_gate_image(cp: &ControlPlane, binary: &Path) -> String {
-    let name = chart_image();
+    import_volume_gate_image_as(cp, binary, &chart_image())
+}
+
+/// The same image imported under `name` (another tag, for an upgrade).
+pub fn import_volume_gate_image_as(cp: &ControlPlane, binary: &Path, name: &str) -> String {
+    let name = name.to_string();
     let dir = cp.state.join("images");
     std::fs::create_dir_all(&dir).expect("images dir");
     // distroless/cc's nonroot user and group.
@@ -78,7 +91,10 @@ pub fn import_volume_gate_image(cp: &ControlPlane, binary: &Path) -> String {
     .unwrap();
     let group = dir.join("group");
     std::fs::write(&group, "root:x:0:\nnonroot:x:65532:\n").unwrap();
-    let archive = dir.join("volume-gate.tar");
+    let archive = dir.join(format!(
+        "volume-gate-{}.tar",
+        name.rsplit(':').next().unwrap_or("image")
+    ));
     let mut cmd = Command::new(&cp.harness);
     cmd.arg("image")
         .arg("--out")
@@ -96,7 +112,8 @@ pub fn import_volume_gate_image(cp: &ControlPlane, binary: &Path) -> String {
         .arg("--file")
         .arg("/etc/ssl/certs/ca-certificates.crt=/etc/ssl/certs/ca-certificates.crt");
     for lib in shared_libraries(binary) {
-        cmd.arg("--file").arg(format!("{}={}", lib.display(), lib.display()));
+        cmd.arg("--file")
+            .arg(format!("{}={}", lib.display(), lib.display()));
     }
     run(&mut cmd, "harness image");
     run(

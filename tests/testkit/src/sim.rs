@@ -86,12 +86,7 @@ impl Simulator {
             // it), as the simulator is killed with its owner.
             .arg("--run-dir")
             .arg(cp.state.join(cp.unique("csi")))
-            .args([
-                "--control",
-                &control,
-                "--probe-interval",
-                "1s",
-            ])
+            .args(["--control", &control, "--probe-interval", "1s"])
             // The Pods of Jobs (a chart's hooks) run as local shells on the
             // simulated node, unless the management cluster has a real one.
             .args(super::node::address().is_none().then_some("--run-jobs"))

@@ -348,7 +348,8 @@ impl Tenant {
         .await
         .expect("TenantControlPlane status");
 
-        let kubeconfig = std::fs::read_to_string(&self.cluster.kubeconfig).expect("tenant kubeconfig");
+        let kubeconfig =
+            std::fs::read_to_string(&self.cluster.kubeconfig).expect("tenant kubeconfig");
         let kubeconfig = rehost(&kubeconfig).into_bytes();
         let secret: Secret = serde_json::from_value(json!({
             "metadata": {
