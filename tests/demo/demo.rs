@@ -8,6 +8,11 @@
 //! the gate holding the teardown (the hook refused, Flux's `UninstallFailed`)
 //! until every volume is freed, and the worker's retry request ending it.
 //! Everything it starts stops when it exits.
+//!
+//! `cargo run --example demo -- --node` (root; `docs/node.md`): the same on
+//! a real node of the management cluster, volume-gate installed by `helm
+//! install` from its chart and running in containers there, the tenant
+//! chart's hook a real Job on that node.
 
 use volume_gate_testkit as common;
 
@@ -16,6 +21,8 @@ use std::time::{Duration, Instant};
 use common::flux::ready_condition;
 use common::history::Seen;
 use common::tenant::Tenant;
+use k8s_openapi::api::core::v1::{Event, Pod};
+use kube::api::{Api, ListParams};
 use volume_gate::record::Phase;
 
 fn step(n: u32, text: &str) {
@@ -54,29 +61,72 @@ async fn main() {
         1,
         "Starting a local control plane (building the harness and helm-controller on first use; a cold build takes minutes)",
     );
-    let cp = common::cluster::control_plane();
+    let on_node = std::env::args().any(|a| a == "--node");
+    let cp = if on_node {
+        bash_node_deps();
+        common::cluster::control_plane_with_node()
+    } else {
+        common::cluster::control_plane()
+    };
     println!(
         "    management kubeconfig: {}",
         cp.management.kubeconfig.display()
     );
 
-    step(
-        2,
-        "Installing volume-gate from manifests/, the simulator, and Flux's real helm-controller",
-    );
-    let env = tokio::task::spawn_blocking(common::gated)
-        .await
-        .expect("install");
+    let (env, _installed) = if on_node {
+        step(
+            2,
+            "Installing volume-gate with `helm install` from its chart, on the real node vg-node; the simulator, Flux's real helm-controller",
+        );
+        let env = common::env(common::EnvConfig::ungated());
+        let installed = common::node::install_chart(cp, "volume-gate").await;
+        let pods: Api<Pod> = Api::namespaced(cp.management_client().await, "volume-gate");
+        for p in pods
+            .list(&ListParams::default())
+            .await
+            .expect("list the gate's Pods")
+            .items
+        {
+            let ip = p
+                .status
+                .as_ref()
+                .and_then(|s| s.pod_ip.clone())
+                .unwrap_or_default();
+            let node = p
+                .spec
+                .as_ref()
+                .and_then(|s| s.node_name.clone())
+                .unwrap_or_default();
+            println!(
+                "    Pod {} Ready on {node} ({ip}), image {}",
+                p.metadata.name.unwrap_or_default(),
+                installed.image
+            );
+        }
+        (env, Some(installed))
+    } else {
+        step(
+            2,
+            "Installing volume-gate from manifests/, the simulator, and Flux's real helm-controller",
+        );
+        let env = tokio::task::spawn_blocking(common::gated)
+            .await
+            .expect("install");
+        println!(
+            "    webhook on https://127.0.0.1:{}, worker leading; logs in {}",
+            env.gate.as_ref().unwrap().lock().unwrap().webhook_port,
+            cp.state.join("logs").display()
+        );
+        (env, None)
+    };
     let flux = common::flux::flux(cp).await;
     println!(
-        "    webhook on https://127.0.0.1:{}, worker leading; helm-controller {}; logs in {}",
-        env.gate.as_ref().unwrap().lock().unwrap().webhook_port,
+        "    helm-controller {}",
         if flux.process.alive() {
             "running"
         } else {
             "NOT running"
-        },
-        cp.state.join("logs").display()
+        }
     );
 
     step(
@@ -142,6 +192,37 @@ async fn main() {
         5,
         "The pre-delete hook (a real Job, run by Flux's Helm): refused while the volumes were held, then to the end",
     );
+    if on_node {
+        // The hook's Pods ran on the node; the kubelet's Events outlive them.
+        let events = Api::<Event>::namespaced(cp.management_client().await, &t.namespace)
+            .list(&ListParams::default())
+            .await
+            .expect("the tenant namespace's Events")
+            .items;
+        for e in events.iter().filter(|e| {
+            e.involved_object
+                .name
+                .as_deref()
+                .is_some_and(|n| n.contains("-pre-cleanup"))
+        }) {
+            let from = e
+                .source
+                .as_ref()
+                .and_then(|s| s.host.clone().or(s.component.clone()))
+                .unwrap_or_default();
+            let short: String = format!(
+                "{} {} {}: {}",
+                e.involved_object.kind.clone().unwrap_or_default(),
+                e.involved_object.name.clone().unwrap_or_default(),
+                e.reason.clone().unwrap_or_default(),
+                e.message.clone().unwrap_or_default()
+            )
+            .chars()
+            .take(260)
+            .collect();
+            println!("    [{from}] {short}");
+        }
+    }
     for line in env.sim.hook_lines(&t.namespace, &t.name) {
         if [
             " running ",
@@ -173,4 +254,15 @@ async fn main() {
     if !after.is_empty() {
         std::process::exit(1);
     }
+}
+
+/// The real node's Debian packages, installed when missing (as the test
+/// suite does).
+fn bash_node_deps() {
+    let script = common::cluster::repo_root().join("tests/harness/node-deps.sh");
+    let status = std::process::Command::new("bash")
+        .arg(&script)
+        .status()
+        .expect("run tests/harness/node-deps.sh");
+    assert!(status.success(), "{} failed", script.display());
 }

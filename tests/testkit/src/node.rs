@@ -9,8 +9,14 @@
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
+use std::time::Duration;
+
+use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::core::v1::Pod;
+use kube::api::{Api, ListParams, LogParams};
 use serde_json::Value;
 
+use super::certmanager::CertManager;
 use super::cluster::{ControlPlane, repo_root};
 
 /// The node's name (node.go's `nodeName`).
@@ -135,4 +141,149 @@ fn run(cmd: &mut Command, what: &str) {
         String::from_utf8_lossy(&out.stdout),
         String::from_utf8_lossy(&out.stderr)
     );
+}
+
+/// The chart installed on the node; cert-manager runs while it is held.
+pub struct Installed {
+    pub image: String,
+    pub chart: PathBuf,
+    pub cert_manager: CertManager,
+}
+
+/// Installs the chart as a user does (`helm install` with its default
+/// values, cert-manager issuing the serving certificate) into `namespace`,
+/// volume-gate's image imported under the name the values give; returns once
+/// both Deployments' Pods are Running and Ready on the node, in that image.
+pub async fn install_chart(cp: &ControlPlane, namespace: &str) -> Installed {
+    let client = cp.management_client().await;
+    cp.namespace(namespace).await;
+    let image = import_volume_gate_image(cp, &super::gate::binary());
+    let cert_manager = super::certmanager::start(cp, namespace).await;
+    let chart = repo_root().join("manifests/chart/volume-gate");
+    super::chart::helm_ok(
+        "helm install",
+        &[
+            "install",
+            "volume-gate",
+            chart.to_str().unwrap(),
+            "--namespace",
+            namespace,
+            "--kubeconfig",
+            cp.management.kubeconfig.to_str().unwrap(),
+        ],
+    );
+    let pods: Api<Pod> = Api::namespaced(client.clone(), namespace);
+    for (component, deployment) in [
+        ("webhook", "volume-gate-webhook"),
+        ("worker", "volume-gate-worker"),
+    ] {
+        let replicas = Api::<Deployment>::namespaced(client.clone(), namespace)
+            .get(deployment)
+            .await
+            .unwrap_or_else(|e| panic!("Deployment {deployment}: {e}"))
+            .spec
+            .replicas
+            .unwrap_or(1) as usize;
+        for pod in ready_on_the_node(&pods, component, replicas).await {
+            let status = pod.status.unwrap_or_default();
+            let containers = status.container_statuses.unwrap_or_default();
+            assert!(
+                containers
+                    .iter()
+                    .all(|c| c.image.ends_with(&image) || c.image == image),
+                "{component} runs {image}: {containers:?}"
+            );
+        }
+    }
+    Installed {
+        image,
+        chart,
+        cert_manager,
+    }
+}
+
+/// A container of `pod` that has stopped with an error (a wrong argument,
+/// mount or probe in the chart): its exit and the end of its log.
+pub async fn crashed(pods: &Api<Pod>, pod: &Pod) -> Option<String> {
+    let name = pod.metadata.name.clone().unwrap_or_default();
+    for c in pod.status.as_ref()?.container_statuses.as_ref()? {
+        let last = c.last_state.as_ref().and_then(|s| s.terminated.as_ref());
+        let now = c.state.as_ref().and_then(|s| s.terminated.as_ref());
+        let Some(t) = now.or(last).filter(|t| t.exit_code != 0) else {
+            continue;
+        };
+        let log = pods
+            .logs(
+                &name,
+                &LogParams {
+                    container: Some(c.name.clone()),
+                    previous: now.is_none(),
+                    tail_lines: Some(20),
+                    ..Default::default()
+                },
+            )
+            .await
+            .unwrap_or_else(|e| format!("(its log could not be read: {e})"));
+        return Some(format!(
+            "container {} of Pod {name} exited {} ({}), restarts {}; its log:\n{log}",
+            c.name,
+            t.exit_code,
+            t.reason.clone().unwrap_or_default(),
+            c.restart_count
+        ));
+    }
+    None
+}
+
+/// The Pods of one of the chart's components, all Running and Ready on the
+/// node. A container that stops with an error fails at once, with its log.
+pub async fn ready_on_the_node(pods: &Api<Pod>, component: &str, replicas: usize) -> Vec<Pod> {
+    let selector =
+        format!("app.kubernetes.io/name=volume-gate,app.kubernetes.io/component={component}");
+    let deadline = std::time::Instant::now() + Duration::from_secs(180);
+    loop {
+        let list = pods
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .expect("list the chart's Pods");
+        for pod in &list.items {
+            if let Some(crash) = crashed(pods, pod).await {
+                panic!("the chart's {component} does not run as installed: {crash}");
+            }
+        }
+        let ready: Vec<Pod> = list
+            .items
+            .iter()
+            .filter(|p| {
+                let on_node = p.spec.as_ref().and_then(|s| s.node_name.as_deref()) == Some(NODE);
+                let ready = p
+                    .status
+                    .as_ref()
+                    .and_then(|s| s.conditions.as_ref())
+                    .is_some_and(|cs| cs.iter().any(|c| c.type_ == "Ready" && c.status == "True"));
+                on_node && ready && p.metadata.deletion_timestamp.is_none()
+            })
+            .cloned()
+            .collect();
+        if ready.len() == replicas {
+            return ready;
+        }
+        assert!(
+            std::time::Instant::now() < deadline,
+            "{replicas} {component} Pods Running and Ready on {}: {} of {} ready: {:?}",
+            NODE,
+            ready.len(),
+            list.items.len(),
+            list.items
+                .iter()
+                .map(|p| (
+                    p.metadata.name.clone(),
+                    p.status
+                        .as_ref()
+                        .map(|s| (s.phase.clone(), s.container_statuses.clone()))
+                ))
+                .collect::<Vec<_>>()
+        );
+        tokio::time::sleep(Duration::from_millis(500)).await;
+    }
 }
