@@ -16,10 +16,10 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::chart::{
-    WEBHOOK_CONFIGURATIONS, helm_local, helm_ok, webhook_configuration,
+    WEBHOOK_CONFIGURATIONS, hand_custody_back, helm_local, helm_ok, webhook_configuration,
     worker_args_of_the_deployment,
 };
-use common::gate::{Gate, binary, free_port, generate_certs, helmrelease_resource};
+use common::gate::{Gate, free_port, generate_certs, helmrelease_resource};
 use common::tenant::Tenant;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::ServiceAccount;
@@ -166,22 +166,7 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
     let c = Tenant::create(cp, &cp.unique("handback")).await;
     c.wait_custody().await;
     gate.kill_worker();
-    for (kind, plural) in WEBHOOK_CONFIGURATIONS {
-        Api::<DynamicObject>::all_with(client.clone(), &webhook_configuration(kind, plural))
-            .delete("volume-gate", &DeleteParams::default())
-            .await
-            .unwrap_or_else(|e| panic!("delete {kind}: {e}"));
-    }
-    let out = std::process::Command::new(binary())
-        .args(["custody", "release"])
-        .env("KUBECONFIG", &cp.management.kubeconfig)
-        .output()
-        .unwrap();
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    hand_custody_back(&client, &cp.management.kubeconfig).await;
     helm_ok(
         "uninstall",
         &[
@@ -242,15 +227,5 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
         .filter(|n| n.starts_with("volume-gate"))
         .collect();
     assert!(accounts.is_empty(), "ServiceAccounts left: {accounts:?}");
-    let finalizers = c
-        .parent()
-        .await
-        .unwrap()
-        .metadata
-        .finalizers
-        .unwrap_or_default();
-    assert!(
-        !finalizers.contains(&common::profile().custody_finalizer),
-        "custody handed back: {finalizers:?}"
-    );
+    c.assert_out_of_custody().await;
 }

@@ -43,19 +43,7 @@ async fn a_refused_csi_release_delete_reaches_the_client_with_its_message() {
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("refuse")).await;
     t.wait_custody().await;
-    let err = t
-        .hr_api()
-        .delete(
-            &common::profile().csi_release_name(&t.name),
-            &DeleteParams::default(),
-        )
-        .await
-        .expect_err("refused");
-    let msg = err.to_string();
-    assert!(
-        msg.contains("volume-gate") && msg.contains("CSI driver release") && msg.contains(&t.name),
-        "{msg}"
-    );
+    let msg = t.assert_csi_release_deletion_refused().await;
     assert!(
         msg.contains("kubectl annotate"),
         "the message names the override command: {msg}"

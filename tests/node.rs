@@ -15,8 +15,8 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::chart::{WEBHOOK_CONFIGURATIONS, helm_ok, webhook_configuration};
-use common::tenant::Tenant;
+use common::chart::{hand_custody_back, helm_ok};
+use common::tenant::{Tenant, is_csi_release_refusal};
 use common::wait::eventually;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::core::v1::{Event, Pod};
@@ -40,19 +40,7 @@ async fn the_chart_as_installed_runs_on_the_node_serves_admission_frees_a_tenant
     // The API server calls the webhook through its Service: a tenant's CSI
     // driver release is refused with the gate's message.
     let t = Tenant::create(env.cp, &env.cp.unique("node")).await;
-    let err = t
-        .hr_api()
-        .delete(
-            &common::profile().csi_release_name(&t.name),
-            &DeleteParams::default(),
-        )
-        .await
-        .expect_err("the CSI driver release's deletion is refused");
-    let msg = err.to_string();
-    assert!(
-        msg.contains("volume-gate") && msg.contains("CSI driver release") && msg.contains(&t.name),
-        "{msg}"
-    );
+    t.assert_csi_release_deletion_refused().await;
 
     // The worker in its Pod takes custody, and the teardown frees every
     // volume: the tenant's API reached by the node's IP, the management
@@ -183,38 +171,12 @@ async fn the_chart_as_installed_runs_on_the_node_serves_admission_frees_a_tenant
         )
         .await
         .expect("scale the worker to zero");
-    eventually("no worker Pod left", Duration::from_secs(120), || async {
-        let left = pods
-            .list(
-                &ListParams::default().labels(
-                    "app.kubernetes.io/name=volume-gate,app.kubernetes.io/component=worker",
-                ),
-            )
-            .await
-            .map_err(|e| e.to_string())?;
-        if left.items.is_empty() {
-            Ok(())
-        } else {
-            Err(format!("{} left", left.items.len()))
-        }
-    })
+    no_pod_left(
+        &pods,
+        "app.kubernetes.io/name=volume-gate,app.kubernetes.io/component=worker",
+    )
     .await;
-    for (kind, plural) in WEBHOOK_CONFIGURATIONS {
-        Api::<DynamicObject>::all_with(client.clone(), &webhook_configuration(kind, plural))
-            .delete("volume-gate", &DeleteParams::default())
-            .await
-            .unwrap_or_else(|e| panic!("delete {kind}: {e}"));
-    }
-    let out = std::process::Command::new(common::gate::binary())
-        .args(["custody", "release"])
-        .env("KUBECONFIG", &cp.management.kubeconfig)
-        .output()
-        .expect("run volume-gate custody release");
-    assert!(
-        out.status.success(),
-        "{}",
-        String::from_utf8_lossy(&out.stderr)
-    );
+    hand_custody_back(&client, &cp.management.kubeconfig).await;
     helm_ok(
         "helm uninstall",
         &[
@@ -227,33 +189,8 @@ async fn the_chart_as_installed_runs_on_the_node_serves_admission_frees_a_tenant
             "--wait",
         ],
     );
-    let finalizers = u
-        .parent()
-        .await
-        .expect("the live tenant")
-        .metadata
-        .finalizers
-        .unwrap_or_default();
-    assert!(
-        !finalizers.contains(&common::profile().custody_finalizer),
-        "custody handed back: {finalizers:?}"
-    );
-    eventually(
-        "no Pod of the gate left",
-        Duration::from_secs(120),
-        || async {
-            let left = pods
-                .list(&ListParams::default().labels("app.kubernetes.io/name=volume-gate"))
-                .await
-                .map_err(|e| e.to_string())?;
-            if left.items.is_empty() {
-                Ok(())
-            } else {
-                Err(format!("{} left", left.items.len()))
-            }
-        },
-    )
-    .await;
+    u.assert_out_of_custody().await;
+    no_pod_left(&pods, "app.kubernetes.io/name=volume-gate").await;
 }
 
 /// What a stream of admission requests met: the gate's refusal (served),
@@ -289,10 +226,7 @@ async fn dry_run_deletions(
                 match api.delete(&release, &dry_run).await {
                     Err(e) => {
                         let msg = e.to_string();
-                        if msg.contains("volume-gate")
-                            && msg.contains("CSI driver release")
-                            && msg.contains(&name)
-                        {
+                        if is_csi_release_refusal(&msg, &name) {
                             load.refused += 1;
                         } else {
                             load.failed.push(msg);
@@ -346,6 +280,26 @@ async fn webhook_rolled_out(pods: &Api<Pod>, image: &str, replicas: usize) {
                 Ok(())
             } else {
                 Err(format!("{seen:?}"))
+            }
+        },
+    )
+    .await
+}
+
+/// Waits until no Pod matches `selector`.
+async fn no_pod_left(pods: &Api<Pod>, selector: &str) {
+    eventually(
+        &format!("no Pod {selector} left"),
+        Duration::from_secs(120),
+        || async {
+            let left = pods
+                .list(&ListParams::default().labels(selector))
+                .await
+                .map_err(|e| e.to_string())?;
+            if left.items.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{} left", left.items.len()))
             }
         },
     )

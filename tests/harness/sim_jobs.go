@@ -90,16 +90,7 @@ func (s *sim) runManagementNode(ctx context.Context) {
 		}
 	}
 	beat()
-	t := time.NewTicker(s.cfg.heartbeat)
-	defer t.Stop()
-	for {
-		select {
-		case <-ctx.Done():
-			return
-		case <-t.C:
-			beat()
-		}
-	}
+	every(ctx, s.cfg.heartbeat, beat)
 }
 
 func newJobs(s *sim) (*jobs, error) {

@@ -74,18 +74,7 @@ func (k *kubelet) run(ctx context.Context) {
 	k.registerDriver(ctx)
 	k.heartbeat(ctx) // registers the Node before any Pod can be bound to it
 	k.registerCSINode(ctx)
-	go func() {
-		t := time.NewTicker(k.t.s.cfg.heartbeat)
-		defer t.Stop()
-		for {
-			select {
-			case <-ctx.Done():
-				return
-			case <-t.C:
-				k.heartbeat(ctx)
-			}
-		}
-	}()
+	go every(ctx, k.t.s.cfg.heartbeat, func() { k.heartbeat(ctx) })
 
 	// Only the Pods bound to this node, as a kubelet watches them. The
 	// resync re-checks Pods waiting for the driver, whose state is not an
@@ -390,6 +379,20 @@ func (k *kubelet) heartbeat(ctx context.Context) {
 // beatNode is one heartbeat of Node `name`: it registers the Node if needed
 // (calling registered), keeps its Ready condition fresh and renews its Lease.
 // A non-nil edit sets what else this kubelet reports on the Node.
+// every runs f every d until ctx ends.
+func every(ctx context.Context, d time.Duration, f func()) {
+	t := time.NewTicker(d)
+	defer t.Stop()
+	for {
+		select {
+		case <-ctx.Done():
+			return
+		case <-t.C:
+			f()
+		}
+	}
+}
+
 func beatNode(ctx context.Context, cs kubernetes.Interface, name string, registered func(), edit func(*corev1.Node)) error {
 	// The node-lifecycle controller writes the Node too (taints, at first).
 	err := retry.RetryOnConflict(retry.DefaultRetry, func() error { return updateNodeOnce(ctx, cs, name, registered, edit) })

@@ -42,6 +42,7 @@ pub use management::{
     wait_namespace_gone,
 };
 #[allow(unused_imports)]
+pub use parent::is_csi_release_refusal;
 pub use snapshot::{DRIVER, SNAPSHOT_GROUP, Taken, content_resource, snapshot_resource};
 
 pub const STORAGE_CLASS: &str = "sim";

@@ -13,7 +13,29 @@ use crate::gate::helmrelease_resource;
 use crate::history::Seen;
 use crate::wait::eventually;
 
+/// Whether `msg` is the gate's refusal of tenant `tenant`'s CSI driver
+/// release.
+pub fn is_csi_release_refusal(msg: &str, tenant: &str) -> bool {
+    msg.contains("volume-gate") && msg.contains("CSI driver release") && msg.contains(tenant)
+}
+
 impl Tenant {
+    /// Deletes the tenant's CSI driver release and asserts the gate refused
+    /// it; returns the message the client got.
+    pub async fn assert_csi_release_deletion_refused(&self) -> String {
+        let err = self
+            .hr_api()
+            .delete(
+                &crate::profile().csi_release_name(&self.name),
+                &DeleteParams::default(),
+            )
+            .await
+            .expect_err("the CSI driver release's deletion is refused");
+        let msg = err.to_string();
+        assert!(is_csi_release_refusal(&msg, &self.name), "{msg}");
+        msg
+    }
+
     pub fn hr_api(&self) -> Api<DynamicObject> {
         Api::namespaced_with(
             self.management.clone(),
@@ -53,6 +75,22 @@ impl Tenant {
         self.history
             .next_matching(&what, timeout, |s| matches!(s, Seen::Gone).then_some(()))
             .await
+    }
+
+    /// Asserts the parent is there and carries no custody finalizer (custody
+    /// handed back).
+    pub async fn assert_out_of_custody(&self) {
+        let finalizers = self
+            .parent()
+            .await
+            .expect("the parent is there")
+            .metadata
+            .finalizers
+            .unwrap_or_default();
+        assert!(
+            !finalizers.contains(&crate::profile().custody_finalizer),
+            "custody handed back: {finalizers:?}"
+        );
     }
 
     /// Waits until the worker has taken the tenant into custody.
