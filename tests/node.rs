@@ -19,6 +19,7 @@ use common::chart::{hand_custody_back, helm_ok};
 use common::tenant::{Tenant, is_csi_release_refusal};
 use common::wait::eventually;
 use k8s_openapi::api::apps::v1::Deployment;
+use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Event, Pod};
 use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
 use serde_json::json;
@@ -46,6 +47,31 @@ async fn the_chart_as_installed_runs_on_the_node_serves_admission_frees_a_tenant
     // volume: the tenant's API reached by the node's IP, the management
     // API by the kubernetes Service, the Lease held under the Pod's name.
     t.wait_custody().await;
+    // It leads through its Lease, under its Pod's name (POD_NAME from the
+    // downward API), with the Pod's projected ServiceAccount token.
+    let lease = Api::<Lease>::namespaced(client.clone(), NS)
+        .get("volume-gate-worker")
+        .await
+        .expect("the worker's Lease");
+    let holder = lease
+        .spec
+        .and_then(|s| s.holder_identity)
+        .unwrap_or_default();
+    let workers: Vec<String> = pods
+        .list(
+            &ListParams::default()
+                .labels("app.kubernetes.io/name=volume-gate,app.kubernetes.io/component=worker"),
+        )
+        .await
+        .expect("the worker Pods")
+        .items
+        .into_iter()
+        .filter_map(|p| p.metadata.name)
+        .collect();
+    assert!(
+        workers.contains(&holder),
+        "the Lease is held by {holder:?}, one of {workers:?}"
+    );
     t.incident_workload().await;
     assert_eq!(env.sim.volumes_of(&t.namespace, &t.name).len(), 4);
     t.delete_parent().await;
