@@ -199,16 +199,19 @@ async fn main() {
             .await
             .expect("the tenant namespace's Events")
             .items;
+        // (MissingClusterDNS: the node has no cluster DNS; the hook needs none.)
         for e in events.iter().filter(|e| {
             e.involved_object
                 .name
                 .as_deref()
                 .is_some_and(|n| n.contains("-pre-cleanup"))
+                && e.reason.as_deref() != Some("MissingClusterDNS")
         }) {
             let from = e
                 .source
                 .as_ref()
                 .and_then(|s| s.host.clone().or(s.component.clone()))
+                .or(e.reporting_component.clone())
                 .unwrap_or_default();
             let short: String = format!(
                 "{} {} {}: {}",
