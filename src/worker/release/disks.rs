@@ -129,17 +129,27 @@ pub fn attach_refs(inv: &mut Inventory, infra: &InfraSpec) {
 /// Records the management PV behind each inventoried volume, as bound now,
 /// so the disk can still be waited for once its PVC is gone, and that PV's
 /// volumeHandle, so its snapshots can be found once their VolumeSnapshots
-/// are gone.
+/// are gone. A claim's own `volumeName` decides; without the claim, a PV
+/// whose claimRef names it, unless several do (a stale one beside the live
+/// one: none is recorded, rather than perhaps the wrong disk).
 pub fn note_pvs(inv: &mut Inventory, observed: &Observed) {
-    let bound: BTreeMap<&str, &str> = observed
-        .claims
-        .iter()
-        .filter_map(|c| Some((c.name.as_str(), c.detail.as_deref()?)))
+    let mut by_ref: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
+    for v in &observed.volumes {
+        if let Some(claim) = v.claim.as_deref() {
+            by_ref.entry(claim).or_default().push(v.name.as_str());
+        }
+    }
+    let bound: BTreeMap<&str, &str> = by_ref
+        .into_iter()
+        .filter_map(|(claim, pvs)| match pvs.as_slice() {
+            [only] => Some((claim, *only)),
+            _ => None,
+        })
         .chain(
             observed
-                .volumes
+                .claims
                 .iter()
-                .filter_map(|v| Some((v.claim.as_deref()?, v.name.as_str()))),
+                .filter_map(|c| Some((c.name.as_str(), c.detail.as_deref()?))),
         )
         .collect();
     let handles: BTreeMap<&str, &str> = observed
@@ -738,6 +748,59 @@ mod tests {
         assert_eq!(
             inv.volumes[0].infra.as_ref().unwrap().handle.as_deref(),
             Some("disk-m1")
+        );
+    }
+
+    #[test]
+    fn with_two_pvs_naming_one_gone_claim_neither_is_recorded_and_a_live_claim_decides() {
+        let with_handle = |name: &str, handle: &str| {
+            let mut v = pv(name, NS, "pvc-1");
+            v.spec.as_mut().unwrap().csi =
+                Some(k8s_openapi::api::core::v1::CSIPersistentVolumeSource {
+                    driver: "infra.example".into(),
+                    volume_handle: handle.into(),
+                    ..Default::default()
+                });
+            v
+        };
+        let pvs = [
+            with_handle("pv-live", "disk-live"),
+            with_handle("pv-stale", "disk-stale"),
+        ];
+        // The claim gone: two PVs claim its name, none is taken.
+        let mut inv = inventory(&[("pvc-1", "Delete")]);
+        inv.volumes[0].infra.as_mut().unwrap().pv = None;
+        let seen = select(
+            &InfraSpec::cozystack(),
+            "kubernetes-a",
+            NS,
+            Some(&inv),
+            &[meta("pvc-1", &[MINE])],
+            &[],
+            &pvs,
+        );
+        note_pvs(&mut inv, &seen);
+        let r = inv.volumes[0].infra.as_ref().unwrap();
+        assert_eq!(
+            (r.pv.as_deref(), r.handle.as_deref()),
+            (None, None),
+            "{seen:?}"
+        );
+        // The claim there: its volumeName decides, whatever sorts last.
+        let seen = select(
+            &InfraSpec::cozystack(),
+            "kubernetes-a",
+            NS,
+            Some(&inv),
+            &[meta("pvc-1", &[MINE])],
+            &[pvc("pvc-1", &[MINE], Some("pvc-1"), Some("pv-live"))],
+            &pvs,
+        );
+        note_pvs(&mut inv, &seen);
+        let r = inv.volumes[0].infra.as_ref().unwrap();
+        assert_eq!(
+            (r.pv.as_deref(), r.handle.as_deref()),
+            (Some("pv-live"), Some("disk-live"))
         );
     }
 
