@@ -721,21 +721,10 @@ mod tests {
     #[test]
     fn the_management_pv_and_its_volume_handle_are_recorded_once_seen_bound() {
         let mut inv = inventory(&[("pvc-1", "Delete")]);
-        let mut bound = pv("pv-m1", NS, "pvc-1");
-        bound.spec.as_mut().unwrap().csi =
-            Some(k8s_openapi::api::core::v1::CSIPersistentVolumeSource {
-                driver: "infra.example".into(),
-                volume_handle: "disk-m1".into(),
-                ..Default::default()
-            });
-        let seen = select(
-            &InfraSpec::cozystack(),
-            "kubernetes-a",
-            NS,
-            Some(&inv),
-            &[meta("pvc-1", &[MINE])],
-            &[pvc("pvc-1", &[MINE], Some("pvc-1"), Some("pv-m1"))],
-            &[bound],
+        let seen = tenants_disk(
+            &inv,
+            Some("pv-m1"),
+            &[pv_with_handle("pv-m1", "pvc-1", "disk-m1")],
         );
         note_pvs(&mut inv, &seen);
         let r = inv.volumes[0].infra.as_ref().expect("infra ref");
@@ -753,32 +742,14 @@ mod tests {
 
     #[test]
     fn with_two_pvs_naming_one_gone_claim_neither_is_recorded_and_a_live_claim_decides() {
-        let with_handle = |name: &str, handle: &str| {
-            let mut v = pv(name, NS, "pvc-1");
-            v.spec.as_mut().unwrap().csi =
-                Some(k8s_openapi::api::core::v1::CSIPersistentVolumeSource {
-                    driver: "infra.example".into(),
-                    volume_handle: handle.into(),
-                    ..Default::default()
-                });
-            v
-        };
         let pvs = [
-            with_handle("pv-live", "disk-live"),
-            with_handle("pv-stale", "disk-stale"),
+            pv_with_handle("pv-live", "pvc-1", "disk-live"),
+            pv_with_handle("pv-stale", "pvc-1", "disk-stale"),
         ];
         // The claim gone: two PVs claim its name, none is taken.
         let mut inv = inventory(&[("pvc-1", "Delete")]);
         inv.volumes[0].infra.as_mut().unwrap().pv = None;
-        let seen = select(
-            &InfraSpec::cozystack(),
-            "kubernetes-a",
-            NS,
-            Some(&inv),
-            &[meta("pvc-1", &[MINE])],
-            &[],
-            &pvs,
-        );
+        let seen = tenants_disk(&inv, None, &pvs);
         note_pvs(&mut inv, &seen);
         let r = inv.volumes[0].infra.as_ref().unwrap();
         assert_eq!(
@@ -787,21 +758,43 @@ mod tests {
             "{seen:?}"
         );
         // The claim there: its volumeName decides, whatever sorts last.
-        let seen = select(
-            &InfraSpec::cozystack(),
-            "kubernetes-a",
-            NS,
-            Some(&inv),
-            &[meta("pvc-1", &[MINE])],
-            &[pvc("pvc-1", &[MINE], Some("pvc-1"), Some("pv-live"))],
-            &pvs,
-        );
+        let seen = tenants_disk(&inv, Some("pv-live"), &pvs);
         note_pvs(&mut inv, &seen);
         let r = inv.volumes[0].infra.as_ref().unwrap();
         assert_eq!(
             (r.pv.as_deref(), r.handle.as_deref()),
             (Some("pv-live"), Some("disk-live"))
         );
+    }
+
+    /// Management PV `name` of claim `claim` with CSI volumeHandle `handle`.
+    fn pv_with_handle(name: &str, claim: &str, handle: &str) -> PersistentVolume {
+        let mut v = pv(name, NS, claim);
+        v.spec.as_mut().unwrap().csi =
+            Some(k8s_openapi::api::core::v1::CSIPersistentVolumeSource {
+                driver: "infra.example".into(),
+                volume_handle: handle.into(),
+                ..Default::default()
+            });
+        v
+    }
+
+    /// What the release sees of the tenant's one disk `pvc-1`: its
+    /// DataVolume, its claim when `bound_to` a PV (none when gone), `pvs`.
+    fn tenants_disk(inv: &Inventory, bound_to: Option<&str>, pvs: &[PersistentVolume]) -> Observed {
+        let claims: Vec<PersistentVolumeClaim> = bound_to
+            .map(|v| pvc("pvc-1", &[MINE], Some("pvc-1"), Some(v)))
+            .into_iter()
+            .collect();
+        select(
+            &InfraSpec::cozystack(),
+            "kubernetes-a",
+            NS,
+            Some(inv),
+            &[meta("pvc-1", &[MINE])],
+            &claims,
+            pvs,
+        )
     }
 
     #[test]
