@@ -14,7 +14,9 @@
 //! For each size and round, two identical tenants are built: N claims of the
 //! simulated driver over a few namespaces (created with bounded concurrency,
 //! waited for until Bound), one claim in ten mounted by running Pods (one Pod
-//! mounts five claims, the others two each). Then, in alternating order:
+//! mounts five claims, the others two each). Then, in alternating order
+//! (odd rounds the baseline first, even rounds the gate; `--gate-first`
+//! swaps them, so rounds run one invocation at a time still alternate):
 //!
 //! - **gate**: the parent HelmRelease is deleted; the time is from that
 //!   DELETE to the record's phase `Released` (the parent's metadata polled
@@ -62,6 +64,11 @@ struct Args {
     /// Rounds per size (each round: one gated and one baseline tenant).
     #[arg(long, default_value_t = 3)]
     rounds: usize,
+    /// Measure the gate first in odd rounds (round 1 included) and the
+    /// baseline first in even ones; without it, the other way round. A
+    /// median taken over separate invocations keeps the order alternating.
+    #[arg(long)]
+    gate_first: bool,
     /// Repeat a size only if its first round took less than this (seconds)
     /// per measurement; by default every size runs every round (the figures
     /// are medians of `--rounds`).
@@ -113,8 +120,12 @@ async fn main() {
     println!("bench-release (benchmark 3)");
     println!("{}", scale::machine());
     println!(
-        "sizes {:?}, rounds up to {} (repeated only under {}s), create concurrency {}",
-        args.sizes, args.rounds, args.repeat_under, args.create_concurrency
+        "sizes {:?}, rounds up to {} (repeated only under {}s), create concurrency {}, {} first in odd rounds",
+        args.sizes,
+        args.rounds,
+        args.repeat_under,
+        args.create_concurrency,
+        if args.gate_first { "gate" } else { "baseline" }
     );
 
     let started = Instant::now();
@@ -182,8 +193,9 @@ async fn main() {
             );
             let (g, b) = (g.map(|x| x.0), b.map(|x| x.0));
 
-            // Odd rounds measure the baseline first, even rounds the gate:
-            // neither always meets a control plane the other has warmed.
+            // Odd rounds measure the baseline first, even rounds the gate
+            // (the other way round with --gate-first): neither always meets
+            // a control plane the other has warmed.
             let run_g = async || match &g {
                 Some(g) => Some(gated(cp, &gate, &sim, g, args.poll_ms).await),
                 None => None,
@@ -202,7 +214,7 @@ async fn main() {
                 ),
                 None => None,
             };
-            let (gr, br) = if round % 2 == 1 {
+            let (gr, br) = if (round % 2 == 1) != args.gate_first {
                 let br = run_b().await;
                 (run_g().await, br)
             } else {
