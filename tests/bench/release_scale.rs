@@ -92,8 +92,9 @@ struct Args {
 struct GateRun {
     seconds: f64,
     /// When the ledger held none of the tenant's disks (the management
-    /// side's PVs gone), seconds after the DELETE.
-    disks_freed: Option<f64>,
+    /// side's PVs gone), seconds after the DELETE; `Err`: when the watch
+    /// stopped with disks still there.
+    disks_freed: Result<f64, f64>,
     requests: Requests,
     milestones: Milestones,
     worker_steps: BTreeMap<&'static str, f64>,
@@ -106,7 +107,8 @@ struct BaselineRun {
     /// When the ledger held none of the tenant's disks, watched from the
     /// start beside the kubectl steps (the baseline waits for the tenant's
     /// PVs only; the disks behind them may go before or after it ends).
-    disks_freed: Option<f64>,
+    /// `Err`: when the watch stopped with disks still there.
+    disks_freed: Result<f64, f64>,
     processes: usize,
     requests: usize,
     steps: Vec<(String, f64)>,
@@ -296,7 +298,7 @@ async fn main() {
             "  worker requests/volume: tenant API {tenant_rpv}, management API (without Lease renewals) {mgmt_rpv}, all {all_rpv}"
         );
         println!("  baseline (kubectl) requests/volume {base_rpv}");
-        let freed = |xs: Vec<Option<f64>>| -> String {
+        let freed = |xs: Vec<Result<f64, f64>>| -> String {
             let v: Vec<f64> = xs.into_iter().flatten().collect();
             if v.is_empty() {
                 "-".into()
@@ -371,8 +373,7 @@ fn print_round(size: usize, round: usize, g: Option<&GateRun>, b: Option<&Baseli
         println!(
             "      observed: {}; disks freed (management side) {}",
             g.milestones,
-            g.disks_freed
-                .map_or("not within 15 min".to_string(), |v| format!("{v:.1}s"))
+            fmt_freed(g.disks_freed)
         );
     }
     if let Some(b) = b {
@@ -396,8 +397,7 @@ fn print_round(size: usize, round: usize, g: Option<&GateRun>, b: Option<&Baseli
         println!(
             "      observed: {}; disks freed (management side) {}",
             b.milestones,
-            b.disks_freed
-                .map_or("not within 15 min".to_string(), |v| format!("{v:.1}s"))
+            fmt_freed(b.disks_freed)
         );
     }
     if let (Some(g), Some(b)) = (g, b) {
@@ -454,22 +454,31 @@ async fn gated(
 }
 
 /// Seconds after `t0` at which the ledger held none of `t`'s disks, polled
-/// every `every` (its precision); `None` if some are left after 30 minutes.
+/// every `every` (its precision); `Err(seconds after t0)` when some are
+/// still there 30 minutes after the watch began (for the baseline, its
+/// start: a release longer than that ends after the watch does).
 async fn disks_freed(
     sim: &common::sim::Simulator,
     t: &Tenant,
     t0: Instant,
     every: Duration,
-) -> Option<f64> {
+) -> Result<f64, f64> {
     let bound = Instant::now() + Duration::from_secs(1800);
     loop {
         if sim.volumes_of(&t.namespace, &t.name).is_empty() {
-            return Some(t0.elapsed().as_secs_f64());
+            return Ok(t0.elapsed().as_secs_f64());
         }
         if Instant::now() > bound {
-            return None;
+            return Err(t0.elapsed().as_secs_f64());
         }
         tokio::time::sleep(every).await;
+    }
+}
+
+fn fmt_freed(freed: Result<f64, f64>) -> String {
+    match freed {
+        Ok(at) => format!("{at:.1}s"),
+        Err(at) => format!("some still on storage when the watch stopped at {at:.0}s"),
     }
 }
 
