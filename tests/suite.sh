@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# Runs every test of the crate, several test binaries at once.
+# Lints and builds every test of the crate in one compile, then runs them,
+# several test binaries at once.
 #
 # Each test binary starts its own control plane (tests/testkit/src/cluster.rs) and
 # spends most of its time waiting on it: measured on 2 cores, `faults` keeps
@@ -57,11 +58,21 @@ done
 go_built=$((SECONDS - started))
 
 # Build every test target, and read where each executable is (cargo's own
-# JSON messages: one line per artifact).
+# JSON messages: one line per artifact). The build is also the lint: each
+# crate of the workspace is compiled by clippy-driver with warnings denied
+# (tests/clippy-rustc.sh), so a lint fails the build as `cargo clippy
+# --workspace --all-targets -- -D warnings` would, over the same targets
+# (the library and binary with their unit tests, every integration test,
+# the examples, the fixture), and no dependency is compiled twice. Cargo
+# keeps the workspace's crates built through a workspace wrapper apart
+# from a plain build's (the wrapper is part of their fingerprint), so the
+# first plain `cargo test` afterwards compiles those crates again, not the
+# dependencies.
 list="$(mktemp)"
 logs="$(mktemp -d)"
 trap 'rm -rf "$list" "$logs"' EXIT
-cargo test --locked --no-run --message-format=json-render-diagnostics >"$list"
+RUSTC_WORKSPACE_WRAPPER="$PWD/tests/clippy-rustc.sh" \
+    cargo test --locked --no-run --message-format=json-render-diagnostics >"$list"
 built=$((SECONDS - started))
 declare -A exe=()
 while IFS= read -r line; do
