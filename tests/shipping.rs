@@ -169,8 +169,8 @@ async fn the_certificate_script_installs_then_rotates_without_changing_the_ca_bu
     }
     let dir = cp.state.join("script-certs");
     let kubectl = format!(
-        "{} kubectl --kubeconfig {}",
-        cp.harness.display(),
+        "{} --kubeconfig {}",
+        common::cluster::kubectl_binary().display(),
         cp.management.kubeconfig.display()
     );
     let run = || {

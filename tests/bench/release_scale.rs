@@ -24,7 +24,7 @@
 //!   log (kube-client's trace layer logs one `requesting` event per request,
 //!   retries included), split into the tenant API and the management API.
 //! - **baseline**: the upstream fix's Step 1b (docs/design.md §0) as a hook runs it, each step a
-//!   `kubectl` process (the harness's kubectl): `get --raw /readyz`,
+//!   `kubectl` process (upstream kubectl, built beside the harness): `get --raw /readyz`,
 //!   `get pv -o name` (what to wait for), `delete pvc --all -A --wait=false`,
 //!   `get pods -A -o json` matched in code, one `delete pod --wait=false`
 //!   per holding Pod, then one `wait --for=delete pv/NAME` per PV. The time

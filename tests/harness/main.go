@@ -13,8 +13,6 @@ import (
 
 	"go.etcd.io/etcd/server/v3/etcdmain"
 	"k8s.io/component-base/cli"
-	kubectl "k8s.io/kubectl/pkg/cmd"
-	kubectlutil "k8s.io/kubectl/pkg/cmd/util"
 	apiserver "k8s.io/kubernetes/cmd/kube-apiserver/app"
 	kcm "k8s.io/kubernetes/cmd/kube-controller-manager/app"
 	scheduler "k8s.io/kubernetes/cmd/kube-scheduler/app"
@@ -24,7 +22,8 @@ import (
 const usage = `usage: harness COMMAND [flags]
 
 Components (one per process, flags as the upstream binaries):
-  etcd | kube-apiserver | kube-controller-manager | kube-scheduler | kubectl | kubelet
+  etcd | kube-apiserver | kube-controller-manager | kube-scheduler | kubelet
+(kubectl is its own program, built beside this one: cmd/kubectl)
 
 Launcher:
   up --state DIR [--owner-pid PID] [--tenant NAME]... [--timeout 3m] [--node]
@@ -47,10 +46,6 @@ var launcherCommands = map[string]func(args []string) error{
 }
 
 func main() {
-	// Linked as `kubectl` (the simulator puts it on a hook script's PATH).
-	if filepath.Base(os.Args[0]) == "kubectl" {
-		os.Args = append([]string{"harness", "kubectl"}, os.Args[1:]...)
-	}
 	if len(os.Args) < 2 {
 		fmt.Fprint(os.Stderr, usage)
 		os.Exit(2)
@@ -79,14 +74,20 @@ func main() {
 		os.Exit(cli.Run(scheduler.NewSchedulerCommand()))
 	case "kubelet":
 		os.Exit(cli.Run(kubeletapp.NewKubeletCommand(context.Background())))
-	case "kubectl":
-		if err := cli.RunNoErrOutput(kubectl.NewDefaultKubectlCommand()); err != nil {
-			kubectlutil.CheckErr(err) // prints the error as kubectl does and exits
-		}
 	case "sim":
 		os.Exit(runSim(os.Args[1:]))
 	default:
 		fmt.Fprintf(os.Stderr, "harness: unknown command %q\n\n%s", command, usage)
 		os.Exit(2)
 	}
+}
+
+// kubectlBeside is the kubectl program build.sh installs beside the
+// harness binary self.
+func kubectlBeside(self string) (string, error) {
+	path := filepath.Join(filepath.Dir(self), "kubectl")
+	if _, err := os.Stat(path); err != nil {
+		return "", fmt.Errorf("kubectl beside the harness: %w (tests/harness/build.sh builds both)", err)
+	}
+	return path, nil
 }

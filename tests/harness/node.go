@@ -156,7 +156,11 @@ func (s *supervisor) startNode(info *clusterInfo, deadline time.Time) (*node, er
 	if err := n.waitContainerd(deadline); err != nil {
 		return fail(n.containerd.failure(err))
 	}
-	for _, spec := range n.builtinImages(s.self) {
+	kubectl, err := kubectlBeside(s.self)
+	if err != nil {
+		return fail(err)
+	}
+	for _, spec := range n.builtinImages(kubectl) {
 		if err := n.importImage(spec); err != nil {
 			return fail(err)
 		}
@@ -509,8 +513,8 @@ func (n *node) waitContainerd(deadline time.Time) error {
 
 // builtinImages are the images every run needs: the Pod sandbox (busybox's
 // sleep: containerd stops a sandbox with SIGKILL) and Cozystack's hook
-// image, a shell and this harness as kubectl.
-func (n *node) builtinImages(self string) []imageSpec {
+// image, a shell and kubectl.
+func (n *node) builtinImages(kubectl string) []imageSpec {
 	busybox, _ := exec.LookPath("busybox")
 	links := func(extra map[string]string) map[string]string {
 		m := map[string]string{}
@@ -530,7 +534,7 @@ func (n *node) builtinImages(self string) []imageSpec {
 		{
 			Name: hookImage, Entrypoint: []string{"/bin/sh"},
 			Env:   []string{"PATH=/usr/local/bin:/bin"},
-			Files: map[string]string{"/bin/busybox": busybox, "/usr/local/bin/kubectl": self},
+			Files: map[string]string{"/bin/busybox": busybox, "/usr/local/bin/kubectl": kubectl},
 			Links: links(nil),
 		},
 	}

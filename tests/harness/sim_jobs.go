@@ -58,8 +58,8 @@ type jobs struct {
 	s    *sim
 	pods corelisters.PodLister
 	q    workqueue.TypedRateLimitingInterface[string]
-	// bin holds `kubectl`, a link to this harness; work holds one
-	// directory per running Pod (its HOME and kubeconfig).
+	// bin holds `kubectl`, a link to the kubectl beside this harness;
+	// work holds one directory per running Pod (its HOME and kubeconfig).
 	bin, work string
 
 	mu      sync.Mutex
@@ -98,6 +98,10 @@ func newJobs(s *sim) (*jobs, error) {
 	if err != nil {
 		return nil, fmt.Errorf("find the harness binary for kubectl: %w", err)
 	}
+	kubectl, err := kubectlBeside(self)
+	if err != nil {
+		return nil, err
+	}
 	root := s.cfg.jobsDir
 	if root == "" {
 		if root, err = os.MkdirTemp("", "volume-gate-sim-jobs-"); err != nil {
@@ -112,7 +116,7 @@ func newJobs(s *sim) (*jobs, error) {
 			return nil, err
 		}
 	}
-	if err := os.Symlink(self, filepath.Join(j.bin, "kubectl")); err != nil {
+	if err := os.Symlink(kubectl, filepath.Join(j.bin, "kubectl")); err != nil {
 		return nil, fmt.Errorf("link kubectl: %w", err)
 	}
 	return j, nil
@@ -245,7 +249,7 @@ func (j *jobs) start(ctx context.Context, pod *corev1.Pod) error {
 		}
 	}
 	// The container's image is not pulled: its tools are this machine's,
-	// with the harness as kubectl, first on PATH.
+	// with kubectl (built beside the harness) first on PATH.
 	env = append(env, "PATH="+j.bin+":/usr/local/bin:/usr/bin:/bin", "HOME="+dir, "KUBECONFIG="+kubeconfig)
 	cmd := exec.Command("/bin/sh", argv[1:]...)
 	cmd.Dir, cmd.Env = dir, env

@@ -10,7 +10,7 @@ use std::sync::OnceLock;
 
 use serde_json::Value;
 
-use super::cluster::{harness_binary, repo_root, run_build_script};
+use super::cluster::{kubectl_binary, repo_root, run_build_script};
 
 pub const CHART: &str = "manifests/chart/volume-gate";
 
@@ -78,10 +78,10 @@ pub fn template(namespace: &str, sets: &[&str]) -> BTreeMap<Key, Value> {
     try_template(namespace, sets).unwrap_or_else(|e| panic!("helm template {sets:?}: {e}"))
 }
 
-/// `kubectl kustomize DIR` with the harness's kubectl.
+/// `kubectl kustomize DIR` with the kubectl built beside the harness.
 pub fn kustomize(dir: &str) -> BTreeMap<Key, Value> {
-    let out = Command::new(harness_binary())
-        .args(["kubectl", "kustomize"])
+    let out = Command::new(kubectl_binary())
+        .arg("kustomize")
         .arg(repo_root().join(dir))
         .output()
         .expect("kubectl kustomize");

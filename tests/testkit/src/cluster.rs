@@ -51,6 +51,12 @@ pub fn harness_binary() -> PathBuf {
         .clone()
 }
 
+/// Upstream kubectl, which `tests/harness/build.sh` builds beside the
+/// harness binary.
+pub fn kubectl_binary() -> PathBuf {
+    harness_binary().with_file_name("kubectl")
+}
+
 /// Runs a build script of the repository (its messages go to the test's
 /// stderr) and returns the path it prints.
 pub fn run_build_script(script: &str) -> PathBuf {
@@ -184,10 +190,10 @@ impl ControlPlane {
         client_from(&self.management.kubeconfig).await
     }
 
-    /// The harness's own kubectl against a kubeconfig.
+    /// Upstream kubectl ([`kubectl_binary`]) against a kubeconfig.
     pub fn kubectl(&self, kubeconfig: &Path) -> Command {
-        let mut c = Command::new(&self.harness);
-        c.arg("kubectl").arg("--kubeconfig").arg(kubeconfig);
+        let mut c = Command::new(kubectl_binary());
+        c.arg("--kubeconfig").arg(kubeconfig);
         c
     }
 
