@@ -68,11 +68,17 @@ go_built=$((SECONDS - started))
 # from a plain build's (the wrapper is part of their fingerprint), so the
 # first plain `cargo test` afterwards compiles those crates again, not the
 # dependencies.
+#
+# A fresh clone on a machine that has run this before starts from the
+# dependencies that run compiled (tests/rust-deps-cache.sh), and only this
+# workspace's crates are compiled.
 list="$(mktemp)"
 logs="$(mktemp -d)"
 trap 'rm -rf "$list" "$logs"' EXIT
+bash tests/rust-deps-cache.sh restore
 RUSTC_WORKSPACE_WRAPPER="$PWD/tests/clippy-rustc.sh" \
     cargo test --locked --no-run --message-format=json-render-diagnostics >"$list"
+bash tests/rust-deps-cache.sh save
 built=$((SECONDS - started))
 declare -A exe=()
 while IFS= read -r line; do
