@@ -154,22 +154,9 @@ async fn retain_volumes_are_named_as_residue_and_an_override_keeps_them_on_stora
         .await;
     t.delete_parent().await;
 
-    // The record this test is about: Blocked with the Delete volume freed.
-    // On a loaded machine the Delete volume can still be detaching when the
-    // worker's stall bound passes, which records an earlier Blocked naming
-    // it too ("none for 8s"); the worker goes on, and the next pass writes
-    // this one.
-    let record = t
-        .history
-        .next_record(
-            "Blocked with only the Retain volume left",
-            Duration::from_secs(120),
-            |r| {
-                r.phase == Some(Phase::Blocked)
-                    && r.inventory.as_ref().is_some_and(|i| i.left() == 1)
-            },
-        )
-        .await;
+    // Blocked with the Delete volume freed (not an earlier Blocked that a
+    // slow detach can cause, naming both).
+    let record = t.wait_blocked_with_left(1, Duration::from_secs(120)).await;
     let message = record.message.clone().unwrap_or_default();
     assert!(
         message.contains("Retain") && message.contains("override"),

@@ -7,7 +7,6 @@ use volume_gate_testkit as common;
 use std::time::Duration;
 
 use common::tenant::{RETAIN_STORAGE_CLASS, STORAGE_CLASS, Tenant};
-use volume_gate::record::Phase;
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn on_the_proxmox_path_a_retain_disk_stays_after_the_override_and_the_delete_one_goes() {
@@ -17,7 +16,9 @@ async fn on_the_proxmox_path_a_retain_disk_stays_after_the_override_and_the_dele
     t.with_claims_of(&[("kept", RETAIN_STORAGE_CLASS), ("freed", STORAGE_CLASS)])
         .await;
     t.delete_parent().await;
-    let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
+    // Blocked with the Delete volume freed (not an earlier Blocked that a
+    // slow release can cause, naming both).
+    let record = t.wait_blocked_with_left(1, Duration::from_secs(120)).await;
     let inv = record.inventory.expect("inventory");
     assert_eq!((inv.total, inv.left()), (2, 1));
     let kept = inv.remaining().next().expect("the Retain volume").clone();

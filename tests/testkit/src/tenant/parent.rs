@@ -140,6 +140,23 @@ impl Tenant {
             .await
     }
 
+    /// Waits for the next record in `Blocked` whose inventory has `left`
+    /// volumes not yet freed. A teardown can first record a `Blocked` with
+    /// more left (on a loaded machine a volume can still be detaching when
+    /// the worker's stall bound passes) and move on to this one.
+    pub async fn wait_blocked_with_left(&self, left: usize, timeout: Duration) -> Record {
+        self.history
+            .next_record(
+                &format!("phase Blocked with {left} volume(s) left"),
+                timeout,
+                |r| {
+                    r.phase == Some(Phase::Blocked)
+                        && r.inventory.as_ref().is_some_and(|i| i.left() == left)
+                },
+            )
+            .await
+    }
+
     /// Waits until the worker has written the inventory into the record
     /// (the next version, after the last one a wait returned, that has it).
     pub async fn wait_inventory(&self) -> String {
