@@ -70,6 +70,41 @@ pub struct WebhookArgs {
     /// AdmissionReview bodies larger than this are refused.
     #[arg(long, default_value_t = DEFAULT_MAX_BODY_BYTES)]
     pub max_body_bytes: usize,
+    #[command(flatten)]
+    pub writers: WritersArgs,
+}
+
+/// Who the platform's controllers are (the profile's `writers`), from the
+/// chart's `platform` values: each flag, repeated once per username,
+/// replaces that list of the profile when given.
+#[derive(clap::Args, Debug, Clone, Default)]
+pub struct WritersArgs {
+    /// A username of the release controller (Flux's helm-controller),
+    /// which alone writes a release's status and applies a parent
+    /// release's children.
+    #[arg(long = "release-controller")]
+    pub release_controllers: Vec<String>,
+    /// A username that sets parents' chart sources in a platform upgrade.
+    #[arg(long = "parent-source-writer")]
+    pub parent_sources: Vec<String>,
+    /// A username that replaces a parent whole on an update (cozystack-api).
+    #[arg(long = "parent-replacer")]
+    pub parent_replacers: Vec<String>,
+}
+
+impl WritersArgs {
+    /// `writers` with the lists these flags give put in place.
+    pub fn apply(&self, writers: &mut crate::profile::Writers) {
+        for (given, list) in [
+            (&self.release_controllers, &mut writers.release_controllers),
+            (&self.parent_sources, &mut writers.parent_sources),
+            (&self.parent_replacers, &mut writers.parent_replacers),
+        ] {
+            if !given.is_empty() {
+                list.clone_from(given);
+            }
+        }
+    }
 }
 
 #[derive(clap::Args, Debug, Clone)]

@@ -61,22 +61,119 @@ pub struct ParentSpec {
     /// Flux's backoff (up to 15 minutes). Empty: never written.
     #[serde(default = "flux_reconcile_request")]
     pub reconcile_request_annotation: String,
-    /// The usernames of the controller that reconciles these releases and
-    /// alone writes their status (Flux's helm-controller). It trusts that
-    /// status: a current release rewritten there by anyone else makes it
-    /// uninstall (`decide::flux`), so such a write is judged like the
-    /// release's delete.
-    #[serde(default = "flux_helm_controller")]
-    pub controllers: Vec<String>,
+    /// Where the platform shows a parent's annotations to the tenant's
+    /// owner: Cozystack's Application API shows only those whose key starts
+    /// with `apps.cozystack.io-`, that prefix removed
+    /// (`pkg/registry/apps/application/rest.go`). The worker mirrors the
+    /// record's phase, message and release time there (`apps.cozystack.io-
+    /// volumes.cozystack.io/phase` shows as `volumes.cozystack.io/phase` on
+    /// the Kubernetes application). A mirror for reading only: the gate
+    /// never reads it. Empty: no mirror.
+    #[serde(default = "cozystack_visible_prefix")]
+    pub visible_annotation_prefix: String,
+}
+
+fn cozystack_visible_prefix() -> String {
+    "apps.cozystack.io-".into()
 }
 
 fn flux_reconcile_request() -> String {
     "reconcile.fluxcd.io/requestedAt".into()
 }
 
-/// Cozystack runs Flux in `cozy-fluxcd`.
-fn flux_helm_controller() -> Vec<String> {
-    vec!["system:serviceaccount:cozy-fluxcd:helm-controller".into()]
+/// Who the platform's controllers are, by the usernames their requests
+/// carry: the gate judges some writes by who makes them (`docs/census.md`).
+/// The defaults are Cozystack's, read from its release (v1.6.2); a platform
+/// that runs them under other identities says so here (the chart's
+/// `platform` values), or the gate refuses their everyday work.
+#[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
+#[serde(rename_all = "camelCase", deny_unknown_fields, default)]
+pub struct Writers {
+    /// The controller that reconciles the releases (Flux's helm-controller).
+    /// It alone writes a release's status, which it trusts (a current
+    /// release rewritten there by anyone else makes it uninstall:
+    /// `decide::flux`), and it applies a parent release's children, so a
+    /// child's chart source moved by it, on an object its parent release
+    /// owns, is the parent chart's own upgrade. Cozystack runs every
+    /// helm-controller (the Deployment `flux` and the flux-shard-operator's
+    /// `helm-controller-shard<i>`) as ServiceAccount `cozy-fluxcd/flux`
+    /// (`internal/fluxinstall/manifests/fluxcd.yaml`,
+    /// `internal/fluxshardoperator/provisioner.go`).
+    pub release_controllers: Vec<String>,
+    /// Who sets a parent's chart source in a platform upgrade: Cozystack's
+    /// cozystack-controller rewrites `spec.chartRef` from the
+    /// ApplicationDefinition (`ApplicationDefinitionHelmReconciler`), and
+    /// cozystack-api writes it from the same definition on every
+    /// Application write. Neither takes it from a namespace editor.
+    pub parent_sources: Vec<String>,
+    /// Who replaces a parent whole, dropping what it does not know:
+    /// cozystack-api rebuilds the HelmRelease from the Application on every
+    /// update (`pkg/registry/apps/application/rest.go`), keeping only its
+    /// resourceVersion and shard label. The mutating webhook carries the
+    /// record, the override and the custody finalizer over from the stored
+    /// object for these writers; anyone else who drops them is refused.
+    pub parent_replacers: Vec<String>,
+}
+
+impl Default for Writers {
+    fn default() -> Self {
+        Self::cozystack()
+    }
+}
+
+impl Writers {
+    /// Cozystack v1.6.2's (`docs/census.md` cites each).
+    pub fn cozystack() -> Self {
+        let sa = |ns: &str, name: &str| format!("system:serviceaccount:{ns}:{name}");
+        Self {
+            release_controllers: vec![sa("cozy-fluxcd", "flux")],
+            parent_sources: vec![
+                sa("cozy-system", "cozystack-controller"),
+                sa("cozy-system", "cozystack-api"),
+            ],
+            parent_replacers: vec![sa("cozy-system", "cozystack-api")],
+        }
+    }
+
+    pub fn is_release_controller(&self, username: &str) -> bool {
+        self.release_controllers.iter().any(|c| c == username)
+    }
+
+    pub fn sets_parent_sources(&self, username: &str) -> bool {
+        self.parent_sources.iter().any(|c| c == username)
+    }
+
+    pub fn replaces_parents(&self, username: &str) -> bool {
+        self.parent_replacers.iter().any(|c| c == username)
+    }
+
+    /// Every identity named, for checks that the shipped configuration
+    /// names the same.
+    pub fn all(&self) -> impl Iterator<Item = &String> {
+        self.release_controllers
+            .iter()
+            .chain(&self.parent_sources)
+            .chain(&self.parent_replacers)
+    }
+
+    fn validate(&self) -> Result<(), String> {
+        if self.release_controllers.is_empty() {
+            return Err(
+                "writers.releaseControllers is empty: every release status write would be refused (Cozystack: \
+                 system:serviceaccount:cozy-fluxcd:flux)"
+                    .into(),
+            );
+        }
+        match self
+            .all()
+            .find(|u| u.trim().is_empty() || u.trim() != u.as_str())
+        {
+            Some(u) => Err(format!(
+                "writers: {u:?} is not a username (system:serviceaccount:<namespace>:<name>, or a user's name)"
+            )),
+            None => Ok(()),
+        }
+    }
 }
 
 /// How a guarded dependency names the tenant it belongs to.
@@ -359,6 +456,8 @@ pub struct Profile {
     /// on a platform without one (a tenant is then bound to the cluster
     /// its admin kubeconfig first reaches).
     pub control_plane: Option<ControlPlaneSpec>,
+    /// Who the platform's controllers are.
+    pub writers: Writers,
 }
 
 pub const TENANT_PLACEHOLDER: &str = "{tenant}";
@@ -428,7 +527,7 @@ impl Profile {
                 ]),
                 name_prefix: "kubernetes-".into(),
                 reconcile_request_annotation: flux_reconcile_request(),
-                controllers: flux_helm_controller(),
+                visible_annotation_prefix: cozystack_visible_prefix(),
             },
             child_label: "cozystack.io/target-cluster-name".into(),
             csi_release: "{tenant}-csi".into(),
@@ -537,6 +636,7 @@ impl Profile {
             },
             infra: Some(InfraSpec::cozystack()),
             control_plane: Some(ControlPlaneSpec::kamaji()),
+            writers: Writers::cozystack(),
         }
     }
 
@@ -649,6 +749,7 @@ impl Profile {
         if let Some(cp) = &self.control_plane {
             cp.validate()?;
         }
+        self.writers.validate()?;
         for (i, h) in self.release.hooks.iter().enumerate() {
             if h.matches(TENANT_PLACEHOLDER).count() != 1 {
                 return Err(format!(

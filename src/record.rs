@@ -152,6 +152,20 @@ impl Keys {
     pub fn stamped(&self) -> [&str; 2] {
         [&self.override_by, &self.override_at]
     }
+
+    /// The record's keys mirrored where the platform shows a parent's
+    /// annotations to the tenant's owner (profile
+    /// `parent.visibleAnnotationPrefix`), each with its mirror's key: the
+    /// phase, the message and the release time. None without a prefix.
+    pub fn mirrored(&self, visible_prefix: &str) -> Vec<(&str, String)> {
+        if visible_prefix.is_empty() {
+            return Vec::new();
+        }
+        [&self.phase, &self.message, &self.released_at]
+            .into_iter()
+            .map(|k| (k.as_str(), format!("{visible_prefix}{k}")))
+            .collect()
+    }
 }
 
 #[derive(Clone, Copy, Debug, PartialEq, Eq, Hash, Serialize, Deserialize)]

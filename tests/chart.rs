@@ -49,7 +49,25 @@ fn without_namespace(mut docs: BTreeMap<Key, Value>) -> BTreeMap<Key, Value> {
     docs
 }
 
+/// The chart's Helm hooks, taken out of its rendering: the kustomize files
+/// have none (their uninstall runs `volume-gate custody hand-back` by hand).
+fn take_hooks(docs: &mut BTreeMap<Key, Value>) -> BTreeMap<Key, Value> {
+    let keys: Vec<Key> = docs
+        .iter()
+        .filter(|(_, d)| !d["metadata"]["annotations"]["helm.sh/hook"].is_null())
+        .map(|(k, _)| k.clone())
+        .collect();
+    keys.into_iter()
+        .map(|k| {
+            let d = docs.remove(&k).unwrap();
+            (k, d)
+        })
+        .collect()
+}
+
 fn assert_same(chart: &BTreeMap<Key, Value>, kustomized: &BTreeMap<Key, Value>, what: &str) {
+    let mut chart = chart.clone();
+    take_hooks(&mut chart);
     assert_eq!(
         chart.keys().collect::<Vec<_>>(),
         kustomized.keys().collect::<Vec<_>>(),
@@ -315,8 +333,209 @@ fn values_reach_the_objects_and_every_argument_is_a_flag_the_binary_has() {
 }
 
 #[test]
+fn the_uninstall_is_a_pre_delete_hook_that_hands_custody_back_with_only_what_it_needs() {
+    let ns = "cozy-volume-gate";
+    let mut docs = template(ns, &["profile=name: acme"]);
+    let hooks = take_hooks(&mut docs);
+    let names: BTreeSet<(&str, &str)> = hooks
+        .keys()
+        .map(|(kind, _, name)| (kind.as_str(), name.as_str()))
+        .collect();
+    assert_eq!(
+        names,
+        BTreeSet::from([
+            ("ClusterRole", "volume-gate-uninstall"),
+            ("ClusterRoleBinding", "volume-gate-uninstall"),
+            ("Job", "volume-gate-uninstall"),
+            ("Role", "volume-gate-uninstall"),
+            ("RoleBinding", "volume-gate-uninstall"),
+            ("ServiceAccount", "volume-gate-uninstall"),
+        ])
+    );
+    for (k, d) in &hooks {
+        let a = &d["metadata"]["annotations"];
+        assert_eq!(a["helm.sh/hook"], "pre-delete", "{k:?}");
+        // A failed Job is kept for its log; the next attempt replaces it.
+        assert_eq!(
+            a["helm.sh/hook-delete-policy"], "before-hook-creation,hook-succeeded",
+            "{k:?}"
+        );
+    }
+    let job = &hooks[&("Job".into(), ns.into(), "volume-gate-uninstall".into())];
+    let pod = &job["spec"]["template"]["spec"];
+    assert_eq!(pod["serviceAccountName"], "volume-gate-uninstall");
+    assert_eq!(job["spec"]["backoffLimit"], 0);
+    let c = &pod["containers"][0];
+    assert_eq!(c["image"], "ghcr.io/cozystack/volume-gate:0.1.0");
+    let a = args(c);
+    assert_eq!(&a[..2], ["custody", "hand-back"]);
+    for f in [
+        format!("--install-namespace={ns}"),
+        "--worker-deployment=volume-gate-worker".into(),
+        "--webhook-configuration=volume-gate".into(),
+        "--profile=/etc/volume-gate/profile/profile.yaml".into(),
+    ] {
+        assert!(a.contains(&f), "{f} in {a:?}");
+    }
+    // Every argument is one `volume-gate custody hand-back` takes.
+    let help = Command::new(binary())
+        .args(["custody", "hand-back", "--help"])
+        .output()
+        .unwrap();
+    let help = String::from_utf8(help.stdout).unwrap();
+    for arg in &a[2..] {
+        let flag = arg.split('=').next().unwrap();
+        assert!(help.contains(flag), "{flag} unknown to hand-back:\n{help}");
+    }
+    // The restricted Pod Security level, as the release namespace has.
+    assert_eq!(pod["securityContext"]["runAsNonRoot"], true);
+    assert_eq!(c["securityContext"]["allowPrivilegeEscalation"], false);
+    assert_eq!(c["securityContext"]["capabilities"]["drop"], json!(["ALL"]));
+    // The webhook configurations and the worker, by name only.
+    let cluster = &hooks[&(
+        "ClusterRole".into(),
+        String::new(),
+        "volume-gate-uninstall".into(),
+    )];
+    let webhooks = cluster["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["apiGroups"][0] == "admissionregistration.k8s.io")
+        .expect("a rule for the webhook configurations");
+    assert_eq!(webhooks["resourceNames"], json!(["volume-gate"]));
+    assert_eq!(webhooks["verbs"], json!(["delete"]));
+    let role = &hooks[&("Role".into(), ns.into(), "volume-gate-uninstall".into())];
+    let worker = role["rules"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|r| r["resources"][0] == "deployments")
+        .expect("a rule for the worker's Deployment");
+    assert_eq!(worker["resourceNames"], json!(["volume-gate-worker"]));
+    // Off, nothing of it is rendered.
+    let mut off = template(ns, &["uninstallHook.enabled=false"]);
+    assert!(take_hooks(&mut off).is_empty());
+}
+
+/// The flags a container passes for `flag` (`--flag=value`), in order.
+fn flag_values(a: &[String], flag: &str) -> Vec<String> {
+    a.iter()
+        .filter_map(|x| x.strip_prefix(&format!("{flag}=")))
+        .map(str::to_string)
+        .collect()
+}
+
+/// A webhook's match condition by name.
+fn condition<'a>(docs: &'a BTreeMap<Key, Value>, kind: &str, webhook: &str, name: &str) -> &'a str {
+    get(docs, kind, "", "volume-gate")["webhooks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|w| w["name"] == webhook)
+        .unwrap_or_else(|| panic!("{kind} has no webhook {webhook}"))["matchConditions"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .find(|c| c["name"] == name)
+        .unwrap_or_else(|| panic!("{webhook} has no condition {name}"))["expression"]
+        .as_str()
+        .unwrap()
+}
+
+#[test]
+fn the_charts_platform_identities_are_those_the_fixtures_cozystack_runs_as() {
+    use common::cozystack::{COZYSTACK_API, COZYSTACK_CONTROLLER, FLUX};
+    // What the test world's Cozystack runs as (tests/testkit/src/cozystack.rs,
+    // read from Cozystack's release): Flux as helm-controller, cozystack-
+    // controller and cozystack-api as the parents' source writers,
+    // cozystack-api as the writer that replaces a parent whole.
+    let flux = vec![FLUX.username()];
+    let sources = vec![COZYSTACK_CONTROLLER.username(), COZYSTACK_API.username()];
+    let replacers = vec![COZYSTACK_API.username()];
+    let p = volume_gate::profile::Profile::cozystack().writers;
+    assert_eq!(
+        (
+            &p.release_controllers,
+            &p.parent_sources,
+            &p.parent_replacers
+        ),
+        (&flux, &sources, &replacers),
+        "the built-in profile"
+    );
+    let ns = "volume-gate";
+    for (docs, what) in [
+        (template(ns, &[]), "the chart"),
+        (
+            without_namespace(kustomize("manifests")),
+            "the kustomize base",
+        ),
+    ] {
+        let a = args(container(&docs, ns, "volume-gate-webhook"));
+        assert_eq!(flag_values(&a, "--release-controller"), flux, "{what}");
+        assert_eq!(flag_values(&a, "--parent-source-writer"), sources, "{what}");
+        assert_eq!(flag_values(&a, "--parent-replacer"), replacers, "{what}");
+        let status = condition(
+            &docs,
+            "ValidatingWebhookConfiguration",
+            "release-status.volume-gate.cozystack.io",
+            "not-the-controller",
+        );
+        assert!(
+            status.contains(&format!("['{}']", flux[0])),
+            "{what}: {status}"
+        );
+        let replaced = condition(
+            &docs,
+            "MutatingWebhookConfiguration",
+            "custody.volume-gate.cozystack.io",
+            "custody-missing-override-changed-or-replaced",
+        );
+        assert!(
+            replaced.contains(&format!("['{}']", replacers[0])),
+            "{what}: {replaced}"
+        );
+    }
+    // Another platform's identities reach both.
+    let docs = template(
+        ns,
+        &[
+            "platform.releaseControllers={system:serviceaccount:flux-system:helm-controller}",
+            "platform.parentReplacers={system:serviceaccount:acme:api,alice}",
+        ],
+    );
+    let a = args(container(&docs, ns, "volume-gate-webhook"));
+    assert_eq!(
+        flag_values(&a, "--release-controller"),
+        ["system:serviceaccount:flux-system:helm-controller"]
+    );
+    assert_eq!(
+        flag_values(&a, "--parent-replacer"),
+        ["system:serviceaccount:acme:api", "alice"]
+    );
+    assert!(
+        condition(
+            &docs,
+            "ValidatingWebhookConfiguration",
+            "release-status.volume-gate.cozystack.io",
+            "not-the-controller"
+        )
+        .contains("['system:serviceaccount:flux-system:helm-controller']")
+    );
+    assert!(
+        condition(
+            &docs,
+            "MutatingWebhookConfiguration",
+            "custody.volume-gate.cozystack.io",
+            "custody-missing-override-changed-or-replaced"
+        )
+        .contains("['system:serviceaccount:acme:api', 'alice']")
+    );
+}
+
+#[test]
 fn bad_values_are_refused_with_a_message_naming_the_value_and_the_fix() {
-    let cases: [(&[&str], &[&str]); 5] = [
+    let cases: [(&[&str], &[&str]); 7] = [
         (
             &["certificates.mode=vault"],
             &["certificates.mode \"vault\"", "cert-manager", "secret"],
@@ -334,6 +553,14 @@ fn bad_values_are_refused_with_a_message_naming_the_value_and_the_fix() {
             &["webhook.timeoutSeconds 31", "1 to 30"],
         ),
         (&["image.tag="], &["image.tag is empty"]),
+        (
+            &["platform.releaseControllers=null"],
+            &["platform.releaseControllers is empty", "cozy-fluxcd:flux"],
+        ),
+        (
+            &["platform.parentReplacers={it's}"],
+            &["platform: \"it's\"", "quote"],
+        ),
     ];
     for (sets, wanted) in cases {
         let err = try_template("volume-gate", sets).expect_err("refused");

@@ -1,6 +1,7 @@
 //! The Helm chart installed by the real `helm` (v4, from the Go module
 //! proxy) on the real API server, then upgraded while a tenant is in
-//! teardown, then uninstalled after the README's custody hand-back.
+//! teardown, then uninstalled by a plain `helm uninstall` (its pre-delete
+//! hook hands custody back).
 //!
 //! The webhook and the worker run as local processes under the
 //! ServiceAccounts the chart created, the worker with the arguments of the
@@ -16,7 +17,7 @@ use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use common::chart::{
-    WEBHOOK_CONFIGURATIONS, hand_custody_back, helm_local, helm_ok, webhook_configuration,
+    WEBHOOK_CONFIGURATIONS, helm_local, helm_ok, webhook_configuration,
     worker_args_of_the_deployment,
 };
 use common::gate::{Gate, free_port, generate_certs, helmrelease_resource};
@@ -161,12 +162,15 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
     b.set_driver(&env.sim, true).await;
     released_with_no_volume_left(env, &b).await;
 
-    // Uninstall after the README's custody hand-back: a live tenant keeps
-    // nothing of the gate.
+    // A plain `helm uninstall`, as Cozystack removes a package: its
+    // pre-delete hook (`volume-gate custody hand-back`, run here by the
+    // simulated node from the binary the tests built) hands custody back,
+    // so a live tenant keeps nothing of the gate. The worker runs here as a
+    // local process, which the hook's scaling of its Deployment cannot
+    // stop: it is stopped first.
     let c = Tenant::create(cp, &cp.unique("handback")).await;
     c.wait_custody().await;
     gate.kill_worker();
-    hand_custody_back(&client, &cp.management.kubeconfig).await;
     helm_ok(
         "uninstall",
         &[

@@ -15,14 +15,13 @@ use std::sync::Arc;
 use std::sync::atomic::{AtomicBool, Ordering};
 use std::time::Duration;
 
-use common::chart::{hand_custody_back, helm_ok};
+use common::chart::{helm, helm_ok};
 use common::tenant::{Tenant, is_csi_release_refusal};
 use common::wait::eventually;
 use k8s_openapi::api::apps::v1::Deployment;
 use k8s_openapi::api::coordination::v1::Lease;
 use k8s_openapi::api::core::v1::{Event, Pod};
-use kube::api::{Api, DeleteParams, DynamicObject, ListParams, Patch, PatchParams};
-use serde_json::json;
+use kube::api::{Api, DeleteParams, DynamicObject, ListParams};
 use volume_gate::record::Phase;
 
 const NS: &str = "volume-gate";
@@ -185,38 +184,92 @@ async fn the_chart_as_installed_runs_on_the_node_serves_admission_frees_a_tenant
     );
     assert!(load.refused > 0, "the load ran");
 
-    // The README's uninstall: custody handed back first (worker scaled to
-    // zero, webhook configurations deleted, `volume-gate custody release`),
-    // then `helm uninstall`: the live tenant keeps nothing of the gate.
-    let deployments = Api::<Deployment>::namespaced(client.clone(), NS);
-    deployments
-        .patch(
-            "volume-gate-worker",
-            &PatchParams::default(),
-            &Patch::Merge(&json!({"spec": {"replicas": 0}})),
-        )
-        .await
-        .expect("scale the worker to zero");
-    no_pod_left(
-        &pods,
-        "app.kubernetes.io/name=volume-gate,app.kubernetes.io/component=worker",
-    )
-    .await;
-    hand_custody_back(&client, &cp.management.kubeconfig).await;
-    helm_ok(
-        "helm uninstall",
-        &[
-            "uninstall",
-            "volume-gate",
-            "--namespace",
-            NS,
-            "--kubeconfig",
-            &kubeconfig,
-            "--wait",
-        ],
+    // The uninstall as Cozystack does it: a plain `helm uninstall` (a
+    // Package's removal has helm-controller uninstall its release the same
+    // way), whose pre-delete hook runs `volume-gate custody hand-back` in a
+    // Pod on the node. While a tenant is mid-release it refuses, naming
+    // that tenant, and leaves the gate as it was.
+    let m = Tenant::create(env.cp, &env.cp.unique("midway")).await;
+    m.wait_custody().await;
+    m.hold_in_teardown(&env.sim).await;
+    let uninstall = [
+        "uninstall",
+        "volume-gate",
+        "--namespace",
+        NS,
+        "--kubeconfig",
+        &kubeconfig,
+        "--wait",
+        "--timeout",
+        "4m",
+    ];
+    let refused = helm(&uninstall);
+    let said = format!(
+        "{}{}",
+        String::from_utf8_lossy(&refused.stdout),
+        String::from_utf8_lossy(&refused.stderr)
     );
+    assert!(
+        !refused.status.success(),
+        "helm uninstall went through: {said}"
+    );
+    assert!(said.contains("pre-delete"), "{said}");
+    let log = hook_log(&pods).await;
+    assert!(
+        log.contains(&format!("{}/{}", m.namespace, m.name)) && log.contains("volume-gate status"),
+        "the hook names the tenant mid-release and what to do:\n{log}"
+    );
+    // As it was: the webhook configurations in place, the CSI release still
+    // refused, and the worker back at work (it releases the tenant).
+    m.assert_csi_release_deletion_refused().await;
+    m.set_driver(&env.sim, true).await;
+    m.wait_phase(Phase::Released, Duration::from_secs(180))
+        .await;
+
+    // Once no tenant is mid-release, the same command hands custody back
+    // (the worker stopped, the webhook configurations deleted, the
+    // finalizer removed) and removes the rest: the live tenant keeps
+    // nothing of the gate, and no Pod of it is left.
+    helm_ok("helm uninstall", &uninstall);
     u.assert_out_of_custody().await;
     no_pod_left(&pods, "app.kubernetes.io/name=volume-gate").await;
+    for kind in [
+        "validatingwebhookconfigurations",
+        "mutatingwebhookconfigurations",
+    ] {
+        let left = std::process::Command::new(common::cluster::kubectl_binary())
+            .args([
+                "--kubeconfig",
+                &kubeconfig,
+                "get",
+                kind,
+                "volume-gate",
+                "--ignore-not-found",
+                "-o",
+                "name",
+            ])
+            .output()
+            .expect("kubectl get");
+        assert!(left.stdout.is_empty(), "{kind} volume-gate left");
+    }
+}
+
+/// The log of the uninstall hook's Pod (its Job is kept when it fails).
+async fn hook_log(pods: &Api<Pod>) -> String {
+    let hook = pods
+        .list(&ListParams::default().labels("batch.kubernetes.io/job-name=volume-gate-uninstall"))
+        .await
+        .expect("list the hook's Pods")
+        .items
+        .into_iter()
+        .next()
+        .expect("the uninstall hook's Pod");
+    pods.logs(
+        hook.metadata.name.as_deref().unwrap_or_default(),
+        &Default::default(),
+    )
+    .await
+    .expect("the hook's log")
 }
 
 /// What a stream of admission requests met: the gate's refusal (served),

@@ -407,7 +407,7 @@ fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
     ];
     profile_names.extend(p.parent.match_labels.keys().cloned());
     profile_names.push(p.parent.name_prefix.clone());
-    profile_names.extend(p.parent.controllers.iter().cloned());
+    profile_names.extend(p.writers.all().cloned());
     // Kubernetes' own: whose DELETEs of a tenant's disks wait for the phase.
     profile_names.push(volume_gate::admission::gate::NAMESPACE_CONTROLLER.to_string());
     // Flux's own field names, which the gate judges (decide::flux).

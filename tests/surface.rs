@@ -481,7 +481,7 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         l_hrs
             .patch_status(&csi, &dry_patch(), &forged_status("cilium"))
             .await,
-        &["only its controller", "cozy-fluxcd:helm-controller"],
+        &["only its controller", "cozy-fluxcd:flux"],
     );
     walk.unsent(
         "csi.values",

@@ -249,6 +249,9 @@ pub fn identity_labels<'a>(profile: &'a Profile, kind: &GroupKind) -> Vec<&'a st
     keys
 }
 
+/// A parent release, as `(namespace, release)`.
+pub type ReleaseOwner = (String, String);
+
 /// The parent release an object belongs to, from Helm's ownership
 /// annotations or helm-controller's labels: `(namespace, release)`. An
 /// object in a namespace belongs to a release of that namespace only (a
@@ -584,6 +587,34 @@ pub fn decide_parent_removal(
     )
 }
 
+/// Whether a move of `target`'s chart source is the platform's own
+/// upgrade rather than a retarget (`docs/design.md` §4, "Who moves a
+/// chart's source"): a parent's, set by one of the profile's
+/// `writers.parentSources` (Cozystack's cozystack-controller and
+/// cozystack-api, which take it from the ApplicationDefinition); a child's,
+/// applied by the release controller to an object its parent release
+/// (`tenant`, in the request's namespace) owns before and after the write,
+/// that is, the parent chart's own upgrade rendering it. `owners` are the
+/// parent releases Helm's ownership names on the object before and after.
+pub fn source_move_by_platform(
+    profile: &Profile,
+    target: &Target,
+    username: &str,
+    namespace: &str,
+    owners: (Option<&ReleaseOwner>, Option<&ReleaseOwner>),
+) -> bool {
+    match target {
+        Target::Parent { .. } => profile.writers.sets_parent_sources(username),
+        Target::CsiRelease { tenant } | Target::Child { tenant } => {
+            let parent = (namespace.to_string(), tenant.clone());
+            profile.writers.is_release_controller(username)
+                && owners.0 == Some(&parent)
+                && owners.1 == Some(&parent)
+        }
+        _ => false,
+    }
+}
+
 /// A write of a release's status by `username`. helm-controller trusts the
 /// status it finds: a current release or storage namespace there that no
 /// longer matches the spec makes it uninstall the release the status names
@@ -591,7 +622,7 @@ pub fn decide_parent_removal(
 /// namespace, another tenant's parent included. Only the controller writes
 /// a status; anyone else is refused, whatever the release.
 pub fn decide_status_write(profile: &Profile, subject: Subject<'_>, username: &str) -> Verdict {
-    if profile.parent.controllers.iter().any(|c| c == username) {
+    if profile.writers.is_release_controller(username) {
         return Verdict::allow("controller");
     }
     forbid(
@@ -599,7 +630,7 @@ pub fn decide_status_write(profile: &Profile, subject: Subject<'_>, username: &s
         format!(
             "{username} may not {} {subject}: only its controller ({}) writes a release's status",
             subject.action,
-            profile.parent.controllers.join(", ")
+            profile.writers.release_controllers.join(", ")
         ),
     )
 }

@@ -235,7 +235,11 @@ impl Gate {
                 if kind == self.profile.parent_kind()
                     && let (Some(old), Some(new)) = (req.old_object.as_ref(), req.object.as_ref())
                 {
-                    judged.extend(self.judge_removal(&kind, namespace, name, old, new).await);
+                    let who = self.requester(req).username;
+                    judged.extend(
+                        self.judge_removal(&kind, namespace, name, (old, new), who)
+                            .await,
+                    );
                 }
                 // A change of what the object is: judged like the delete it enables.
                 if req.operation == Operation::Update {
@@ -300,14 +304,16 @@ impl Gate {
     /// installed while the object stays (`decide::flux`), judged like the
     /// delete it amounts to under each identity the release has before or
     /// after: the parent and the CSI release until done, another child
-    /// during teardown.
+    /// during teardown. A move of the chart's source by the platform's own
+    /// writers is its upgrade, not a removal
+    /// (`decide::source_move_by_platform`).
     async fn judge_removal(
         &self,
         kind: &crate::profile::GroupKind,
         namespace: &str,
         name: &str,
-        old: &review::Object,
-        new: &review::Object,
+        (old, new): (&review::Object, &review::Object),
+        username: &str,
     ) -> Vec<(Target, Verdict)> {
         let removals = flux::removals(
             Release {
@@ -324,8 +330,6 @@ impl Gate {
         if removals.is_empty() {
             return Vec::new();
         }
-        let action = decide::removal_action(&removals);
-        let subject = Subject::delete(kind, namespace, name).with_action(&action);
         let mut targets = decide::identities_of(
             &self.profile,
             kind,
@@ -344,8 +348,40 @@ impl Gate {
                 targets.push(t);
             }
         }
+        let owners = (
+            decide::release_of(
+                &self.profile,
+                namespace,
+                &review::labels_of(Some(old)),
+                &review::meta_view(old, namespace, name).annotations,
+            ),
+            decide::release_of(
+                &self.profile,
+                namespace,
+                &review::labels_of(Some(new)),
+                &review::meta_view(new, namespace, name).annotations,
+            ),
+        );
         let mut judged = Vec::new();
         for target in targets {
+            let upgrade = decide::source_move_by_platform(
+                &self.profile,
+                &target,
+                username,
+                namespace,
+                (owners.0.as_ref(), owners.1.as_ref()),
+            );
+            let removals: Vec<&str> = removals
+                .iter()
+                .copied()
+                .filter(|r| !(upgrade && *r == flux::CHART))
+                .collect();
+            if removals.is_empty() {
+                judged.push((target, Verdict::allow("platform-source-move")));
+                continue;
+            }
+            let action = decide::removal_action(&removals);
+            let subject = Subject::delete(kind, namespace, name).with_action(&action);
             let verdict = match &target {
                 Target::Parent { tenant } => {
                     let view = review::meta_view(old, namespace, name);
@@ -1122,7 +1158,7 @@ mod tests {
         req.sub_resource = Some("status".into());
         let (_, verdict) = gate(&api).validate(&req).await;
         assert_eq!(verdict.reason(), "status-forged");
-        req.user_info.username = Some("system:serviceaccount:cozy-fluxcd:helm-controller".into());
+        req.user_info.username = Some("system:serviceaccount:cozy-fluxcd:flux".into());
         let (_, verdict) = gate(&api).validate(&req).await;
         assert!(verdict.allowed(), "{verdict:?}");
         assert!(api.calls().is_empty(), "{:?}", reads(&api));

@@ -237,8 +237,17 @@ fn delayed(shutdown: CancellationToken, delay: Duration) -> CancellationToken {
 /// after it), then drain.
 pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
     let rt = Runtime::start(&args.common).await?;
+    let mut profile = rt.profile.clone();
+    args.writers.apply(&mut profile.writers);
+    profile
+        .validate()
+        .map_err(|message| crate::profile::ProfileError::Invalid {
+            path: "--release-controller, --parent-source-writer, --parent-replacer".into(),
+            message,
+        })
+        .map_err(crate::runtime::BootError::from)?;
     let gate = Arc::new(Gate::new(
-        rt.profile.clone(),
+        profile,
         args.worker_identity.clone(),
         rt.client.clone(),
         rt.metrics.clone(),
@@ -252,6 +261,9 @@ pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
         admin = %rt.admin_addr,
         profile = %gate.profile.name,
         worker_identity = %gate.worker_identity,
+        release_controllers = ?gate.profile.writers.release_controllers,
+        parent_source_writers = ?gate.profile.writers.parent_sources,
+        parent_replacers = ?gate.profile.writers.parent_replacers,
         "volume-gate webhook serving"
     );
     let served = crate::tls::serve(

@@ -277,6 +277,17 @@ impl Context {
     /// write (`custody::outcome_patch`).
     pub async fn write_record(&self, t: &TenantRef, update: &Update) -> Result<(), kube::Error> {
         let mut annotations = update.annotations(&self.keys);
+        // The tenant's owner sees the phase where the platform shows a
+        // parent's annotations (Cozystack's Application API); nothing reads
+        // the mirror back.
+        for (key, mirror) in self
+            .keys
+            .mirrored(&self.profile.parent.visible_annotation_prefix)
+        {
+            if let Some(v) = annotations.get(key).cloned() {
+                annotations.insert(mirror, v);
+            }
+        }
         if matches!(update.phase, Some(Phase::Released | Phase::Overridden)) {
             let request = &self.profile.parent.reconcile_request_annotation;
             if !request.is_empty() {

@@ -10,6 +10,7 @@ use kube::{Resource, ResourceExt};
 use serde_json::json;
 
 use crate::profile::Profile;
+use crate::record::{Keys, Record};
 
 /// A JSON Patch adding `finalizer`, valid only at `resource_version`: a stale
 /// view fails (409/422) instead of racing a deletion.
@@ -106,6 +107,29 @@ pub async fn list_parents(
     Ok(items)
 }
 
+/// A tenant whose volume-release phase has begun and not ended: being
+/// deleted (it, or its namespace), in custody, and not done. Handing
+/// custody back now would let its teardown remove the CSI driver before its
+/// volumes are freed.
+pub fn mid_release(
+    profile: &Profile,
+    keys: &Keys,
+    parent: &PartialObjectMeta<DynamicObject>,
+    namespace_deleting: bool,
+) -> Option<String> {
+    let deleting = parent.meta().deletion_timestamp.is_some() || namespace_deleting;
+    let in_custody = parent.finalizers().contains(&profile.custody_finalizer);
+    let record = Record::from_annotations(keys, parent.annotations());
+    (deleting && in_custody && !record.is_done()).then(|| {
+        format!(
+            "{}/{} ({})",
+            parent.namespace().unwrap_or_default(),
+            parent.name_any(),
+            record.summary()
+        )
+    })
+}
+
 #[derive(clap::Subcommand, Debug, Clone)]
 pub enum CustodyCommand {
     /// Uninstall step: remove the custody finalizer from every tenant that is
@@ -115,6 +139,31 @@ pub enum CustodyCommand {
     /// Install step: add the custody finalizer to every tenant that is not
     /// being deleted (the worker also does this on its own).
     Adopt(CustodyArgs),
+    /// The whole uninstall, as the chart's pre-delete hook runs it: refuse
+    /// while any tenant is mid-release (naming each); otherwise stop the
+    /// worker, delete the webhook configurations, and remove the custody
+    /// finalizer from every tenant, so removing volume-gate strands none.
+    HandBack(HandBackArgs),
+}
+
+#[derive(clap::Args, Debug, Clone)]
+pub struct HandBackArgs {
+    /// The namespace volume-gate is installed in.
+    #[arg(long, env = "POD_NAMESPACE", default_value = "volume-gate")]
+    pub install_namespace: String,
+    /// The worker's Deployment, scaled to zero first so it takes no tenant
+    /// back into custody.
+    #[arg(long, default_value = "volume-gate-worker")]
+    pub worker_deployment: String,
+    /// The Validating- and MutatingWebhookConfiguration to delete (both
+    /// are named this).
+    #[arg(long, default_value = "volume-gate")]
+    pub webhook_configuration: String,
+    /// How long to wait for the worker's Pods to stop.
+    #[arg(long, default_value = "2m", value_parser = crate::args::parse_duration)]
+    pub timeout: std::time::Duration,
+    #[command(flatten)]
+    pub profile: crate::args::ProfileArg,
 }
 
 #[derive(clap::Args, Debug, Clone)]
@@ -130,10 +179,15 @@ pub struct CustodyArgs {
 }
 
 pub async fn run_command(cmd: CustodyCommand) -> Result<(), String> {
-    let (args, adopt) = match cmd {
-        CustodyCommand::Release(a) => (a, false),
-        CustodyCommand::Adopt(a) => (a, true),
-    };
+    match cmd {
+        CustodyCommand::Release(a) => release_or_adopt(a, false).await,
+        CustodyCommand::Adopt(a) => release_or_adopt(a, true).await,
+        CustodyCommand::HandBack(a) => hand_back(a).await,
+    }
+}
+
+/// `custody release` (`adopt` false) or `custody adopt`.
+async fn release_or_adopt(args: CustodyArgs, adopt: bool) -> Result<(), String> {
     let profile = Profile::load_or_default(args.profile.path()).map_err(|e| e.to_string())?;
     let client = kube::Client::try_default()
         .await
@@ -209,6 +263,222 @@ pub async fn run_command(cmd: CustodyCommand) -> Result<(), String> {
         };
         return Err(format!("{failed} tenants could not be changed{hint}"));
     }
+    Ok(())
+}
+
+/// The tenants mid-release now (`mid_release`), each with its summary.
+async fn tenants_mid_release(
+    client: &kube::Client,
+    profile: &Profile,
+) -> Result<Vec<String>, String> {
+    let keys = Keys::new(&profile.annotation_prefix);
+    let parents = list_parents(client, profile, None)
+        .await
+        .map_err(|e| format!("cannot list tenants: {e}"))?;
+    let namespaces: Api<k8s_openapi::api::core::v1::Namespace> = Api::all(client.clone());
+    let deleting: std::collections::BTreeSet<String> = namespaces
+        .list_metadata(&ListParams::default())
+        .await
+        .map_err(|e| format!("cannot list namespaces: {e}"))?
+        .items
+        .into_iter()
+        .filter(|n| n.metadata.deletion_timestamp.is_some())
+        .map(|n| n.name_any())
+        .collect();
+    Ok(parents
+        .iter()
+        .filter_map(|p| {
+            let ns = p.namespace().unwrap_or_default();
+            mid_release(profile, &keys, p, deleting.contains(&ns))
+        })
+        .collect())
+}
+
+/// The refusal when tenants are mid-release.
+fn refuse_mid_release(tenants: &[String], then: &str) -> String {
+    format!(
+        "volume-gate is releasing the volumes of {} being deleted: {}. Uninstalling it now would let their \
+         teardown remove the CSI driver before their volumes are freed{then}. Wait until `volume-gate status` \
+         shows them Released (or record an override for each: kubectl annotate helmrelease -n <namespace> \
+         <name> volumes.cozystack.io/override='<why>'), then uninstall again.",
+        crate::text::count(tenants.len(), "tenant"),
+        tenants.join("; ")
+    )
+}
+
+/// Sets the worker Deployment's replicas; returns what they were.
+async fn scale_worker(
+    deployments: &Api<k8s_openapi::api::apps::v1::Deployment>,
+    name: &str,
+    replicas: i32,
+) -> Result<i32, String> {
+    let before = deployments
+        .get(name)
+        .await
+        .map_err(|e| format!("cannot read Deployment {name}: {e}"))?
+        .spec
+        .replicas
+        .unwrap_or(1);
+    deployments
+        .patch(
+            name,
+            &PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"spec": {"replicas": replicas}})),
+        )
+        .await
+        .map_err(|e| format!("cannot scale Deployment {name} to {replicas}: {e}"))?;
+    Ok(before)
+}
+
+/// Waits until no Pod of the worker runs (terminating ones included: a
+/// worker stopping may still be writing).
+async fn wait_worker_stopped(
+    client: &kube::Client,
+    namespace: &str,
+    deployment: &str,
+    timeout: std::time::Duration,
+) -> Result<(), String> {
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
+        Api::namespaced(client.clone(), namespace);
+    let selector = deployments
+        .get(deployment)
+        .await
+        .map_err(|e| format!("cannot read Deployment {deployment}: {e}"))?
+        .spec
+        .selector
+        .match_labels
+        .unwrap_or_default()
+        .iter()
+        .map(|(k, v)| format!("{k}={v}"))
+        .collect::<Vec<_>>()
+        .join(",");
+    if selector.is_empty() {
+        return Err(format!(
+            "Deployment {deployment} selects its Pods by no matchLabels"
+        ));
+    }
+    let pods: Api<k8s_openapi::api::core::v1::Pod> = Api::namespaced(client.clone(), namespace);
+    let deadline = tokio::time::Instant::now() + timeout;
+    loop {
+        let left = pods
+            .list_metadata(&ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| format!("cannot list the worker's Pods: {e}"))?
+            .items
+            .len();
+        if left == 0 {
+            return Ok(());
+        }
+        if tokio::time::Instant::now() >= deadline {
+            return Err(format!(
+                "{} of Deployment {deployment} still running after {}s",
+                crate::text::count(left, "Pod"),
+                timeout.as_secs()
+            ));
+        }
+        tokio::time::sleep(std::time::Duration::from_secs(1)).await;
+    }
+}
+
+/// `volume-gate custody hand-back`: the uninstall, in the order that leaves
+/// no tenant stranded and none released unprotected (`docs/operations.md`,
+/// "Uninstall"):
+///
+/// 1. refuse while a tenant is mid-release, naming each: nothing changed;
+/// 2. scale the worker to zero and wait for its Pods to stop (it would take
+///    tenants back into custody), then check again: a deletion that began
+///    meanwhile gets the worker back and the same refusal;
+/// 3. delete the webhook configurations (the mutating one adds custody to
+///    every parent written; the validating one lets only the worker end it);
+/// 4. remove the custody finalizer from every tenant;
+/// 5. a tenant whose deletion began between 2 and 3 keeps custody, the
+///    worker is scaled back to finish it, and the command fails naming it.
+pub async fn hand_back(args: HandBackArgs) -> Result<(), String> {
+    use k8s_openapi::api::admissionregistration::v1::{
+        MutatingWebhookConfiguration, ValidatingWebhookConfiguration,
+    };
+    let profile = Profile::load_or_default(args.profile.path()).map_err(|e| e.to_string())?;
+    let client = kube::Client::try_default()
+        .await
+        .map_err(|e| format!("cannot reach the management cluster: {e}"))?;
+    let busy = tenants_mid_release(&client, &profile).await?;
+    if !busy.is_empty() {
+        return Err(refuse_mid_release(&busy, ""));
+    }
+    let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
+        Api::namespaced(client.clone(), &args.install_namespace);
+    let replicas = scale_worker(&deployments, &args.worker_deployment, 0).await?;
+    println!(
+        "{}/{}: scaled from {replicas} to 0",
+        args.install_namespace, args.worker_deployment
+    );
+    let restore = |why: String| {
+        let (deployments, name) = (&deployments, &args.worker_deployment);
+        async move {
+            match scale_worker(deployments, name, replicas).await {
+                Ok(_) => format!("{why} (the worker is scaled back to {replicas})"),
+                Err(e) => {
+                    format!("{why}; and the worker could not be scaled back to {replicas}: {e}")
+                }
+            }
+        }
+    };
+    if let Err(e) = wait_worker_stopped(
+        &client,
+        &args.install_namespace,
+        &args.worker_deployment,
+        args.timeout,
+    )
+    .await
+    {
+        return Err(restore(e).await);
+    }
+    let busy = tenants_mid_release(&client, &profile).await?;
+    if !busy.is_empty() {
+        return Err(restore(refuse_mid_release(&busy, "")).await);
+    }
+    let name = &args.webhook_configuration;
+    let mutating: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
+    let validating: Api<ValidatingWebhookConfiguration> = Api::all(client.clone());
+    for (kind, deleted) in [
+        (
+            "MutatingWebhookConfiguration",
+            mutating.delete(name, &Default::default()).await.map(|_| ()),
+        ),
+        (
+            "ValidatingWebhookConfiguration",
+            validating
+                .delete(name, &Default::default())
+                .await
+                .map(|_| ()),
+        ),
+    ] {
+        match deleted {
+            Ok(()) => println!("{kind} {name}: deleted"),
+            Err(kube::Error::Api(s)) if s.code == 404 => println!("{kind} {name}: already gone"),
+            Err(e) => return Err(restore(format!("cannot delete {kind} {name}: {e}")).await),
+        }
+    }
+    release_or_adopt(
+        CustodyArgs {
+            namespace: None,
+            dry_run: false,
+            profile: args.profile.clone(),
+        },
+        false,
+    )
+    .await?;
+    let busy = tenants_mid_release(&client, &profile).await?;
+    if !busy.is_empty() {
+        return Err(restore(refuse_mid_release(
+            &busy,
+            "; they began their deletion while this uninstall ran, and keep custody. Restore the webhook \
+             configurations (helm upgrade with the same values, or kubectl apply -k manifests/) so the worker \
+             releases them behind the gate",
+        ))
+        .await);
+    }
+    println!("custody handed back; no tenant is being released");
     Ok(())
 }
 

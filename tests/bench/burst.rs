@@ -164,7 +164,7 @@ impl Requester {
     fn user_info(self) -> Value {
         match self {
             Requester::HelmController => json!({
-                "username": "system:serviceaccount:cozy-fluxcd:helm-controller",
+                "username": "system:serviceaccount:cozy-fluxcd:flux",
                 "groups": ["system:serviceaccounts", "system:serviceaccounts:cozy-fluxcd", "system:authenticated"]}),
             Requester::NamespaceController => json!({
                 "username": "system:serviceaccount:kube-system:namespace-controller",

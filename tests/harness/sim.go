@@ -88,6 +88,7 @@ type simConfig struct {
 	profile       string
 	runJobs       bool   // run the Pods of Jobs in the management cluster (the real hook, under real Flux)
 	jobsDir       string // where those Pods' scripts run; default a new temporary directory
+	imageBinaries map[string]string // image repository -> a program of this machine that a Job Pod in that image runs
 	management    string
 	storage       string
 	control       string
@@ -131,6 +132,8 @@ func parseSimFlags(args []string) (simConfig, error) {
 	fs.StringVar(&cfg.profile, "profile", "", "volume-gate's profile as JSON (`volume-gate profile` prints it): the platform's names (required)")
 	fs.StringVar(&cfg.nodeIP, "node-ip", "", "the IP of the management cluster's real node (harness up --node), whose API server routes to endpoints: virt-api then listens on it, registered by an EndpointSlice (endpoint routing has no ExternalName)")
 	fs.BoolVar(&cfg.runJobs, "run-jobs", false, "run the Pods of Jobs in the management cluster (a chart's hooks) as local shell processes on node "+jobsNodeName)
+	var imageBinaries names
+	fs.Var(&imageBinaries, "image-binary", "REPOSITORY=PATH (repeatable): a Job Pod whose image is REPOSITORY (any tag or digest) runs PATH with the container's command and arguments as a local process, as that image's entrypoint would (volume-gate's own image: the binary the tests built)")
 	fs.StringVar(&cfg.jobsDir, "jobs-dir", "", "directory (created if missing) where --run-jobs runs the Pods' scripts; default a new temporary directory, removed when the simulator stops")
 	fs.StringVar(&cfg.management, "management", "", "kubeconfig of the management cluster (required)")
 	fs.StringVar(&cfg.storage, "storage", "", "directory of the storage ledger: one file per volume (required)")
@@ -170,6 +173,17 @@ func parseSimFlags(args []string) (simConfig, error) {
 	cfg.namespaces = map[string]bool{}
 	for _, ns := range nss {
 		cfg.namespaces[ns] = true
+	}
+	cfg.imageBinaries = map[string]string{}
+	for _, ib := range imageBinaries {
+		repo, path, ok := strings.Cut(ib, "=")
+		if !ok || repo == "" || path == "" {
+			return cfg, fmt.Errorf("--image-binary %q: want REPOSITORY=PATH", ib)
+		}
+		if st, err := os.Stat(path); err != nil || st.IsDir() {
+			return cfg, fmt.Errorf("--image-binary %s: %s is not a program", ib, path)
+		}
+		cfg.imageBinaries[repo] = absPath(path)
 	}
 	return cfg, nil
 }

@@ -11,6 +11,7 @@ import (
 	"os/exec"
 	"path/filepath"
 	"slices"
+	"strings"
 	"sync"
 	"syscall"
 	"time"
@@ -227,12 +228,31 @@ func (j *jobs) sync(ctx context.Context, key string) error {
 	return j.start(ctx, pod)
 }
 
-// start runs the Pod's first container as a local shell process.
+// imageRepository is an image reference without its tag or digest.
+func imageRepository(image string) string {
+	if at := strings.IndexByte(image, '@'); at >= 0 {
+		image = image[:at]
+	}
+	if colon := strings.LastIndexByte(image, ':'); colon > strings.LastIndexByte(image, '/') {
+		image = image[:colon]
+	}
+	return image
+}
+
+// start runs the Pod's first container as a local process: a shell script,
+// or, in an image whose program this machine has (--image-binary), that
+// program with the container's arguments.
 func (j *jobs) start(ctx context.Context, pod *corev1.Pod) error {
 	c := pod.Spec.Containers[0]
 	argv := append(slices.Clone(c.Command), c.Args...)
-	if len(argv) == 0 || (argv[0] != "/bin/sh" && argv[0] != "sh") {
-		return j.finish(ctx, pod, 126, fmt.Sprintf("container %s: the simulator runs only shell commands (/bin/sh), not %q", c.Name, argv))
+	program, ownImage := j.s.cfg.imageBinaries[imageRepository(c.Image)]
+	switch {
+	case ownImage && len(c.Command) == 0:
+		argv = append([]string{program}, c.Args...)
+	case len(argv) > 0 && (argv[0] == "/bin/sh" || argv[0] == "sh"):
+		argv[0] = "/bin/sh"
+	default:
+		return j.finish(ctx, pod, 126, fmt.Sprintf("container %s: the simulator runs only shell commands (/bin/sh), or the entrypoint of an image given with --image-binary, not %q in %s", c.Name, argv, c.Image))
 	}
 	dir := filepath.Join(j.work, string(pod.UID))
 	if err := os.MkdirAll(dir, 0o700); err != nil {
@@ -251,7 +271,7 @@ func (j *jobs) start(ctx context.Context, pod *corev1.Pod) error {
 	// The container's image is not pulled: its tools are this machine's,
 	// with kubectl (built beside the harness) first on PATH.
 	env = append(env, "PATH="+j.bin+":/usr/local/bin:/usr/bin:/bin", "HOME="+dir, "KUBECONFIG="+kubeconfig)
-	cmd := exec.Command("/bin/sh", argv[1:]...)
+	cmd := exec.Command(argv[0], argv[1:]...)
 	cmd.Dir, cmd.Env = dir, env
 	cmd.SysProcAttr = &syscall.SysProcAttr{Setpgid: true}
 	out, err := cmd.StdoutPipe()
@@ -263,7 +283,7 @@ func (j *jobs) start(ctx context.Context, pod *corev1.Pod) error {
 		return err
 	}
 	if err := cmd.Start(); err != nil {
-		return j.finish(ctx, pod, 127, fmt.Sprintf("start /bin/sh: %v", err))
+		return j.finish(ctx, pod, 127, fmt.Sprintf("start %s: %v", argv[0], err))
 	}
 	p := &jobProcess{cmd: cmd, done: make(chan struct{})}
 	j.mu.Lock()

@@ -130,6 +130,9 @@ pub struct Release<'a> {
     pub spec: &'a SpecView,
 }
 
+/// The removal a change of the chart's source is reported as.
+pub const CHART: &str = "the chart it installs";
+
 /// What in a change from `old` to `new` makes helm-controller remove what
 /// the release installed, in words for a refusal; empty when nothing does.
 pub fn removals(old: Release<'_>, new: Release<'_>) -> Vec<&'static str> {
@@ -148,7 +151,7 @@ pub fn removals(old: Release<'_>, new: Release<'_>) -> Vec<&'static str> {
         out.push("its storage namespace");
     }
     if chart(old.namespace, old.spec) != chart(new.namespace, new.spec) {
-        out.push("the chart it installs");
+        out.push(CHART);
     }
     if old.spec.kube_config != new.spec.kube_config {
         out.push("the cluster it installs into (kubeConfig)");

@@ -1610,18 +1610,14 @@ fn only_the_controller_writes_a_releases_status() {
     let kind = hr();
     let s = subject(&kind, "kubernetes-prod-csi").with_action(STATUS_ACTION);
     assert_eq!(
-        decide_status_write(
-            &profile(),
-            s,
-            "system:serviceaccount:cozy-fluxcd:helm-controller"
-        ),
+        decide_status_write(&profile(), s, "system:serviceaccount:cozy-fluxcd:flux"),
         Verdict::allow("controller")
     );
     for who in ["mallory", WORKER, "system:admin"] {
         let msg = assert_denied(&decide_status_write(&profile(), s, who), "status-forged");
         assert!(
             msg.contains(who)
-                && msg.contains("cozy-fluxcd:helm-controller")
+                && msg.contains("cozy-fluxcd:flux")
                 && msg.contains("rewrite the status"),
             "{msg}"
         );
@@ -1699,4 +1695,222 @@ fn a_child_by_its_kubeconfig_and_a_machine_by_its_cluster_name_whatever_their_la
             role: "the tenant's worker machines, which run the driver".into()
         }]
     );
+}
+
+// ---- who moves a chart's source; who replaces a parent whole ----
+
+const FLUX: &str = "system:serviceaccount:cozy-fluxcd:flux";
+const COZYSTACK_CONTROLLER: &str = "system:serviceaccount:cozy-system:cozystack-controller";
+const COZYSTACK_API: &str = "system:serviceaccount:cozy-system:cozystack-api";
+
+#[test]
+fn a_parents_source_is_moved_by_the_platforms_source_writers_only() {
+    let p = profile();
+    let parent = Target::Parent { tenant: R.into() };
+    for who in [COZYSTACK_CONTROLLER, COZYSTACK_API] {
+        assert!(
+            source_move_by_platform(&p, &parent, who, NS, (None, None)),
+            "{who}"
+        );
+    }
+    // helm-controller applies no parent: a parent is no release's object.
+    for who in [FLUX, "alice", WORKER, "system:admin"] {
+        assert!(
+            !source_move_by_platform(&p, &parent, who, NS, (None, None)),
+            "{who}"
+        );
+    }
+}
+
+#[test]
+fn a_childs_source_is_moved_by_the_release_controller_applying_its_own_parent_release() {
+    let p = profile();
+    let owner = (NS.to_string(), R.to_string());
+    let other = (NS.to_string(), "kubernetes-other".to_string());
+    let elsewhere = ("tenant-elsewhere".to_string(), R.to_string());
+    for target in [
+        Target::CsiRelease { tenant: R.into() },
+        Target::Child { tenant: R.into() },
+    ] {
+        assert!(source_move_by_platform(
+            &p,
+            &target,
+            FLUX,
+            NS,
+            (Some(&owner), Some(&owner))
+        ));
+        // Anyone else moving it, whoever owns it: a retarget.
+        for who in [COZYSTACK_CONTROLLER, COZYSTACK_API, "alice", WORKER] {
+            assert!(
+                !source_move_by_platform(&p, &target, who, NS, (Some(&owner), Some(&owner))),
+                "{who}"
+            );
+        }
+        // The release controller applying another release (one that took
+        // the object over, or is taking it), or none: a retarget.
+        for owners in [
+            (Some(&owner), Some(&other)),
+            (Some(&other), Some(&owner)),
+            (Some(&other), Some(&other)),
+            (None, Some(&owner)),
+            (Some(&owner), None),
+            (None, None),
+            (Some(&elsewhere), Some(&elsewhere)),
+        ] {
+            assert!(
+                !source_move_by_platform(&p, &target, FLUX, NS, owners),
+                "{target:?} {owners:?}"
+            );
+        }
+    }
+    // Nothing else is a release whose source moves.
+    let guarded = Target::Guarded {
+        tenant: R.into(),
+        role: "x".into(),
+    };
+    assert!(!source_move_by_platform(
+        &p,
+        &guarded,
+        FLUX,
+        NS,
+        (Some(&owner), Some(&owner))
+    ));
+}
+
+fn recorded_parent() -> ObjectMetaView {
+    let mut m = meta(parent_labels());
+    for (k, v) in [
+        ("volumes.cozystack.io/phase", "Blocked"),
+        ("volumes.cozystack.io/message", "1 volume left"),
+        ("volumes.cozystack.io/override", "abandoned, ticket 7"),
+        ("volumes.cozystack.io/override-by", "alice"),
+        ("volumes.cozystack.io/override-at", "2026-12-02T09:59:00Z"),
+        ("apps.cozystack.io-volumes.cozystack.io/phase", "Blocked"),
+        ("unrelated.example/x", "y"),
+    ] {
+        m.annotations.insert(k.into(), v.into());
+    }
+    m
+}
+
+/// What cozystack-api writes on an Application update: the object rebuilt
+/// from the Application, finalizers and unprefixed annotations gone.
+fn rebuilt(old: &ObjectMetaView) -> ObjectMetaView {
+    ObjectMetaView {
+        annotations: old
+            .annotations
+            .iter()
+            .filter(|(k, _)| k.starts_with("apps.cozystack.io-"))
+            .map(|(k, v)| (k.clone(), v.clone()))
+            .collect(),
+        finalizers: Vec::new(),
+        ..old.clone()
+    }
+}
+
+#[test]
+fn a_parent_replaced_whole_by_cozystack_api_keeps_its_record_override_and_custody() {
+    let old = recorded_parent();
+    let new = rebuilt(&old);
+    let ms = mutations(Some(&old), &new, COZYSTACK_API);
+    let mut carried: Vec<(String, String)> = old
+        .annotations
+        .iter()
+        .filter(|(k, _)| k.starts_with("volumes.cozystack.io/"))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    carried.sort();
+    assert_eq!(
+        ms,
+        vec![
+            Mutation::AddFinalizer { create_list: true },
+            Mutation::Carry {
+                annotations: carried,
+                create_map: false,
+            },
+        ],
+        "no stamp, no unstamp: the override did not change"
+    );
+    // Applied, the write keeps what the stored object had, and the guards
+    // then see no change of the record, the override or custody.
+    let mut doc = serde_json::json!({"metadata": {"annotations": new.annotations}});
+    json_patch::patch(&mut doc, &to_json_patch(&profile(), &keys(), &ms)).unwrap();
+    let mut after = new.clone();
+    after.annotations = serde_json::from_value(doc["metadata"]["annotations"].clone()).unwrap();
+    after.finalizers = serde_json::from_value(doc["metadata"]["finalizers"].clone()).unwrap();
+    for (k, v) in old
+        .annotations
+        .iter()
+        .filter(|(k, _)| !k.starts_with("unrelated"))
+    {
+        assert_eq!(after.annotations.get(k), Some(v), "{k}");
+    }
+    assert!(!after.annotations.contains_key("unrelated.example/x"));
+    assert_eq!(
+        guard(&old, &after, COZYSTACK_API),
+        UpdateVerdict::Final(Verdict::allow("guards-passed"))
+    );
+    // With no annotations left at all, the map is made first.
+    let mut bare = new.clone();
+    bare.annotations.clear();
+    let ms = mutations(Some(&old), &bare, COZYSTACK_API);
+    let mut doc = serde_json::json!({"metadata": {}});
+    json_patch::patch(&mut doc, &to_json_patch(&profile(), &keys(), &ms)).unwrap();
+    assert_eq!(
+        doc["metadata"]["annotations"]["volumes.cozystack.io/phase"],
+        "Blocked"
+    );
+    assert_eq!(
+        doc["metadata"]["annotations"]["apps.cozystack.io-volumes.cozystack.io/phase"], "Blocked",
+        "the owner's mirror too"
+    );
+}
+
+#[test]
+fn a_parent_replaced_whole_by_anyone_else_is_refused_not_repaired() {
+    let old = recorded_parent();
+    let new = rebuilt(&old);
+    for who in ["alice", FLUX, COZYSTACK_CONTROLLER] {
+        assert!(
+            !mutations(Some(&old), &new, who)
+                .iter()
+                .any(|m| matches!(m, Mutation::Carry { .. })),
+            "{who}"
+        );
+        assert!(
+            matches!(guard(&old, &new, who), UpdateVerdict::Final(v) if !v.allowed()),
+            "{who}"
+        );
+    }
+}
+
+#[test]
+fn a_replacer_that_changes_the_record_rather_than_dropping_it_is_still_judged() {
+    let old = recorded_parent();
+    let mut new = rebuilt(&old);
+    new.annotations
+        .insert("volumes.cozystack.io/phase".into(), "Released".into());
+    let ms = mutations(Some(&old), &new, COZYSTACK_API);
+    let mut doc = serde_json::json!({"metadata": {"annotations": new.annotations}});
+    json_patch::patch(&mut doc, &to_json_patch(&profile(), &keys(), &ms)).unwrap();
+    assert_eq!(
+        doc["metadata"]["annotations"]["volumes.cozystack.io/phase"],
+        "Released"
+    );
+    let mut after = new.clone();
+    after.annotations = serde_json::from_value(doc["metadata"]["annotations"].clone()).unwrap();
+    after.finalizers.push("volumes.cozystack.io/release".into());
+    let verdict = guard(&old, &after, COZYSTACK_API);
+    assert!(
+        matches!(&verdict, UpdateVerdict::Final(v) if v.reason() == "record-forged"),
+        "{verdict:?}"
+    );
+}
+
+#[test]
+fn nothing_is_carried_onto_what_was_not_a_parent() {
+    let mut old = recorded_parent();
+    old.labels.clear();
+    let new = rebuilt(&old);
+    assert!(mutations(Some(&old), &new, COZYSTACK_API).is_empty());
 }

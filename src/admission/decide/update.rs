@@ -227,6 +227,66 @@ pub enum Mutation {
     Stamp { by: String, at: String },
     /// Remove the stamps of a withdrawn override.
     Unstamp { keys: Vec<String> },
+    /// Put back annotations of the gate's (the record, the override and its
+    /// stamps) that a writer replacing the object whole dropped, creating
+    /// the map when the write has none.
+    Carry {
+        annotations: Vec<(String, String)>,
+        create_map: bool,
+    },
+}
+
+/// What a writer that replaces a parent whole (the profile's
+/// `writers.parentReplacers`: cozystack-api rebuilding it from the
+/// Application on every update) dropped of the gate's: the custody
+/// finalizer and every annotation under the record's prefix (and the
+/// worker's mirror of it for the tenant's owner), put back from
+/// the stored object, with `new` as it is once they are. Anyone else who
+/// drops them is refused by the validating guards, loudly; a replacer does
+/// not mean to, and refusing it would refuse every Application update of a
+/// tenant in custody.
+fn carry_over(
+    profile: &Profile,
+    old: Option<&ObjectMetaView>,
+    new: &ObjectMetaView,
+    who: Requester<'_>,
+) -> (Vec<Mutation>, Option<ObjectMetaView>) {
+    let Some(old) = old.filter(|o| profile.is_parent(&o.labels)) else {
+        return (Vec::new(), None);
+    };
+    if !profile.writers.replaces_parents(who.username) {
+        return (Vec::new(), None);
+    }
+    let mut out = Vec::new();
+    let mut kept = new.clone();
+    if old.finalizers.contains(&profile.custody_finalizer)
+        && !new.finalizers.contains(&profile.custody_finalizer)
+    {
+        out.push(Mutation::AddFinalizer {
+            create_list: new.finalizers.is_empty(),
+        });
+        kept.finalizers.push(profile.custody_finalizer.clone());
+    }
+    let prefix = &profile.annotation_prefix;
+    let mirror = format!("{}{prefix}", profile.parent.visible_annotation_prefix);
+    let ours = |k: &str| k.starts_with(prefix.as_str()) || k.starts_with(&mirror);
+    let dropped: Vec<(String, String)> = old
+        .annotations
+        .iter()
+        .filter(|(k, _)| ours(k) && !new.annotations.contains_key(*k))
+        .map(|(k, v)| (k.clone(), v.clone()))
+        .collect();
+    if !dropped.is_empty() {
+        kept.annotations.extend(dropped.iter().cloned());
+        out.push(Mutation::Carry {
+            annotations: dropped,
+            create_map: new.annotations.is_empty(),
+        });
+    }
+    if out.is_empty() {
+        return (out, None);
+    }
+    (out, Some(kept))
 }
 
 /// Mutations for CREATE/UPDATE of a release (`docs/design.md` §2, §3).
@@ -245,8 +305,9 @@ pub fn mutate(
     if !parent_now && !old.is_some_and(|o| profile.is_parent(&o.labels)) {
         return Vec::new();
     }
+    let (mut out, kept) = carry_over(profile, old, new, who);
+    let new = kept.as_ref().unwrap_or(new);
     let old = becoming_parent(profile, old);
-    let mut out = Vec::new();
     // Custody starts before deletion, never during it, and only on what is
     // a parent after the write. A removal is not quietly undone here: the
     // validating guard refuses it, loudly.
@@ -317,6 +378,23 @@ pub fn to_json_patch(profile: &Profile, keys: &Keys, mutations: &[Mutation]) -> 
                 for k in keys {
                     ops.push(PatchOperation::Remove(RemoveOperation {
                         path: annotation_path(k),
+                    }));
+                }
+            }
+            Mutation::Carry {
+                annotations,
+                create_map,
+            } => {
+                if *create_map {
+                    ops.push(PatchOperation::Add(AddOperation {
+                        path: PointerBuf::from_tokens(["metadata", "annotations"]),
+                        value: json!({}),
+                    }));
+                }
+                for (k, v) in annotations {
+                    ops.push(PatchOperation::Add(AddOperation {
+                        path: annotation_path(k),
+                        value: json!(v),
                     }));
                 }
             }

@@ -201,29 +201,6 @@ pub const WEBHOOK_CONFIGURATIONS: [(&str, &str); 2] = [
     ),
 ];
 
-/// The README's custody hand-back once the worker is stopped: both webhook
-/// configurations deleted, then `volume-gate custody release` as the
-/// management cluster's admin.
-pub async fn hand_custody_back(client: &kube::Client, kubeconfig: &std::path::Path) {
-    use kube::api::{Api, DeleteParams, DynamicObject};
-    for (kind, plural) in WEBHOOK_CONFIGURATIONS {
-        Api::<DynamicObject>::all_with(client.clone(), &webhook_configuration(kind, plural))
-            .delete("volume-gate", &DeleteParams::default())
-            .await
-            .unwrap_or_else(|e| panic!("delete {kind}: {e}"));
-    }
-    let out = Command::new(super::gate::binary())
-        .args(["custody", "release"])
-        .env("KUBECONFIG", kubeconfig)
-        .output()
-        .expect("run volume-gate custody release");
-    assert!(
-        out.status.success(),
-        "volume-gate custody release: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-}
-
 /// `helm VERB volume-gate CHART` into `namespace` of the management cluster
 /// of `kubeconfig`, through the `point-at-local` post-renderer aimed at
 /// `base` (`https://127.0.0.1:PORT`), then `extra`; must succeed.

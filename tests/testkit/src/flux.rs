@@ -14,6 +14,7 @@ use kube::api::{
 use serde_json::json;
 
 use super::cluster::{ControlPlane, repo_root, run_build_script};
+use super::cozystack;
 use super::gate::{free_port, http_get};
 use super::manifests;
 use super::process::Process;
@@ -40,9 +41,25 @@ pub struct Flux {
     pub charts: ChartServer,
 }
 
-/// How helm-controller runs: its retry delays of a failed reconcile and
-/// its workers. The default is the tests' ([`MIN_RETRY_DELAY`],
-/// [`MAX_RETRY_DELAY`], [`CONCURRENT`]).
+/// How helm-controller runs. Always Cozystack's arguments
+/// ([`cozystack::HELM_CONTROLLER_ARGS`]), as its identity, with what the
+/// fixture changes, each for a reason:
+///
+/// - **retry delays**: Cozystack passes none, so Flux's own apply (750 ms
+///   doubling to 15 min: [`FluxConfig::cozystack`]). The tests' default
+///   starts at [`MIN_RETRY_DELAY`], so that a retry within a test's bounds
+///   can only be the one the worker asked for: with 750 ms, a test of the
+///   worker's retry request could not fail.
+/// - **workers** (`--concurrent`): Cozystack runs 5 in each helm-controller,
+///   the main one and each shard of the flux-shard-operator (one per 100
+///   releases, up to 16); the fixture's one helm-controller plays the main
+///   one and a shard, so [`CONCURRENT`].
+/// - **no label selector**: Cozystack's main controller watches
+///   `!sharding.fluxcd.io/key` and each shard `sharding.fluxcd.io/key=shard<i>`,
+///   with the same image, identity and other flags; the one controller here
+///   watches every release.
+/// - `--events-addr` names no notification-controller (none runs here), and
+///   `--log-level=debug`, for the logs a failed test keeps.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct FluxConfig {
     pub min_retry_delay: &'static str,
@@ -57,6 +74,40 @@ impl Default for FluxConfig {
             max_retry_delay: MAX_RETRY_DELAY,
             concurrent: CONCURRENT,
         }
+    }
+}
+
+impl FluxConfig {
+    /// Flux's own retry delays, which Cozystack keeps (fluxcd/pkg
+    /// `runtime/controller/rate_limiter.go`), and Cozystack's 5 workers.
+    pub fn cozystack() -> FluxConfig {
+        FluxConfig {
+            min_retry_delay: "750ms",
+            max_retry_delay: "15m",
+            concurrent: 5,
+        }
+    }
+
+    /// helm-controller's arguments but its listening addresses:
+    /// Cozystack's, with this configuration's changes.
+    pub fn args(&self) -> Vec<String> {
+        let mut args: Vec<String> = cozystack::HELM_CONTROLLER_ARGS
+            .iter()
+            .filter(|a| {
+                !a.starts_with("--concurrent=")
+                    && !a.starts_with("--watch-label-selector=")
+                    && !a.starts_with("--log-level=")
+            })
+            .map(|a| a.to_string())
+            .collect();
+        args.extend([
+            format!("--concurrent={}", self.concurrent),
+            "--log-level=debug".into(),
+            "--events-addr=".into(),
+            format!("--min-retry-delay={}", self.min_retry_delay),
+            format!("--max-retry-delay={}", self.max_retry_delay),
+        ]);
+        args
     }
 }
 
@@ -121,28 +172,13 @@ pub const MAX_RETRY_DELAY: &str = "15m";
 /// children need, and tenants built a few at a time queue for minutes.
 pub const CONCURRENT: u32 = 10;
 
-/// helm-controller runs as Cozystack runs it: ServiceAccount
-/// `cozy-fluxcd/helm-controller`, bound to cluster-admin (Flux's own
-/// install binds it so). The gate knows it by that name: it alone writes a
-/// HelmRelease's status (the profile's `parent.controllers`).
-async fn controller_identity(cp: &ControlPlane, client: &kube::Client) -> PathBuf {
-    let (namespace, name) = ("cozy-fluxcd", "helm-controller");
-    cp.namespace(namespace).await;
-    manifests::apply(
-        client,
-        &json!({"apiVersion": "v1", "kind": "ServiceAccount",
-                "metadata": {"name": name, "namespace": namespace}}),
-    )
-    .await;
-    manifests::apply(
-        client,
-        &json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
-                "metadata": {"name": "cozy-fluxcd-helm-controller"},
-                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
-                "subjects": [{"kind": "ServiceAccount", "name": name, "namespace": namespace}]}),
-    )
-    .await;
-    cp.service_account_kubeconfig(namespace, name).await
+/// helm-controller acts as Cozystack's Flux does: ServiceAccount
+/// `cozy-fluxcd/flux`, bound to cluster-admin, its namespace labelled as
+/// Cozystack's is ([`cozystack::FLUX`], [`cozystack::FLUX_NAMESPACE_LABELS`]).
+/// The gate knows it by that name: it alone writes a HelmRelease's status
+/// and applies a parent release's children (the profile's `writers`).
+async fn controller_identity(cp: &ControlPlane) -> PathBuf {
+    cozystack::act_as(cp, &cozystack::FLUX, &cozystack::FLUX_NAMESPACE_LABELS).await
 }
 
 impl Flux {
@@ -151,11 +187,6 @@ impl Flux {
     /// `config`'s retry delays (helm-controller's own defaults are 750ms
     /// and 15m) and workers (its default: 4). Tests use [`flux`].
     pub async fn start_with(cp: &ControlPlane, config: &FluxConfig) -> Flux {
-        let FluxConfig {
-            min_retry_delay,
-            max_retry_delay,
-            concurrent,
-        } = config;
         let dir = flux_dir();
         let client = cp.management_client().await;
         let mut files: Vec<PathBuf> = std::fs::read_dir(dir.join("crds"))
@@ -174,22 +205,15 @@ impl Flux {
         ] {
             super::gate::wait_crd_established(&client, name).await;
         }
-        let kubeconfig = controller_identity(cp, &client).await;
+        let kubeconfig = controller_identity(cp).await;
         let health = free_port();
         let mut cmd = Command::new(dir.join("helm-controller"));
-        cmd.env("KUBECONFIG", &kubeconfig).args([
-            "--watch-all-namespaces=true",
-            "--enable-leader-election=false",
-            "--feature-gates=ExternalArtifact=true",
-            &format!("--concurrent={concurrent}"),
-            "--events-addr=",
-            "--log-encoding=json",
-            "--log-level=debug",
-            &format!("--min-retry-delay={min_retry_delay}"),
-            &format!("--max-retry-delay={max_retry_delay}"),
-            &format!("--metrics-addr=127.0.0.1:{}", free_port()),
-            &format!("--health-addr=127.0.0.1:{health}"),
-        ]);
+        cmd.env("KUBECONFIG", &kubeconfig)
+            .args(config.args())
+            .args([
+                &format!("--metrics-addr=127.0.0.1:{}", free_port()),
+                &format!("--health-addr=127.0.0.1:{health}"),
+            ]);
         let log = cp
             .state
             .join("logs")

@@ -5,6 +5,7 @@
 pub mod certmanager;
 pub mod chart;
 pub mod cluster;
+pub mod cozystack;
 pub mod editor;
 pub mod flux;
 pub mod gate;

@@ -33,14 +33,26 @@ pub fn address() -> Option<&'static str> {
         .map(|_| NODE_IP)
 }
 
-/// The image the chart's values name: `repository:tag`.
-pub fn chart_image() -> String {
+fn chart_image_values() -> Value {
     let path = repo_root().join("manifests/chart/volume-gate/values.yaml");
     let text =
         std::fs::read_to_string(&path).unwrap_or_else(|e| panic!("read {}: {e}", path.display()));
     let values: Value =
         serde_saphyr::from_str(&text).unwrap_or_else(|e| panic!("parse {}: {e}", path.display()));
-    let image = &values["image"];
+    values["image"].clone()
+}
+
+/// The image repository the chart's values name.
+pub fn chart_image_repository() -> String {
+    chart_image_values()["repository"]
+        .as_str()
+        .expect("image.repository")
+        .to_string()
+}
+
+/// The image the chart's values name: `repository:tag`.
+pub fn chart_image() -> String {
+    let image = chart_image_values();
     format!(
         "{}:{}",
         image["repository"].as_str().expect("image.repository"),

@@ -99,7 +99,15 @@ impl Simulator {
             // In the state directory, which the harness removes: the
             // simulator is killed with its owner, before it could.
             .arg("--jobs-dir")
-            .arg(cp.state.join(cp.unique("jobs")));
+            .arg(cp.state.join(cp.unique("jobs")))
+            // A Job in volume-gate's own image (the chart's uninstall hook)
+            // runs the binary the tests built, as the image's entrypoint.
+            .arg("--image-binary")
+            .arg(format!(
+                "{}={}",
+                super::node::chart_image_repository(),
+                super::gate::binary().display()
+            ));
         let log = cp
             .state
             .join("logs")

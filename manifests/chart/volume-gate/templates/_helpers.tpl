@@ -22,3 +22,21 @@
 {{- define "volume-gate.profilePath" -}}
 /etc/volume-gate/profile/profile.yaml
 {{- end }}
+
+{{/* The release controller's usernames, checked once: the release-status
+webhook sends every status write by anyone else, so an empty list would
+refuse Flux its own status writes on every HelmRelease. */}}
+{{- define "volume-gate.releaseControllers" -}}
+{{- $c := .Values.platform.releaseControllers -}}
+{{- if not $c }}{{ fail "platform.releaseControllers is empty: name the username Flux's helm-controller runs as (Cozystack: system:serviceaccount:cozy-fluxcd:flux), or every HelmRelease status write is refused" }}{{ end -}}
+{{- range (concat $c .Values.platform.parentSourceWriters .Values.platform.parentReplacers) }}
+{{- if or (not (kindIs "string" .)) (ne . (trim .)) (eq . "") }}{{ fail (printf "platform: %v is not a username (system:serviceaccount:<namespace>:<name>)" .) }}{{ end -}}
+{{- if contains "'" . }}{{ fail (printf "platform: %q: a username with a quote cannot be written into a webhook condition" .) }}{{ end -}}
+{{- end -}}
+{{ toYaml $c }}
+{{- end }}
+
+{{/* A list of usernames as a CEL list literal. */}}
+{{- define "volume-gate.celList" -}}
+[{{ range $i, $u := . }}{{ if $i }}, {{ end }}'{{ $u }}'{{ end }}]
+{{- end }}

@@ -1,0 +1,268 @@
+//! Cozystack as it ships: the identities its controllers run as, and what
+//! the fixture plays of them, each read from Cozystack's release
+//! ([`RELEASE`], github.com/cozystack/cozystack) with the file it was read
+//! from. Never chosen to fit volume-gate's code: when the two disagree, the
+//! code changes (`docs/census.md`, where each is used).
+
+use serde_json::json;
+
+use super::cluster::ControlPlane;
+use super::manifests;
+
+/// The Cozystack release every fact here was read from.
+pub const RELEASE: &str = "v1.6.2";
+
+/// A platform component's identity: the ServiceAccount its Pods run as,
+/// and where in Cozystack's release that is written.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Identity {
+    /// What it is, for messages.
+    pub component: &'static str,
+    pub namespace: &'static str,
+    pub service_account: &'static str,
+    /// The file of Cozystack's release (at [`RELEASE`]) that says so.
+    pub source: &'static str,
+}
+
+impl Identity {
+    /// The username its requests carry.
+    pub fn username(&self) -> String {
+        format!(
+            "system:serviceaccount:{}:{}",
+            self.namespace, self.service_account
+        )
+    }
+}
+
+/// Flux: one Deployment `flux` in `cozy-fluxcd` whose every container
+/// (helm-controller v1.5.0 among them) runs as ServiceAccount `flux`, bound
+/// to cluster-admin by ClusterRoleBinding `flux`; the flux-shard-operator's
+/// `helm-controller-shard<i>` Deployments copy that Pod spec, identity
+/// included (`internal/fluxshardoperator/provisioner.go`
+/// `BuildShardDeployment`).
+pub const FLUX: Identity = Identity {
+    component: "Flux (helm-controller and its shards)",
+    namespace: "cozy-fluxcd",
+    service_account: "flux",
+    source: "internal/fluxinstall/manifests/fluxcd.yaml (ServiceAccount flux, Deployment flux, ClusterRoleBinding flux)",
+};
+
+/// cozystack-controller: its `ApplicationDefinitionHelmReconciler` sets
+/// parents' `spec.chartRef` from their ApplicationDefinition.
+pub const COZYSTACK_CONTROLLER: Identity = Identity {
+    component: "cozystack-controller",
+    namespace: "cozy-system",
+    service_account: "cozystack-controller",
+    source: "packages/system/cozystack-controller/templates/sa.yaml, deployment.yaml; installed into cozy-system by packages/core/platform/sources/cozystack-engine.yaml",
+};
+
+/// cozystack-api: the Application API; it creates, replaces (on every
+/// Application update) and deletes parents as itself, not as the user.
+pub const COZYSTACK_API: Identity = Identity {
+    component: "cozystack-api",
+    namespace: "cozy-system",
+    service_account: "cozystack-api",
+    source: "packages/system/cozystack-api/templates/sa.yaml, deployment.yaml",
+};
+
+/// cozystack-operator: turns Packages into HelmReleases and namespaces.
+pub const COZYSTACK_OPERATOR: Identity = Identity {
+    component: "cozystack-operator (Packages)",
+    namespace: "cozy-system",
+    service_account: "cozystack",
+    source: "packages/core/installer/templates/cozystack-operator.yaml",
+};
+
+/// flux-shard-operator: patches `sharding.fluxcd.io/key` on tenants'
+/// HelmReleases (labels only).
+pub const FLUX_SHARD_OPERATOR: Identity = Identity {
+    component: "flux-shard-operator",
+    namespace: "cozy-fluxcd",
+    service_account: "flux-shard-operator",
+    source: "packages/system/flux-shard-operator/templates/rbac.yaml; packages/core/platform/sources/flux-shard-operator.yaml",
+};
+
+/// flux-plunger: toggles `spec.suspend` of a release stuck with "has no
+/// deployed releases" and annotates it.
+pub const FLUX_PLUNGER: Identity = Identity {
+    component: "flux-plunger",
+    namespace: "cozy-fluxcd",
+    service_account: "flux-plunger",
+    source: "packages/system/flux-plunger/templates/serviceaccount.yaml; packages/core/platform/sources/flux-plunger.yaml",
+};
+
+/// The platform chart's migration Job (pre-install, pre-upgrade hook),
+/// bound to cluster-admin.
+pub const MIGRATION_HOOK: Identity = Identity {
+    component: "platform migrations",
+    namespace: "cozy-system",
+    service_account: "cozystack-migration-hook",
+    source: "packages/core/platform/templates/migration-hook.yaml",
+};
+
+/// Kamaji's controller: the TenantControlPlane's Deployment, Service and
+/// Secrets (the admin kubeconfig among them).
+pub const KAMAJI: Identity = Identity {
+    component: "Kamaji",
+    namespace: "cozy-kamaji",
+    service_account: "kamaji-controller-manager",
+    source: "packages/system/kamaji/charts/kamaji/values.yaml (serviceAccount); packages/core/platform/sources/kamaji.yaml (namespace)",
+};
+
+/// Cluster API's core controllers (Cluster, MachineDeployment, MachineSet,
+/// Machine).
+pub const CAPI: Identity = Identity {
+    component: "Cluster API core",
+    namespace: "cozy-cluster-api",
+    service_account: "capi-manager",
+    source: "packages/system/capi-providers-core (components: ServiceAccount capi-manager); namespace from the Provider CR's release namespace (sources/capi-provider-*.yaml)",
+};
+
+/// The Kamaji control plane provider for Cluster API (KamajiControlPlane
+/// -> TenantControlPlane).
+pub const CAPI_KAMAJI: Identity = Identity {
+    component: "Cluster API Kamaji control plane provider",
+    namespace: "cozy-cluster-api",
+    service_account: "capi-kamaji-controller-manager",
+    source: "packages/system/capi-providers-cpprovider (components)",
+};
+
+/// Cluster API's KubeVirt infrastructure provider (the tenant's VMs).
+pub const CAPK: Identity = Identity {
+    component: "Cluster API KubeVirt provider",
+    namespace: "cozy-cluster-api",
+    service_account: "capk-manager",
+    source: "packages/system/capi-providers-infraprovider (components)",
+};
+
+/// KubeVirt's virt-controller. The ServiceAccount is made by virt-operator
+/// at run time, so its name is upstream's (`kubevirt-controller`), not a
+/// file of Cozystack's; the namespace is Cozystack's.
+pub const KUBEVIRT: Identity = Identity {
+    component: "KubeVirt virt-controller",
+    namespace: "cozy-kubevirt",
+    service_account: "kubevirt-controller",
+    source: "packages/system/kubevirt-operator (namespace cozy-kubevirt); ServiceAccount name from KubeVirt's virt-operator, not in Cozystack's files",
+};
+
+/// CDI's controller (DataVolumes, their PVCs). As for KubeVirt, the
+/// ServiceAccount is the operator's (`cdi-sa`).
+pub const CDI: Identity = Identity {
+    component: "CDI",
+    namespace: "cozy-kubevirt-cdi",
+    service_account: "cdi-sa",
+    source: "packages/system/kubevirt-cdi-operator (namespace cozy-kubevirt-cdi); ServiceAccount name from CDI's operator, not in Cozystack's files",
+};
+
+/// The lineage webhook: labels Pods, Secrets, Services and PVCs with their
+/// application, inside their creator's own request.
+pub const LINEAGE_WEBHOOK: Identity = Identity {
+    component: "lineage-controller-webhook",
+    namespace: "cozy-system",
+    service_account: "lineage-controller-webhook",
+    source: "packages/system/lineage-controller-webhook/templates/sa.yaml",
+};
+
+/// Every platform identity above.
+pub const PLATFORM: [Identity; 14] = [
+    FLUX,
+    COZYSTACK_CONTROLLER,
+    COZYSTACK_API,
+    COZYSTACK_OPERATOR,
+    FLUX_SHARD_OPERATOR,
+    FLUX_PLUNGER,
+    MIGRATION_HOOK,
+    KAMAJI,
+    CAPI,
+    CAPI_KAMAJI,
+    CAPK,
+    KUBEVIRT,
+    CDI,
+    LINEAGE_WEBHOOK,
+];
+
+/// The labels of Flux's namespace: flux-aio's own
+/// (`internal/fluxinstall/manifests/fluxcd.yaml`, Namespace cozy-fluxcd),
+/// and `cozystack.io/system: "true"`, which the Package operator adds to
+/// every namespace of a Package component not named `tenant-*`
+/// (`internal/operator/package_reconciler.go` `reconcileNamespaces`):
+/// flux-plunger and flux-shard-operator install there.
+pub const FLUX_NAMESPACE_LABELS: [(&str, &str); 5] = [
+    ("app.kubernetes.io/name", "flux"),
+    ("app.kubernetes.io/part-of", "flux"),
+    ("app.kubernetes.io/version", "v2.8.0"),
+    ("pod-security.kubernetes.io/enforce", "privileged"),
+    (SYSTEM_NAMESPACE_LABEL, "true"),
+];
+
+/// The label the Package operator puts on the namespaces of system
+/// packages (`internal/operator/package_reconciler.go`), and which the
+/// tenant namespaces' ingress policy admits
+/// (`packages/apps/tenant/templates/networkpolicy.yaml`, `<tenant>-ingress`).
+pub const SYSTEM_NAMESPACE_LABEL: &str = "cozystack.io/system";
+
+/// helm-controller's arguments in Cozystack's `flux` Deployment
+/// (`internal/fluxinstall/manifests/fluxcd.yaml`, container
+/// helm-controller, image `ghcr.io/fluxcd/helm-controller:v1.5.0`), in
+/// order, but its listening addresses, which the fixture picks on
+/// loopback. What the fixture changes, and why, is [`super::flux::FluxConfig`].
+pub const HELM_CONTROLLER_ARGS: [&str; 8] = [
+    "--watch-all-namespaces",
+    "--log-level=info",
+    "--log-encoding=json",
+    "--enable-leader-election=false",
+    "--watch-label-selector=!sharding.fluxcd.io/key",
+    "--concurrent=5",
+    "--requeue-dependency=30s",
+    "--feature-gates=ExternalArtifact=true",
+];
+
+/// The version of helm-controller Cozystack runs; the fixture builds the
+/// closest one the Go module proxy serves (`tests/flux/go.mod`: v1.6.0,
+/// v1.5.x answered 403). What differs is in `docs/census.md`.
+pub const HELM_CONTROLLER_VERSION: &str = "v1.5.0";
+
+/// Creates `identity`'s namespace (with `labels`) and ServiceAccount and
+/// binds it to cluster-admin, as Cozystack binds Flux, the operator and
+/// the migration hook; returns a kubeconfig that acts as it. For the
+/// others the gate's answer is what is tested, not Cozystack's RBAC, which
+/// is Cozystack's own to keep right.
+pub async fn act_as(
+    cp: &ControlPlane,
+    identity: &Identity,
+    labels: &[(&str, &str)],
+) -> std::path::PathBuf {
+    let client = cp.management_client().await;
+    cp.namespace(identity.namespace).await;
+    if !labels.is_empty() {
+        let labels: serde_json::Map<String, serde_json::Value> = labels
+            .iter()
+            .map(|(k, v)| (k.to_string(), json!(v)))
+            .collect();
+        let api: kube::Api<k8s_openapi::api::core::v1::Namespace> = kube::Api::all(client.clone());
+        api.patch(
+            identity.namespace,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(json!({"metadata": {"labels": labels}})),
+        )
+        .await
+        .unwrap_or_else(|e| panic!("label namespace {}: {e}", identity.namespace));
+    }
+    manifests::apply(
+        &client,
+        &json!({"apiVersion": "v1", "kind": "ServiceAccount",
+                "metadata": {"name": identity.service_account, "namespace": identity.namespace}}),
+    )
+    .await;
+    manifests::apply(
+        &client,
+        &json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+                "metadata": {"name": format!("{}-{}", identity.namespace, identity.service_account)},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "cluster-admin"},
+                "subjects": [{"kind": "ServiceAccount", "name": identity.service_account,
+                              "namespace": identity.namespace}]}),
+    )
+    .await;
+    cp.service_account_kubeconfig(identity.namespace, identity.service_account)
+        .await
+}
