@@ -222,6 +222,31 @@ pub const HELM_CONTROLLER_ARGS: [&str; 8] = [
 /// v1.5.x answered 403). What differs is in `docs/census.md`.
 pub const HELM_CONTROLLER_VERSION: &str = "v1.5.0";
 
+/// Where the platform's chart artifacts are, and what they are named:
+/// Cozystack's PackageSource `cozystack.kubernetes-application` (variant
+/// `kubevirt`) makes one ExternalArtifact per component in `cozy-system`,
+/// named `<source>-<variant>-<component>` with dots as dashes
+/// (`internal/operator/packagesource_reconciler.go`,
+/// `packages/core/platform/sources/kubernetes-application.yaml`); the
+/// ApplicationDefinition `kubernetes` points parents at the first
+/// (`packages/system/kubernetes-rd/cozyrds/kubernetes.yaml`), the parent
+/// chart its children at the others
+/// (`packages/apps/kubernetes/templates/helmreleases/*.yaml`).
+pub const ARTIFACT_NAMESPACE: &str = "cozy-system";
+pub const PARENT_ARTIFACT: &str = "cozystack-kubernetes-application-kubevirt-kubernetes";
+
+/// The tenant chart's artifacts and the fixture chart
+/// (`tests/fixtures/charts/<chart>`) each serves: the parent's, the CSI
+/// driver's (`kubevirt-csi-node`), and two addons'.
+pub fn tenant_artifacts() -> [(String, &'static str); 4] {
+    [
+        (PARENT_ARTIFACT.to_string(), "kubernetes"),
+        (format!("{PARENT_ARTIFACT}-kubevirt-csi-node"), "csi"),
+        (format!("{PARENT_ARTIFACT}-cilium"), "demo"),
+        (format!("{PARENT_ARTIFACT}-coredns"), "demo"),
+    ]
+}
+
 /// Creates `identity`'s namespace (with `labels`) and ServiceAccount and
 /// binds it to cluster-admin, as Cozystack binds Flux, the operator and
 /// the migration hook; returns a kubeconfig that acts as it. For the

@@ -28,6 +28,7 @@ use kube::core::{ApiResource, GroupVersionKind};
 use serde_json::{Value, json};
 
 use super::cluster::{ClusterInfo, ControlPlane, client_from};
+use super::cozystack;
 use super::flux::{FLUX_FINALIZER, Flux, ready_condition};
 use super::gate::helmrelease_resource;
 use super::history::ParentHistory;
@@ -240,12 +241,9 @@ impl Tenant {
         let namespace = namespace.unwrap_or_else(|| format!("tenant-{app}"));
         let name = format!("{}{app}", profile.parent.name_prefix);
         cp.namespace(&namespace).await;
-        for (artifact, chart) in [
-            ("chart-kubernetes", "kubernetes"),
-            ("chart-csi", "csi"),
-            ("chart-demo", "demo"),
-        ] {
-            flux.publish_chart(&management, &namespace, artifact, chart)
+        cp.namespace(cozystack::ARTIFACT_NAMESPACE).await;
+        for (artifact, chart) in cozystack::tenant_artifacts() {
+            flux.publish_chart(&management, cozystack::ARTIFACT_NAMESPACE, &artifact, chart)
                 .await;
         }
         let hrs = Api::namespaced_with(management.clone(), &namespace, &helmrelease_resource());
@@ -265,7 +263,8 @@ impl Tenant {
         }
         let mut parent = t.parent_object(json!({"spec": {
             "interval": "10m",
-            "chartRef": {"kind": "ExternalArtifact", "name": "chart-kubernetes"},
+            "chartRef": {"kind": "ExternalArtifact", "name": cozystack::PARENT_ARTIFACT,
+                         "namespace": cozystack::ARTIFACT_NAMESPACE},
             "values": all_values,
         }}));
         parent.metadata.finalizers = Some(vec![FLUX_FINALIZER.into()]);
