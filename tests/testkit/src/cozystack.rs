@@ -247,6 +247,28 @@ pub fn tenant_artifacts() -> [(String, &'static str); 4] {
     ]
 }
 
+/// The Secret of a tenant namespace's platform values, which every parent
+/// release reads (`valuesFrom`).
+pub const NAMESPACE_VALUES: &str = "cozystack-values";
+
+/// Writes `namespace`'s `cozystack-values` Secret, as the tenant app does
+/// for each tenant namespace (`packages/apps/tenant/templates/namespace.yaml`:
+/// `values.yaml` with `_cluster` and `_namespace`, labelled for Flux to
+/// watch), the namespace its own etcd's.
+pub async fn write_namespace_values(client: &kube::Client, namespace: &str) {
+    let values = format!(
+        "_cluster: {{}}\n_namespace:\n  etcd: {namespace:?}\n  ingress: \"\"\n  gateway: \"\"\n  monitoring: \"\"\n  seaweedfs: \"\"\n  host: \"\"\n"
+    );
+    manifests::apply(
+        client,
+        &json!({"apiVersion": "v1", "kind": "Secret",
+                "metadata": {"name": NAMESPACE_VALUES, "namespace": namespace,
+                             "labels": {"reconcile.fluxcd.io/watch": "Enabled"}},
+                "type": "Opaque", "stringData": {"values.yaml": values}}),
+    )
+    .await;
+}
+
 /// Creates `identity`'s namespace (with `labels`) and ServiceAccount and
 /// binds it to cluster-admin, as Cozystack binds Flux, the operator and
 /// the migration hook; returns a kubeconfig that acts as it. For the
@@ -290,4 +312,120 @@ pub async fn act_as(
     .await;
     cp.service_account_kubeconfig(identity.namespace, identity.service_account)
         .await
+}
+
+/// The directory `tests/cozystack/build.sh` prints: `cozystack-controller`
+/// and the CRDs of what it watches, `crds/`.
+pub fn controller_dir() -> std::path::PathBuf {
+    static DIR: std::sync::OnceLock<std::path::PathBuf> = std::sync::OnceLock::new();
+    DIR.get_or_init(|| super::cluster::run_build_script("tests/cozystack/build.sh"))
+        .clone()
+}
+
+pub fn application_definition_resource() -> kube::core::ApiResource {
+    kube::core::ApiResource::from_gvk_with_plural(
+        &kube::core::GroupVersionKind::gvk("cozystack.io", "v1alpha1", "ApplicationDefinition"),
+        "applicationdefinitions",
+    )
+}
+
+/// Cozystack's ApplicationDefinition `kubernetes`
+/// (`packages/system/kubernetes-rd/cozyrds/kubernetes.yaml`), the parts
+/// cozystack-controller reads: the application's kind, and the release's
+/// prefix, labels and chart (`chart_ref`: the parent artifact's name in
+/// [`ARTIFACT_NAMESPACE`]). Its OpenAPI schema and dashboard are the
+/// Application API's, which does not run here: the smallest the CRD
+/// accepts.
+pub fn kubernetes_application_definition(chart_ref: &str) -> serde_json::Value {
+    json!({"apiVersion": "cozystack.io/v1alpha1", "kind": "ApplicationDefinition",
+    "metadata": {"name": "kubernetes"},
+    "spec": {
+        "application": {"kind": "Kubernetes", "singular": "kubernetes", "plural": "kuberneteses",
+                        "openAPISchema": "{\"type\":\"object\"}"},
+        "release": {"prefix": "kubernetes-", "labels": {"sharding.fluxcd.io/key": "tenants"},
+                    "chartRef": {"kind": "ExternalArtifact", "name": chart_ref,
+                                 "namespace": ARTIFACT_NAMESPACE}},
+        "dashboard": {"category": "IaaS", "singular": "Kubernetes", "plural": "Kubernetes"},
+    }})
+}
+
+/// The real cozystack-controller (v1.6.1's, the same code as v1.6.2's:
+/// `tests/cozystack/go.mod`) against the management cluster, as
+/// [`COZYSTACK_CONTROLLER`], with the arguments of Cozystack's Deployment
+/// (`packages/system/cozystack-controller/templates/deployment.yaml`:
+/// `--zap-log-level=info`), its probe on loopback, and
+/// `--disable-telemetry` (the default values send telemetry to
+/// telemetry.cozystack.io, which this machine cannot reach).
+pub struct CozystackController {
+    pub process: super::process::Process,
+}
+
+impl CozystackController {
+    /// Installs the CRDs of every kind it watches, then starts it; returns
+    /// once it answers its readiness probe.
+    pub async fn start(cp: &ControlPlane) -> CozystackController {
+        let dir = controller_dir();
+        let client = cp.management_client().await;
+        let mut files: Vec<std::path::PathBuf> = std::fs::read_dir(dir.join("crds"))
+            .expect("crds")
+            .map(|e| e.expect("entry").path())
+            .collect();
+        files.sort();
+        for f in &files {
+            manifests::apply_file(&client, f).await;
+        }
+        for f in &files {
+            let text = std::fs::read_to_string(f).expect("crd");
+            let doc: serde_json::Value = serde_saphyr::from_multiple(&text)
+                .expect("crd yaml")
+                .into_iter()
+                .find(|d: &serde_json::Value| !d.is_null())
+                .expect("a CRD");
+            let name = doc["metadata"]["name"].as_str().expect("crd name");
+            super::gate::wait_crd_established(&client, name).await;
+        }
+        cp.namespace(ARTIFACT_NAMESPACE).await;
+        let kubeconfig = act_as(
+            cp,
+            &COZYSTACK_CONTROLLER,
+            &[(SYSTEM_NAMESPACE_LABEL, "true")],
+        )
+        .await;
+        let probe = super::gate::free_port();
+        let mut cmd = std::process::Command::new(dir.join("cozystack-controller"));
+        cmd.env("KUBECONFIG", &kubeconfig).args([
+            "--zap-log-level=info".to_string(),
+            "--disable-telemetry".into(),
+            format!("--health-probe-bind-address=127.0.0.1:{probe}"),
+            "--metrics-bind-address=0".into(),
+        ]);
+        let log = cp
+            .state
+            .join("logs")
+            .join(format!("{}.log", cp.unique("cozystack-controller")));
+        let process = super::process::Process::start("cozystack-controller", cmd, log);
+        super::wait::eventually(
+            "cozystack-controller /readyz",
+            std::time::Duration::from_secs(90),
+            || async {
+                if !process.alive() {
+                    panic!(
+                        "cozystack-controller exited; its log:\n{}",
+                        process.log_text()
+                    );
+                }
+                match super::gate::http_get(probe, "/readyz").await {
+                    Ok((200, _)) => Ok(()),
+                    Ok((code, body)) => Err(format!("{code} {body}")),
+                    Err(e) => Err(e),
+                }
+            },
+        )
+        .await;
+        CozystackController { process }
+    }
+
+    pub fn log(&self) -> String {
+        self.process.log_text()
+    }
 }

@@ -250,10 +250,34 @@ impl Flux {
         name: &str,
         chart: &str,
     ) {
-        let (file, digest) = self.charts.package(
+        self.publish_chart_dir(
+            client,
+            namespace,
+            name,
             &repo_root().join("tests/fixtures/charts").join(chart),
-            &format!("{namespace}-{name}"),
-        );
+        )
+        .await;
+    }
+
+    /// As [`Flux::publish_chart`], the chart folder `chart` wherever it is
+    /// (a chart a test made: another version of a fixture's).
+    pub async fn publish_chart_dir(
+        &self,
+        client: &kube::Client,
+        namespace: &str,
+        name: &str,
+        chart: &Path,
+    ) {
+        let (file, digest) = self.charts.package(chart, &format!("{namespace}-{name}"));
+        // A chart artifact's revision is the chart's version and digest, as
+        // source-controller writes it; helm-controller refuses a chart
+        // whose version is not the revision's.
+        let meta = std::fs::read_to_string(chart.join("Chart.yaml")).expect("Chart.yaml");
+        let version = meta
+            .lines()
+            .find_map(|l| l.strip_prefix("version:"))
+            .map(|v| v.trim().trim_matches('"').to_string())
+            .expect("a chart version");
         let api: Api<DynamicObject> =
             Api::namespaced_with(client.clone(), namespace, &external_artifact_resource());
         let mut obj = DynamicObject::new(name, &external_artifact_resource()).within(namespace);
@@ -269,7 +293,7 @@ impl Flux {
             .to_string();
         let status = json!({"status": {"artifact": {
             "path": file, "url": format!("http://127.0.0.1:{}/{file}", self.charts.port),
-            "revision": format!("1.0.0@{digest}"), "digest": digest, "lastUpdateTime": now,
+            "revision": format!("{version}@{digest}"), "digest": digest, "lastUpdateTime": now,
         }}});
         api.patch_status(name, &PatchParams::default(), &Patch::Merge(&status))
             .await

@@ -257,6 +257,7 @@ impl Tenant {
             history,
         };
         t.create_control_plane().await;
+        cozystack::write_namespace_values(&t.management, &t.namespace).await;
         let mut all_values = json!({"hookTimeout": "10s"});
         if let (Some(all), Some(extra)) = (all_values.as_object_mut(), values.as_object()) {
             all.extend(extra.clone());
@@ -265,6 +266,10 @@ impl Tenant {
             "interval": "10m",
             "chartRef": {"kind": "ExternalArtifact", "name": cozystack::PARENT_ARTIFACT,
                          "namespace": cozystack::ARTIFACT_NAMESPACE},
+            // As cozystack-api writes every parent, and cozystack-controller
+            // keeps it (pkg/registry/apps/application/rest.go,
+            // internal/controller/applicationdefinition_helmreconciler.go).
+            "valuesFrom": [{"kind": "Secret", "name": cozystack::NAMESPACE_VALUES}],
             "values": all_values,
         }}));
         parent.metadata.finalizers = Some(vec![FLUX_FINALIZER.into()]);
