@@ -5,7 +5,8 @@
 # ApplicationDefinition, Workload, WorkloadMonitor and TenantGateway from
 # Cozystack's module; Gateway, HTTPRoute and TLSRoute from Gateway API's;
 # Certificate and Issuer from cert-manager's; BucketClaim from COSI's, each
-# at the version Cozystack's go.mod requires), building it first if the
+# at the version Cozystack's go.mod requires), and Cozystack's tenant
+# application chart (`charts/tenant`), building it first if the
 # cache has none for these sources (tests/build-go.sh). controller-runtime
 # stops the whole manager when a watched kind has no CRD.
 #
@@ -15,7 +16,7 @@ set -euo pipefail
 name=cozystack
 what=cozystack-controller
 binary=cozystack-controller
-also=(crds/cozystack.io_applicationdefinitions.yaml)
+also=(crds/cozystack.io_applicationdefinitions.yaml charts/tenant/templates/networkpolicy.yaml)
 print=dir
 
 build_into() {
@@ -47,6 +48,16 @@ build_into() {
         fi
     done
     chmod u+w "$1/crds/"*.yaml
+    # Cozystack's tenant application chart, whose network policies decide
+    # what reaches a tenant's API server (tests/network.rs renders them).
+    # Its library chart is a symlink in the repository, which a module zip
+    # leaves out: copied in as the symlink would make it.
+    mkdir -p "$1/charts"
+    cp -r "$cozy/packages/apps/tenant" "$1/charts/tenant"
+    chmod -R u+w "$1/charts/tenant"
+    mkdir -p "$1/charts/tenant/charts"
+    cp -r "$cozy/packages/library/cozy-lib" "$1/charts/tenant/charts/cozy-lib"
+    chmod -R u+w "$1/charts"
     echo "cozystack/build.sh: building cozystack-controller $version (a cold build takes a few minutes)" >&2
     CGO_ENABLED=0 go build -trimpath -ldflags="-s -w" -o "$1/cozystack-controller" \
         github.com/cozystack/cozystack/cmd/cozystack-controller >&2

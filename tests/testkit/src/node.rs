@@ -168,7 +168,29 @@ pub struct Installed {
 /// both Deployments' Pods are Running and Ready on the node, in that image.
 pub async fn install_chart(cp: &ControlPlane, namespace: &str) -> Installed {
     let client = cp.management_client().await;
+    // The namespace as the README's install makes it: `kubectl create
+    // namespace`, then `kubectl label namespace` with its labels (the
+    // restricted Pod Security level, and the label Cozystack's tenant
+    // network policy admits: tests/network.rs).
     cp.namespace(namespace).await;
+    let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
+    let label = readme
+        .lines()
+        .find_map(|l| l.trim().strip_prefix("kubectl label namespace volume-gate "))
+        .expect("the README labels the namespace");
+    let mut labels = serde_json::Map::new();
+    for kv in label.split_whitespace() {
+        let (k, v) = kv.split_once('=').expect("K=V");
+        labels.insert(k.into(), serde_json::json!(v));
+    }
+    Api::<k8s_openapi::api::core::v1::Namespace>::all(client.clone())
+        .patch(
+            namespace,
+            &kube::api::PatchParams::default(),
+            &kube::api::Patch::Merge(serde_json::json!({"metadata": {"labels": labels}})),
+        )
+        .await
+        .expect("label the namespace as the README does");
     let image = import_volume_gate_image(cp, &super::gate::binary());
     let cert_manager = super::certmanager::start(cp, namespace).await;
     let chart = repo_root().join("manifests/chart/volume-gate");
