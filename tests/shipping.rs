@@ -407,7 +407,17 @@ fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
     ];
     profile_names.extend(p.parent.match_labels.keys().cloned());
     profile_names.push(p.parent.name_prefix.clone());
-    profile_names.extend(p.writers.all().cloned());
+    // The writers the conditions name: who alone writes a status, who
+    // replaces parents whole. The source writers are judged by the webhook
+    // (its flags, tests/chart.rs), not by a condition.
+    profile_names.extend(p.writers.release_controllers.iter().cloned());
+    profile_names.extend(p.writers.parent_replacers.iter().cloned());
+    // The worker's mirror of the record for the tenant's owner, which a
+    // replacer's write may drop too.
+    profile_names.push(format!(
+        "{}{}",
+        p.parent.visible_annotation_prefix, p.annotation_prefix
+    ));
     // Kubernetes' own: whose DELETEs of a tenant's disks wait for the phase.
     profile_names.push(volume_gate::admission::gate::NAMESPACE_CONTROLLER.to_string());
     // Flux's own field names, which the gate judges (decide::flux).
