@@ -215,6 +215,30 @@ fn rebuilt_by_cozystack_api(stored: &DynamicObject) -> DynamicObject {
     o
 }
 
+/// `writer`'s dry-run replacement of HelmRelease `name`, made by `change`
+/// from a fresh read, again on a conflict: the worker, Flux and the
+/// mutating webhook write a parent too, and a controller replacing it reads
+/// it anew on its next reconcile. Returns the stored object it started from
+/// with the answer.
+async fn replace_fresh(
+    admin: &Api<DynamicObject>,
+    writer: &Api<DynamicObject>,
+    name: &str,
+    change: impl Fn(&DynamicObject) -> DynamicObject,
+) -> (DynamicObject, Result<DynamicObject, kube::Error>) {
+    let mut last = None;
+    for _ in 0..10 {
+        let stored = admin.get(name).await.unwrap();
+        let answer = writer.replace(name, &dry_post(), &change(&stored)).await;
+        let conflict = matches!(&answer, Err(kube::Error::Api(s)) if s.code == 409);
+        last = Some((stored, answer));
+        if !conflict {
+            break;
+        }
+    }
+    last.expect("tried")
+}
+
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn every_writer_of_the_platform_gets_the_answer_the_census_states() {
     let env = env();
@@ -343,22 +367,20 @@ async fn every_writer_of_the_platform_gets_the_answer_the_census_states() {
     );
 
     // ---- cozystack-controller ----
-    let mut moved = hrs(&admin, &ln).get(&lr).await.unwrap();
-    moved.data["spec"]["chartRef"]["name"] = json!(format!("{}-v2", cozystack::PARENT_ARTIFACT));
-    moved.data["spec"]["valuesFrom"] = json!([{"kind": "Secret", "name": "cozystack-values"}]);
-    moved
-        .metadata
-        .labels
-        .get_or_insert_with(Default::default)
-        .insert("sharding.fluxcd.io/key".into(), "tenants".into());
-    c.allowed(
-        "cozystack-controller.source",
-        vec![
-            hrs(&controller, &ln)
-                .replace(&lr, &dry_post(), &moved)
-                .await,
-        ],
-    );
+    let (_, moved) = replace_fresh(&hrs(&admin, &ln), &hrs(&controller, &ln), &lr, |stored| {
+        let mut moved = stored.clone();
+        moved.data["spec"]["chartRef"]["name"] =
+            json!(format!("{}-v2", cozystack::PARENT_ARTIFACT));
+        moved.data["spec"]["valuesFrom"] = json!([{"kind": "Secret", "name": "cozystack-values"}]);
+        moved
+            .metadata
+            .labels
+            .get_or_insert_with(Default::default)
+            .insert("sharding.fluxcd.io/key".into(), "tenants".into());
+        moved
+    })
+    .await;
+    c.allowed("cozystack-controller.source", vec![moved]);
     // A parent as it was before v1.0: its chart from a HelmRepository.
     let legacy_ns = cp.unique("census-legacy");
     cp.namespace(&legacy_ns).await;
@@ -369,22 +391,24 @@ async fn every_writer_of_the_platform_gets_the_answer_the_census_states() {
     old.data = json!({"spec": {"interval": "5m", "suspend": true,
         "chart": {"spec": {"chart": "kubernetes", "version": "0.41.9",
             "sourceRef": {"kind": "HelmRepository", "name": "cozystack-apps", "namespace": "cozy-public"}}}}});
-    let old = hrs(&admin, &legacy_ns)
+    hrs(&admin, &legacy_ns)
         .create(&PostParams::default(), &old)
         .await
         .expect("a pre-v1 parent");
-    let mut migrated = old.clone();
-    migrated.data["spec"]["chart"] = Value::Null;
-    migrated.data["spec"]["chartRef"] = json!({"kind": "ExternalArtifact",
-        "name": cozystack::PARENT_ARTIFACT, "namespace": cozystack::ARTIFACT_NAMESPACE});
-    c.allowed(
-        "cozystack-controller.v1-migration",
-        vec![
-            hrs(&controller, &legacy_ns)
-                .replace(&legacy, &dry_post(), &migrated)
-                .await,
-        ],
-    );
+    let (_, migrated) = replace_fresh(
+        &hrs(&admin, &legacy_ns),
+        &hrs(&controller, &legacy_ns),
+        &legacy,
+        |stored| {
+            let mut next = stored.clone();
+            next.data["spec"]["chart"] = Value::Null;
+            next.data["spec"]["chartRef"] = json!({"kind": "ExternalArtifact",
+                "name": cozystack::PARENT_ARTIFACT, "namespace": cozystack::ARTIFACT_NAMESPACE});
+            next
+        },
+    )
+    .await;
+    c.allowed("cozystack-controller.v1-migration", vec![migrated]);
 
     // ---- cozystack-api ----
     let mut created = DynamicObject::new(
@@ -410,35 +434,38 @@ async fn every_writer_of_the_platform_gets_the_answer_the_census_states() {
         }
     });
     c.allowed("cozystack-api.create", vec![made]);
-    let stored = hrs(&admin, &ln).get(&lr).await.unwrap();
-    let replaced = hrs(&api, &ln)
-        .replace(&lr, &dry_post(), &rebuilt_by_cozystack_api(&stored))
-        .await
-        .and_then(|o| {
-            let keys = common::keys();
-            let kept = o
-                .metadata
-                .finalizers
-                .clone()
-                .unwrap_or_default()
-                .contains(&custody)
-                && o.metadata
+    let (stored, replaced) = replace_fresh(
+        &hrs(&admin, &ln),
+        &hrs(&api, &ln),
+        &lr,
+        rebuilt_by_cozystack_api,
+    )
+    .await;
+    let replaced = replaced.and_then(|o| {
+        let keys = common::keys();
+        let kept = o
+            .metadata
+            .finalizers
+            .clone()
+            .unwrap_or_default()
+            .contains(&custody)
+            && o.metadata
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(&keys.cluster))
+                == stored
+                    .metadata
                     .annotations
                     .as_ref()
-                    .and_then(|a| a.get(&keys.cluster))
-                    == stored
-                        .metadata
-                        .annotations
-                        .as_ref()
-                        .and_then(|a| a.get(&keys.cluster));
-            if kept {
-                Ok(())
-            } else {
-                Err(kube::Error::Service(
-                    format!("custody or the record not carried over: {:?}", o.metadata).into(),
-                ))
-            }
-        });
+                    .and_then(|a| a.get(&keys.cluster));
+        if kept {
+            Ok(())
+        } else {
+            Err(kube::Error::Service(
+                format!("custody or the record not carried over: {:?}", o.metadata).into(),
+            ))
+        }
+    });
     c.allowed("cozystack-api.update", vec![replaced]);
     c.allowed(
         "cozystack-api.delete",

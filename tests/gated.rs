@@ -36,6 +36,33 @@ async fn deleting_a_tenant_frees_every_volume_with_the_gate_installed() {
     // The write that records Released also asks Flux to retry the uninstall
     // now (what `flux reconcile` writes), and nothing before it did.
     t.assert_released_write_requests_a_retry();
+    // Every version that carried a phase carried its mirror where
+    // Cozystack's Application API shows it to the tenant's owner (the
+    // `apps.cozystack.io-` annotations): the phase and the message.
+    let keys = common::keys();
+    let visible = common::profile().parent.visible_annotation_prefix;
+    let mut phases = Vec::new();
+    for seen in t.history.all() {
+        let common::history::Seen::Parent(p) = seen else {
+            continue;
+        };
+        let a = p.metadata.annotations.clone().unwrap_or_default();
+        if let Some(phase) = a.get(&keys.phase) {
+            for key in [&keys.phase, &keys.message] {
+                assert_eq!(
+                    a.get(&format!("{visible}{key}")),
+                    a.get(key),
+                    "{key} mirrored in version {:?}",
+                    p.metadata.resource_version
+                );
+            }
+            phases.push(phase.clone());
+        }
+    }
+    assert!(
+        phases.iter().any(|p| p == "Released"),
+        "the history saw the record: {phases:?}"
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]

@@ -184,6 +184,16 @@ async fn the_chart_as_installed_runs_on_the_node_serves_admission_frees_a_tenant
     );
     assert!(load.refused > 0, "the load ran");
 
+    // A tenant namespace deleted while its control plane and its CSI
+    // controller run as Pods in it, as Kamaji and the tenant chart run
+    // them: the namespace controller deletes everything at once and a
+    // terminating namespace makes nothing new, so the gate holds its
+    // deletes of what is named for the tenant (Deployments, ReplicaSets,
+    // Pods) until the tenant's volumes are released. Released through the
+    // tenant's own API, every volume freed by its driver, and no Pod of
+    // either deleted while the phase needed it.
+    namespace_deletion_keeps_what_the_phase_runs_on(env).await;
+
     // The uninstall as Cozystack does it: a plain `helm uninstall` (a
     // Package's removal has helm-controller uninstall its release the same
     // way), whose pre-delete hook runs `volume-gate custody hand-back` in a
@@ -253,6 +263,119 @@ async fn the_chart_as_installed_runs_on_the_node_serves_admission_frees_a_tenant
             .expect("kubectl get");
         assert!(left.stdout.is_empty(), "{kind} volume-gate left");
     }
+}
+
+/// The tenant's Pods (its control plane's, `R-<hash>-<id>`; its CSI
+/// controller's, `R-kcsi-controller-...`) as a watch opened before the
+/// namespace deletion sees them go: each deletion is checked against the
+/// parent as it is then (read fresh), which must be done or gone.
+async fn namespace_deletion_keeps_what_the_phase_runs_on(env: &common::Env) {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let n = Tenant::create(
+        env.cp,
+        common::tenant::TenantOptions::new(&env.cp.unique("nsroad")).in_pods(),
+    )
+    .await;
+    n.with_held_claims(&["data", "wal"]).await;
+    n.wait_custody().await;
+    n.wait_cluster_bound().await;
+    let disks = env.sim.volumes_of(&n.namespace, &n.name);
+    assert_eq!(disks.len(), 2, "{disks:?}");
+    let pods: Api<Pod> = Api::namespaced(n.management.clone(), &n.namespace);
+    let running: Vec<String> = pods
+        .list(&ListParams::default())
+        .await
+        .unwrap()
+        .items
+        .into_iter()
+        .filter(|p| p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running"))
+        .filter_map(|p| p.metadata.name)
+        .collect();
+    for part in [
+        format!("{}-", n.name),
+        format!("{}-kcsi-controller-", n.name),
+    ] {
+        assert!(
+            running.iter().any(|p| p.starts_with(&part)),
+            "a Pod {part}* runs on the node: {running:?}"
+        );
+    }
+    let hrs = n.hr_api();
+    let parent = n.name.clone();
+    let prefix = format!("{}-", n.name);
+    // Each Pod of the tenant seen being deleted, and those deleted while
+    // the parent was there and not done.
+    let found: Arc<std::sync::Mutex<(std::collections::BTreeSet<String>, Vec<String>)>> =
+        Default::default();
+    let record_into = found.clone();
+    let watch = tokio::spawn(async move {
+        let mut stream =
+            std::pin::pin!(watcher(pods, watcher::Config::default()).applied_objects());
+        while let Some(Ok(p)) = stream.next().await {
+            let name = p.metadata.name.clone().unwrap_or_default();
+            if p.metadata.deletion_timestamp.is_none()
+                || !name.starts_with(&prefix)
+                || record_into.lock().unwrap().0.contains(&name)
+            {
+                continue;
+            }
+            let now = hrs.get_opt(&parent).await.ok().flatten();
+            let done = now.as_ref().is_none_or(|p| {
+                volume_gate::record::Record::from_annotations(
+                    &common::keys(),
+                    &p.metadata.annotations.clone().unwrap_or_default(),
+                )
+                .is_done()
+            });
+            let mut f = record_into.lock().unwrap();
+            if !done {
+                f.1.push(name.clone());
+            }
+            f.0.insert(name);
+        }
+    });
+    n.delete_namespace().await;
+    let record = n
+        .wait_phase(Phase::Released, Duration::from_secs(300))
+        .await;
+    // Through the tenant's own API: every volume freed by its driver,
+    // none from the management side for want of it (read before the
+    // namespace, and its Events, go).
+    let inventory = record.inventory.expect("an inventory");
+    assert_eq!((inventory.total, inventory.left()), (2, 0), "{inventory:?}");
+    let events = n.events().await;
+    assert!(
+        !events
+            .iter()
+            .any(|(_, reason, _)| reason == "FreedFromManagement"),
+        "released without the tenant's API: {events:?}"
+    );
+    n.wait_namespace_gone(Duration::from_secs(300)).await;
+    eventually(
+        "the watch saw the tenant's Pods go",
+        Duration::from_secs(30),
+        || async {
+            let n = found.lock().unwrap().0.len();
+            if n >= 2 {
+                Ok(())
+            } else {
+                Err(format!("{n} seen"))
+            }
+        },
+    )
+    .await;
+    watch.abort();
+    let early = found.lock().unwrap().1.clone();
+    assert!(
+        early.is_empty(),
+        "Pods of {} deleted while its volumes were not released: {early:?}",
+        n.name
+    );
+    assert!(
+        env.sim.volumes_of(&n.namespace, &n.name).is_empty(),
+        "volumes left on storage"
+    );
 }
 
 /// The log of the uninstall hook's Pod (its Job is kept when it fails).

@@ -428,8 +428,9 @@ fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
     profile_names.extend(p.infra.iter().flat_map(|i| i.labels.keys().cloned()));
     profile_names.sort();
     profile_names.dedup();
-    // The operations, and '' (the default of an absent label in `orValue('')`).
-    let operations = ["CREATE", "UPDATE", "DELETE", ""];
+    // The operations, '' (the default of an absent label in `orValue('')`),
+    // and Kubernetes' kind the namespace road leaves out (`decide::named_for`).
+    let operations = ["CREATE", "UPDATE", "DELETE", "", "Event"];
 
     let mut quoted: Vec<String> = Vec::new();
     let mut selector_keys: Vec<String> = Vec::new();

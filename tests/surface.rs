@@ -650,6 +650,34 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
             .await,
         &["written only by the volume-gate worker"],
     );
+    // The record's mirror where the Application API shows it: the
+    // owner's to write, read by nothing; the CSI release stays held.
+    let mirror = format!(
+        "{}{}",
+        common::profile().parent.visible_annotation_prefix,
+        common::keys().phase
+    );
+    let forged = l_hrs
+        .patch(
+            &lc,
+            &PatchParams::default(),
+            &merge(json!({"metadata": {"annotations": {&mirror: "Released"}}})),
+        )
+        .await;
+    let held = refusal_of(
+        l_hrs
+            .delete(&common::profile().csi_release_name(&lc), &dry_delete())
+            .await,
+    );
+    walk.record(
+        "parent.visible-record",
+        match (forged, held) {
+            (Ok(_), Ok(m)) if m.contains("volume-gate") && m.contains("not released") => Ok(()),
+            (Err(e), _) => Err(format!("the mirror's write was refused: {e}")),
+            (_, Ok(m)) => Err(format!("the CSI release refused otherwise: {m}")),
+            (_, Err(e)) => Err(format!("the CSI release after a forged mirror: {e}")),
+        },
+    );
     walk.refused(
         "parent.custody",
         l_hrs

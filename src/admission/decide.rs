@@ -281,6 +281,53 @@ pub fn release_of(
     .or_else(|| by(labels.get(&r.name_label), labels.get(&r.namespace_label)))
 }
 
+/// The role of what a namespace deletion would take from under a tenant's
+/// release phase (`named_for`).
+pub const NAMESPACE_ROAD_ROLE: &str = "named for the tenant: part of what its release phase runs on (its API \
+     server's and CSI controller's Pods, ReplicaSets and Services, its VMs), which a namespace being deleted \
+     cannot make again";
+
+/// The parents an object is named for, of `parents` (the parent releases of
+/// the request's namespace): its name, or the name of an owner of it, is
+/// the parent's or starts with it and a dash (`docs/design.md` §5e). A
+/// namespace being deleted takes everything in it, the Pods of the tenant's
+/// API server (Kamaji's Deployment `R`, its ReplicaSet `R-<hash>`, Pods
+/// `R-<hash>-<id>`) and of its CSI controller (`R-kcsi-controller-...`)
+/// among them, and makes nothing new: the namespace controller's deletes of
+/// what is named for a tenant wait until it is done, or the phase could
+/// reach neither. Neither the parent itself (its DELETE starts the phase),
+/// nor its teardown hook's objects, nor Events.
+pub fn named_for(
+    profile: &Profile,
+    kind: &GroupKind,
+    name: &str,
+    owners: &[&str],
+    parents: &[String],
+) -> Vec<String> {
+    if kind.kind == "Event" {
+        return Vec::new();
+    }
+    let is_for =
+        |n: &str, p: &str| n == p || n.strip_prefix(p).is_some_and(|rest| rest.starts_with('-'));
+    parents
+        .iter()
+        .filter(|p| !(*kind == profile.parent_kind() && name == p.as_str()))
+        .filter(|p| !profile.is_release_hook(name, p))
+        .filter(|p| is_for(name, p) || owners.iter().any(|o| is_for(o, p)))
+        .cloned()
+        .collect()
+}
+
+/// Whether a name could be named for a parent at all: it starts with the
+/// profile's parent name prefix (`kubernetes-`), which every parent's name
+/// does. The cheap test before the parents of a namespace are read.
+pub fn may_be_named_for_a_parent(profile: &Profile, names: &[&str]) -> bool {
+    !profile.parent.name_prefix.is_empty()
+        && names
+            .iter()
+            .any(|n| n.starts_with(profile.parent.name_prefix.as_str()))
+}
+
 /// The object as part of a parent release, unless another identity already
 /// stands for the same tenant.
 pub fn with_release_identity(

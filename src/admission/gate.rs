@@ -142,11 +142,41 @@ impl Gate {
                 let subject = Subject::delete(&kind, namespace, name);
                 let mut judged = Vec::new();
                 let ids = decide::identities_of(&self.profile, &kind, name, &labels, &old.spec);
-                for target in decide::with_release_identity(
+                let mut ids = decide::with_release_identity(
                     ids,
                     namespace,
                     self.release_of(namespace, name, Some(old)),
-                ) {
+                );
+                // A namespace being deleted takes what the phase runs on:
+                // what has no other identity (Pods, ReplicaSets, Services)
+                // is held for the tenants it is named for.
+                if from_ns_controller && ids.is_empty() {
+                    match self.named_for(&kind, namespace, name, old).await {
+                        Ok(tenants) => {
+                            for tenant in tenants {
+                                if !ids.iter().any(|t| {
+                                    !matches!(t, Target::Parent { .. })
+                                        && t.tenant() == Some(tenant.as_str())
+                                }) {
+                                    ids.push(Target::Guarded {
+                                        tenant,
+                                        role: decide::NAMESPACE_ROAD_ROLE.to_string(),
+                                    });
+                                }
+                            }
+                        }
+                        Err(e) => {
+                            judged.push((
+                                Target::Unrelated,
+                                cannot_judge(format!(
+                                    "refusing to delete {subject}: cannot list the tenants of namespace \
+                                     {namespace}: {e}"
+                                )),
+                            ));
+                        }
+                    }
+                }
+                for target in ids {
                     let verdict = match &target {
                         Target::Parent { tenant } => {
                             let view = review::meta_view(old, namespace, name);
@@ -431,6 +461,53 @@ impl Gate {
             }
         }
         (target, Verdict::Allow { reason, warnings })
+    }
+
+    /// The tenants of `namespace` that `old` (being deleted by the
+    /// namespace controller) is named for (`decide::named_for`): one list
+    /// of the namespace's parents, and only when its name or an owner's
+    /// could name one.
+    async fn named_for(
+        &self,
+        kind: &crate::profile::GroupKind,
+        namespace: &str,
+        name: &str,
+        old: &review::Object,
+    ) -> Result<Vec<String>, kube::Error> {
+        let owners: Vec<&str> = old
+            .metadata
+            .owner_references
+            .iter()
+            .flatten()
+            .map(|o| o.name.as_str())
+            .collect();
+        let mut names = owners.clone();
+        names.push(name);
+        if namespace.is_empty()
+            || !is_object_name(namespace)
+            || !decide::may_be_named_for_a_parent(&self.profile, &names)
+        {
+            return Ok(Vec::new());
+        }
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), namespace, &self.parent_resource);
+        self.metrics.api_reads.inc();
+        let parents: Vec<String> = api
+            .list_metadata(
+                &kube::api::ListParams::default().labels(&self.profile.parent_selector()),
+            )
+            .await?
+            .items
+            .into_iter()
+            .filter_map(|p| p.metadata.name)
+            .collect();
+        Ok(decide::named_for(
+            &self.profile,
+            kind,
+            name,
+            &owners,
+            &parents,
+        ))
     }
 
     /// The parent release `obj` belongs to, `(namespace, release)`, unless
@@ -788,6 +865,68 @@ mod tests {
             message.contains("cannot read namespace tenant-a"),
             "{message}"
         );
+    }
+
+    #[tokio::test]
+    async fn a_namespace_deletion_holds_the_pods_named_for_a_tenant_until_it_is_done() {
+        let parents = "/apis/helm.toolkit.fluxcd.io/v2/namespaces/tenant-a/helmreleases";
+        let pod = |name: &str, owner: &str| {
+            json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS,
+                "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": owner,
+                                     "uid": "u", "controller": true}]}})
+        };
+        let delete = |obj: Value| {
+            let name = obj["metadata"]["name"].as_str().unwrap().to_string();
+            let mut req = review("DELETE", None, Some(obj), &name, NAMESPACE_CONTROLLER);
+            req.kind.group = String::new();
+            req.kind.kind = "Pod".into();
+            req
+        };
+        let list = json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadataList",
+            "metadata": {}, "items": [{"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
+                                       "metadata": {"name": "kubernetes-a", "namespace": NS}}]});
+        // The tenant API server's Pod, by its ReplicaSet: held in teardown.
+        let api = FakeApi::new();
+        api.get(parents, list.clone());
+        api.get(
+            PARENT,
+            parent(true, json!({"volumes.cozystack.io/phase": "Releasing"})),
+        );
+        let (target, verdict) = gate(&api)
+            .validate(&delete(pod("virt-x", "kubernetes-a-7d9f")))
+            .await;
+        assert_eq!(verdict.reason(), "teardown-held", "{verdict:?}");
+        assert!(matches!(target, Target::Guarded { ref tenant, .. } if tenant == "kubernetes-a"));
+        // Done: allowed.
+        let api = FakeApi::new();
+        api.get(parents, list.clone());
+        api.get(
+            PARENT,
+            parent(true, json!({"volumes.cozystack.io/phase": "Released"})),
+        );
+        let (_, verdict) = gate(&api)
+            .validate(&delete(pod("kubernetes-a-7d9f-x", "kubernetes-a-7d9f")))
+            .await;
+        assert!(verdict.allowed(), "{verdict:?}");
+        // Named for no tenant: nothing read but the list; and nothing at all
+        // for a name that cannot be a parent's.
+        let api = FakeApi::new();
+        api.get(parents, list.clone());
+        let (_, verdict) = gate(&api)
+            .validate(&delete(pod("kubernetes-b-1", "kubernetes-b")))
+            .await;
+        assert_eq!(verdict.reason(), "unrelated");
+        let api = FakeApi::new();
+        let (_, verdict) = gate(&api).validate(&delete(pod("etcd-0", "etcd"))).await;
+        assert_eq!(verdict.reason(), "unrelated");
+        assert!(api.calls().is_empty(), "{:?}", reads(&api));
+        // A failed list refuses.
+        let api = FakeApi::new();
+        api.fail("GET", parents, 500);
+        let (_, verdict) = gate(&api)
+            .validate(&delete(pod("kubernetes-a-7d9f-x", "kubernetes-a-7d9f")))
+            .await;
+        assert!(!verdict.allowed(), "{verdict:?}");
     }
 
     #[tokio::test]

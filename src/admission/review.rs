@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 use std::borrow::Cow;
 
 use base64::Engine;
-use k8s_openapi::apimachinery::pkg::apis::meta::v1::ObjectMeta;
+use k8s_openapi::apimachinery::pkg::apis::meta::v1::{ObjectMeta, OwnerReference};
 use kube::core::admission::{AdmissionRequest, AdmissionReview, Operation};
 use serde::{Deserialize, Serialize};
 use serde_json::Value;
@@ -137,7 +137,8 @@ impl<'de> Deserialize<'de> for Object {
         use k8s_openapi::apimachinery::pkg::apis::meta::v1::Time;
 
         // Keys not named here (apiVersion, kind, status, most of spec, and
-        // in the metadata uid, managedFields, ownerReferences, ...) are skipped.
+        // in the metadata uid, managedFields, ...) are skipped; of an owner
+        // reference only what names the owner is kept.
         #[derive(Deserialize)]
         struct Wire {
             #[serde(default)]
@@ -161,6 +162,18 @@ impl<'de> Deserialize<'de> for Object {
             // Still parsed as a time: a malformed one is a malformed review.
             #[serde(default)]
             deletion_timestamp: Option<Time>,
+            #[serde(default)]
+            owner_references: Option<Vec<Owner>>,
+        }
+        #[derive(Deserialize)]
+        #[serde(rename_all = "camelCase")]
+        struct Owner {
+            #[serde(default)]
+            api_version: String,
+            #[serde(default)]
+            kind: String,
+            #[serde(default)]
+            name: String,
         }
         let Wire { metadata: m, spec } = Wire::deserialize(d)?;
         Ok(Object {
@@ -171,6 +184,17 @@ impl<'de> Deserialize<'de> for Object {
                 annotations: m.annotations,
                 finalizers: m.finalizers,
                 deletion_timestamp: m.deletion_timestamp,
+                owner_references: m.owner_references.map(|owners| {
+                    owners
+                        .into_iter()
+                        .map(|o| OwnerReference {
+                            api_version: o.api_version,
+                            kind: o.kind,
+                            name: o.name,
+                            ..OwnerReference::default()
+                        })
+                        .collect()
+                }),
                 ..ObjectMeta::default()
             },
             spec,

@@ -252,6 +252,7 @@ func cmdCluster(args []string) error {
 	fs := flag.NewFlagSet("cluster", flag.ContinueOnError)
 	state := fs.String("state", "", "state directory (required)")
 	light := fs.Bool("light", false, "up: a light tenant cluster (fewer APIs and controllers, no scheduler)")
+	pod := fs.Bool("pod", false, "up: prepare the cluster for Pods to run (its ports, PKI and kubeconfig), and print its components' command lines (`commands`) instead of running them")
 	pos, err := parseArgs(fs, args, 2)
 	if err != nil {
 		return err
@@ -266,9 +267,16 @@ func cmdCluster(args []string) error {
 	}
 	switch verb {
 	case "up":
-		target := name
+		var query []string
 		if *light {
-			target += "?profile=light"
+			query = append(query, "profile=light")
+		}
+		if *pod {
+			query = append(query, "run=pod")
+		}
+		target := name
+		if len(query) > 0 {
+			target += "?" + strings.Join(query, "&")
 		}
 		body, err := control(dir, http.MethodPost, target)
 		if err != nil {

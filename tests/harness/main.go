@@ -9,7 +9,9 @@ import (
 	"flag"
 	"fmt"
 	"os"
+	"os/signal"
 	"path/filepath"
+	"syscall"
 
 	"go.etcd.io/etcd/server/v3/etcdmain"
 	"k8s.io/component-base/cli"
@@ -76,6 +78,14 @@ func main() {
 		os.Exit(cli.Run(kubeletapp.NewKubeletCommand(context.Background())))
 	case "sim":
 		os.Exit(runSim(os.Args[1:]))
+	case "pause":
+		// A container that holds a Pod's place until it is stopped (the
+		// tenant chart's CSI controller on the real node, whose work the
+		// simulator does while it runs).
+		ctx, stop := signal.NotifyContext(context.Background(), syscall.SIGTERM, syscall.SIGINT)
+		<-ctx.Done()
+		stop()
+		os.Exit(0)
 	default:
 		fmt.Fprintf(os.Stderr, "harness: unknown command %q\n\n%s", command, usage)
 		os.Exit(2)

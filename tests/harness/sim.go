@@ -86,8 +86,8 @@ var (
 
 type simConfig struct {
 	profile       string
-	runJobs       bool   // run the Pods of Jobs in the management cluster (the real hook, under real Flux)
-	jobsDir       string // where those Pods' scripts run; default a new temporary directory
+	runJobs       bool              // run the Pods of Jobs in the management cluster (the real hook, under real Flux)
+	jobsDir       string            // where those Pods' scripts run; default a new temporary directory
 	imageBinaries map[string]string // image repository -> a program of this machine that a Job Pod in that image runs
 	management    string
 	storage       string

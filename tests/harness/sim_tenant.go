@@ -4,11 +4,14 @@ import (
 	"context"
 	"fmt"
 	"strings"
+	"sync"
 	"sync/atomic"
 	"time"
 
+	corev1 "k8s.io/api/core/v1"
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
+	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/client-go/dynamic"
 	"k8s.io/client-go/kubernetes"
 )
@@ -44,6 +47,11 @@ type tenant struct {
 
 	// kcsi is the CSI controller's identity in the management cluster.
 	kcsi kcsiIdentity
+	// kcsiPod* is the last look at the CSI controller's Pod (real node).
+	kcsiPodMu  sync.Mutex
+	kcsiPodAt  time.Time
+	kcsiPodOK  bool
+	kcsiPodWhy string
 	// freeAfterSeen is the driver's slowness last logged.
 	freeAfterSeen slowness
 }
@@ -205,7 +213,49 @@ func (t *tenant) kcsiController() (bool, string) {
 	case d.GetDeletionTimestamp() != nil:
 		return false, fmt.Sprintf("the CSI controller Deployment %s/%s is being deleted", t.ns, name)
 	}
+	if replicas, _, _ := unstructured.NestedInt64(d.Object, "spec", "replicas"); t.s.cfg.nodeIP != "" && replicas > 0 {
+		return t.kcsiPod(d)
+	}
 	return true, ""
+}
+
+// kcsiPod reports whether the CSI controller Deployment d runs a Pod now,
+// on the management cluster's real node: Running, Ready and not being
+// deleted. There the Deployment runs a Pod that holds its place (`harness
+// pause`), and the simulator's plugin and sidecars for the tenant work
+// only while that Pod does, as the real controller's containers would: a
+// namespace deletion that deletes the Pod (or its ReplicaSet) stops the
+// driver, and a terminating namespace makes no new one. Read at most
+// every kcsiCheckTTL.
+func (t *tenant) kcsiPod(d *unstructured.Unstructured) (bool, string) {
+	t.kcsiPodMu.Lock()
+	defer t.kcsiPodMu.Unlock()
+	if time.Since(t.kcsiPodAt) < kcsiCheckTTL {
+		return t.kcsiPodOK, t.kcsiPodWhy
+	}
+	t.kcsiPodAt = time.Now()
+	t.kcsiPodOK, t.kcsiPodWhy = false, ""
+	labels, _, _ := unstructured.NestedStringMap(d.Object, "spec", "selector", "matchLabels")
+	ctx, cancel := context.WithTimeout(t.s.ctx, 5*time.Second)
+	defer cancel()
+	pods, err := t.s.mgmt.CoreV1().Pods(t.ns).List(ctx, metav1.ListOptions{LabelSelector: metav1.FormatLabelSelector(&metav1.LabelSelector{MatchLabels: labels})})
+	if err != nil {
+		t.kcsiPodWhy = fmt.Sprintf("cannot list the CSI controller's Pods: %v", err)
+		return false, t.kcsiPodWhy
+	}
+	for _, p := range pods.Items {
+		if p.DeletionTimestamp != nil || p.Status.Phase != corev1.PodRunning {
+			continue
+		}
+		for _, c := range p.Status.Conditions {
+			if c.Type == corev1.PodReady && c.Status == corev1.ConditionTrue {
+				t.kcsiPodOK = true
+				return true, ""
+			}
+		}
+	}
+	t.kcsiPodWhy = fmt.Sprintf("the CSI controller Deployment %s/%s runs no Ready Pod (of %d)", t.ns, d.GetName(), len(pods.Items))
+	return false, t.kcsiPodWhy
 }
 
 // slowness is how a driver takes its time to free a volume.

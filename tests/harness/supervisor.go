@@ -53,6 +53,12 @@ type clusterInfo struct {
 	Logs           map[string]string `json:"logs"`
 	Light          bool              `json:"light,omitempty"`
 	Running        bool              `json:"running"`
+	// Commands, for a cluster run in Pods (?run=pod), are the command
+	// lines of its components, each beginning with the component's name
+	// (the harness's first argument), for containers to run with the host's
+	// network and the state directory at the same path: the supervisor
+	// prepared the cluster (ports, kubeconfig) and runs none of it.
+	Commands map[string][]string `json:"commands,omitempty"`
 
 	procs []*proc
 }
@@ -93,6 +99,8 @@ type cluster struct {
 	ports [3]int
 	// light is fixed when the cluster is first started: see lightAPIs.
 	light bool
+	// pod: its components run in Pods the caller makes (Commands), not here.
+	pod   bool
 	procs []*proc // apiserver first
 	info  atomic.Pointer[clusterInfo]
 }
@@ -248,7 +256,7 @@ func (s *supervisor) run(owner *liveness.Handle, ownerPID int, clusters []string
 	errs := make([]error, len(clusters))
 	var wg sync.WaitGroup
 	for i, name := range clusters {
-		wg.Go(func() { _, errs[i] = s.startCluster(name, false) })
+		wg.Go(func() { _, errs[i] = s.startCluster(name, false, false) })
 	}
 	wg.Wait()
 	if err := errors.Join(errs...); err != nil {
@@ -349,7 +357,7 @@ func (s *supervisor) startEtcd() error {
 
 // startCluster starts cluster name, or returns its info if it is running.
 // light applies only when the cluster is first created.
-func (s *supervisor) startCluster(name string, light bool) (*clusterInfo, error) {
+func (s *supervisor) startCluster(name string, light, pod bool) (*clusterInfo, error) {
 	if !validName(name) {
 		return nil, errInvalidName(name)
 	}
@@ -360,7 +368,7 @@ func (s *supervisor) startCluster(name string, light bool) (*clusterInfo, error)
 	}
 	c := s.clusters[name]
 	if c == nil {
-		c = &cluster{name: name, light: light}
+		c = &cluster{name: name, light: light, pod: pod}
 		s.clusters[name] = c
 	}
 	s.mu.Unlock()
@@ -402,33 +410,18 @@ func (s *supervisor) stopProcs(c *cluster) {
 	c.procs = nil
 }
 
-func (s *supervisor) bootCluster(c *cluster) (*clusterInfo, error) {
-	dir := filepath.Join(s.state, c.name)
-	if err := os.MkdirAll(dir, 0o755); err != nil {
-		return nil, err
-	}
-	deadline := time.Now().Add(s.timeout)
-	for i := range c.ports {
-		port, err := s.port(c.ports[i])
-		if err != nil {
-			return nil, err
-		}
-		c.ports[i] = port
-	}
+// component is one process of a cluster: its command line (the
+// component's name first) and the URL its health is read at.
+type component struct {
+	args   []string
+	health string
+}
+
+// components returns the command lines of cluster c's components, the
+// apiserver first: the controller manager, and the scheduler unless the
+// cluster is light (or is the management cluster without a real node).
+func (s *supervisor) components(c *cluster, info *clusterInfo, dir string) []component {
 	pki := func(file string) string { return filepath.Join(s.state, "pki", file) }
-	logFile := func(component string) string {
-		return filepath.Join(s.state, "logs", c.name+"-"+component+".log")
-	}
-	info := &clusterInfo{
-		Name:           c.name,
-		Server:         fmt.Sprintf("https://127.0.0.1:%d", c.ports[0]),
-		Kubeconfig:     filepath.Join(dir, "kubeconfig"),
-		EtcdPrefix:     "/registry-" + c.name,
-		CAFile:         pki(caCertFile),
-		ClientCertFile: pki(adminCertFile),
-		ClientKeyFile:  pki(adminKeyFile),
-		Logs:           map[string]string{},
-	}
 	serving := []string{"--tls-cert-file=" + pki(servingCertFile), "--tls-private-key-file=" + pki(servingKeyFile)}
 
 	apiserverArgs := append([]string{"kube-apiserver",
@@ -467,16 +460,7 @@ func (s *supervisor) bootCluster(c *cluster) (*clusterInfo, error) {
 			"--kubelet-preferred-address-types=InternalIP",
 		)
 	}
-	api, err := s.spawnFor(c, info, "kube-apiserver", logFile, apiserverArgs)
-	if err != nil {
-		return nil, err
-	}
-	if err := s.waitReady(api, s.admin, info.Server+"/readyz", deadline); err != nil {
-		return nil, err
-	}
-	if err := writeKubeconfig(info.Kubeconfig, c.name, info.Server, filepath.Join(s.state, "pki")); err != nil {
-		return nil, err
-	}
+	out := []component{{args: apiserverArgs, health: info.Server + "/readyz"}}
 
 	kubeconfig := []string{
 		"--kubeconfig=" + info.Kubeconfig,
@@ -505,20 +489,74 @@ func (s *supervisor) bootCluster(c *cluster) (*clusterInfo, error) {
 		"--cluster-signing-cert-file=" + pki(caCertFile),
 		"--cluster-signing-key-file=" + pki(caKeyFile),
 	}, kubeconfig, serving, controllers)
-	kcmProc, err := s.spawnFor(c, info, "kube-controller-manager", logFile, kcmArgs)
-	if err != nil {
-		return nil, err
-	}
-	waits := map[*proc]string{kcmProc: fmt.Sprintf("https://127.0.0.1:%d/healthz", c.ports[1])}
+	out = append(out, component{args: kcmArgs, health: fmt.Sprintf("https://127.0.0.1:%d/healthz", c.ports[1])})
 	if (c.name != managementCluster || realNode) && !c.light {
 		schedArgs := slices.Concat([]string{"kube-scheduler",
 			"--secure-port=" + strconv.Itoa(c.ports[2]),
 		}, kubeconfig, serving)
-		sched, err := s.spawnFor(c, info, "kube-scheduler", logFile, schedArgs)
+		out = append(out, component{args: schedArgs, health: fmt.Sprintf("https://127.0.0.1:%d/healthz", c.ports[2])})
+	}
+	return out
+}
+
+func (s *supervisor) bootCluster(c *cluster) (*clusterInfo, error) {
+	dir := filepath.Join(s.state, c.name)
+	if err := os.MkdirAll(dir, 0o755); err != nil {
+		return nil, err
+	}
+	deadline := time.Now().Add(s.timeout)
+	for i := range c.ports {
+		port, err := s.port(c.ports[i])
 		if err != nil {
 			return nil, err
 		}
-		waits[sched] = fmt.Sprintf("https://127.0.0.1:%d/healthz", c.ports[2])
+		c.ports[i] = port
+	}
+	pki := func(file string) string { return filepath.Join(s.state, "pki", file) }
+	logFile := func(component string) string {
+		return filepath.Join(s.state, "logs", c.name+"-"+component+".log")
+	}
+	info := &clusterInfo{
+		Name:           c.name,
+		Server:         fmt.Sprintf("https://127.0.0.1:%d", c.ports[0]),
+		Kubeconfig:     filepath.Join(dir, "kubeconfig"),
+		EtcdPrefix:     "/registry-" + c.name,
+		CAFile:         pki(caCertFile),
+		ClientCertFile: pki(adminCertFile),
+		ClientKeyFile:  pki(adminKeyFile),
+		Logs:           map[string]string{},
+	}
+	comps := s.components(c, info, dir)
+	if c.pod {
+		// Prepared, not run: the caller's Pods run the components.
+		if err := writeKubeconfig(info.Kubeconfig, c.name, info.Server, filepath.Join(s.state, "pki")); err != nil {
+			return nil, err
+		}
+		info.Commands = map[string][]string{}
+		for _, comp := range comps {
+			info.Commands[comp.args[0]] = comp.args
+		}
+		info.Light = c.light
+		info.Running = true
+		return info, s.writeInfo(dir, c.name, info)
+	}
+	api, err := s.spawnFor(c, info, comps[0].args[0], logFile, comps[0].args)
+	if err != nil {
+		return nil, err
+	}
+	if err := s.waitReady(api, s.admin, comps[0].health, deadline); err != nil {
+		return nil, err
+	}
+	if err := writeKubeconfig(info.Kubeconfig, c.name, info.Server, filepath.Join(s.state, "pki")); err != nil {
+		return nil, err
+	}
+	waits := map[*proc]string{}
+	for _, comp := range comps[1:] {
+		p, err := s.spawnFor(c, info, comp.args[0], logFile, comp.args)
+		if err != nil {
+			return nil, err
+		}
+		waits[p] = comp.health
 	}
 	for p, url := range waits {
 		if err := s.waitReady(p, s.admin, url, deadline); err != nil {
@@ -534,15 +572,20 @@ func (s *supervisor) bootCluster(c *cluster) (*clusterInfo, error) {
 	}
 	info.Light = c.light
 	info.Running = true
+	return info, s.writeInfo(dir, c.name, info)
+}
+
+// writeInfo writes a started cluster's info.json.
+func (s *supervisor) writeInfo(dir, name string, info *clusterInfo) error {
 	data, err := json.MarshalIndent(info, "", "  ")
 	if err != nil {
-		return nil, err
+		return err
 	}
 	if err := writeFileAtomic(filepath.Join(dir, "info.json"), append(data, '\n'), 0o644); err != nil {
-		return nil, err
+		return err
 	}
-	log.Printf("cluster %s ready at %s", c.name, info.Server)
-	return info, nil
+	log.Printf("cluster %s ready at %s", name, info.Server)
+	return nil
 }
 
 // spawnFor starts one component of cluster c; args[0] is the component.
@@ -751,7 +794,14 @@ func (s *supervisor) routes() http.Handler {
 			http.Error(w, fmt.Sprintf("unknown profile %q: want light or none", profile), http.StatusBadRequest)
 			return
 		}
-		info, err := s.startCluster(name, profile == "light")
+		// ?run=pod: prepared only, its components' command lines returned
+		// for the caller's Pods to run (clusterInfo.Commands).
+		run := r.URL.Query().Get("run")
+		if run != "" && run != "pod" {
+			http.Error(w, fmt.Sprintf("unknown run %q: want pod or none", run), http.StatusBadRequest)
+			return
+		}
+		info, err := s.startCluster(name, profile == "light", run == "pod")
 		if err != nil {
 			http.Error(w, err.Error(), http.StatusInternalServerError)
 			return

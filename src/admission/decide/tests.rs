@@ -1914,3 +1914,103 @@ fn nothing_is_carried_onto_what_was_not_a_parent() {
     let new = rebuilt(&old);
     assert!(mutations(Some(&old), &new, COZYSTACK_API).is_empty());
 }
+
+// ---- what a namespace deletion takes from under the phase ----
+
+#[test]
+fn what_is_named_for_a_tenant_is_found_by_its_name_or_its_owners() {
+    let p = profile();
+    let parents = vec![
+        R.to_string(),
+        format!("{R}-b"),
+        "kubernetes-other".to_string(),
+    ];
+    let gk = |g: &str, k: &str| GroupKind::new(g, k);
+    let named =
+        |kind: GroupKind, name: &str, owners: &[&str]| named_for(&p, &kind, name, owners, &parents);
+    // Kamaji's control plane: Deployment R, ReplicaSet R-<hash>, Pods.
+    assert_eq!(named(gk("apps", "Deployment"), R, &[]), [R]);
+    assert_eq!(
+        named(gk("apps", "ReplicaSet"), &format!("{R}-7d9f"), &[R]),
+        [R]
+    );
+    assert_eq!(
+        named(
+            gk("", "Pod"),
+            &format!("{R}-7d9f-x2x"),
+            &[&format!("{R}-7d9f")]
+        ),
+        [R]
+    );
+    // Its Service and EndpointSlices.
+    assert_eq!(named(gk("", "Service"), R, &[]), [R]);
+    assert_eq!(
+        named(
+            gk("discovery.k8s.io", "EndpointSlice"),
+            &format!("{R}-abcde"),
+            &[R]
+        ),
+        [R]
+    );
+    // A VM's launcher Pod, named otherwise, by its owner.
+    assert_eq!(
+        named(
+            gk("", "Pod"),
+            "virt-launcher-md0-x",
+            &[&format!("{R}-md0-x")]
+        ),
+        [R]
+    );
+    // A name that could be two tenants' is both's.
+    assert_eq!(
+        named(gk("", "Pod"), &format!("{R}-b-kcsi-controller-1-2"), &[]),
+        [R.to_string(), format!("{R}-b")]
+    );
+    // Not the parent itself (its DELETE starts the phase), but a child
+    // release named for it is.
+    assert!(named(hr(), R, &[]).is_empty());
+    assert_eq!(named(hr(), &format!("{R}-csi"), &[]), [R]);
+    // Not the teardown hook's own objects, not Events, not strangers.
+    assert!(named(gk("", "ServiceAccount"), &format!("{R}-cleanup"), &[]).is_empty());
+    assert!(named(gk("batch", "Job"), &format!("{R}-pre-cleanup"), &[]).is_empty());
+    assert!(named(gk("", "Event"), &format!("{R}.17a3"), &[]).is_empty());
+    assert!(named(gk("", "Pod"), "kubernetes-prodx-1", &[]).is_empty());
+    assert!(named(gk("", "Pod"), "etcd-0", &["etcd"]).is_empty());
+    // Only a name with the parents' prefix is worth a read of them.
+    assert!(may_be_named_for_a_parent(&p, &["x", "kubernetes-a"]));
+    assert!(!may_be_named_for_a_parent(&p, &["etcd-0", "etcd"]));
+}
+
+#[test]
+fn the_namespace_roads_holds_wait_for_done_and_only_in_teardown() {
+    let p = profile();
+    let target = Target::Guarded {
+        tenant: R.into(),
+        role: NAMESPACE_ROAD_ROLE.into(),
+    };
+    let gk = GroupKind::new("", "Pod");
+    let s = Subject {
+        kind: &gk,
+        namespace: NS,
+        name: "kubernetes-prod-7d9f-x2x",
+        action: "delete",
+    };
+    let msg = assert_denied(
+        &decide_dependent_delete(&p, &target, s, Some(&facts().namespace_deleting().build())),
+        "teardown-held",
+    );
+    assert!(msg.contains("release phase runs on"), "{msg}");
+    assert_eq!(
+        decide_dependent_delete(
+            &p,
+            &target,
+            s,
+            Some(&facts().namespace_deleting().phase("Released").build())
+        ),
+        Verdict::allow("done")
+    );
+    assert_eq!(
+        decide_dependent_delete(&p, &target, s, None).reason(),
+        "parent-absent"
+    );
+}

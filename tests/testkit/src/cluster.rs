@@ -29,6 +29,11 @@ pub struct ClusterInfo {
     /// A light tenant cluster: no scheduler (see the harness's lightAPIs).
     #[serde(default)]
     pub light: bool,
+    /// A cluster run in Pods (`harness cluster up --pod`): its components'
+    /// command lines, each beginning with the component's name (the
+    /// harness's first argument); empty for one the harness runs.
+    #[serde(default)]
+    pub commands: std::collections::BTreeMap<String, Vec<String>>,
 }
 
 pub struct ControlPlane {
@@ -172,6 +177,23 @@ impl ControlPlane {
             out.status.success(),
             "harness cluster up {name} failed; logs in {}",
             self.state.join("logs").display()
+        );
+        serde_json::from_slice(&out.stdout).expect("cluster info JSON")
+    }
+
+    /// Prepares harness cluster `name` to run in Pods: its ports, PKI and
+    /// kubeconfig, and its components' command lines (`commands`), which
+    /// the harness does not run.
+    pub fn cluster_prepare_pod(&self, name: &str) -> ClusterInfo {
+        let out = Command::new(&self.harness)
+            .args(["cluster", "up", name, "--pod", "--state"])
+            .arg(&self.state)
+            .stderr(Stdio::inherit())
+            .output()
+            .expect("run harness cluster up --pod");
+        assert!(
+            out.status.success(),
+            "harness cluster up {name} --pod failed"
         );
         serde_json::from_slice(&out.stdout).expect("cluster info JSON")
     }

@@ -176,7 +176,10 @@ pub async fn install_chart(cp: &ControlPlane, namespace: &str) -> Installed {
     let readme = std::fs::read_to_string(repo_root().join("README.md")).expect("README.md");
     let label = readme
         .lines()
-        .find_map(|l| l.trim().strip_prefix("kubectl label namespace volume-gate "))
+        .find_map(|l| {
+            l.trim()
+                .strip_prefix("kubectl label namespace volume-gate ")
+        })
         .expect("the README labels the namespace");
     let mut labels = serde_json::Map::new();
     for kv in label.split_whitespace() {
@@ -320,4 +323,38 @@ pub async fn ready_on_the_node(pods: &Api<Pod>, component: &str, replicas: usize
         );
         tokio::time::sleep(Duration::from_millis(500)).await;
     }
+}
+
+/// The harness binary as an image for the node (`harness image`, static:
+/// no library needed), imported once per control plane: what a tenant's
+/// control plane Pod and the CSI controller's place-holding Pod run.
+pub fn harness_image(cp: &ControlPlane) -> String {
+    static IMAGE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
+    IMAGE
+        .get_or_init(|| {
+            let name = "volume-gate.test/harness:latest".to_string();
+            let dir = cp.state.join("images");
+            std::fs::create_dir_all(&dir).expect("images dir");
+            let archive = dir.join("harness.tar");
+            run(
+                Command::new(&cp.harness)
+                    .arg("image")
+                    .arg("--out")
+                    .arg(&archive)
+                    .args(["--name", &name])
+                    .args(["--entrypoint", r#"["/harness"]"#])
+                    .arg("--file")
+                    .arg(format!("/harness={}", cp.harness.display())),
+                "harness image (the harness)",
+            );
+            run(
+                Command::new(&cp.harness)
+                    .args(["node", "import", "--state"])
+                    .arg(&cp.state)
+                    .arg(&archive),
+                "harness node import (the harness)",
+            );
+            name
+        })
+        .clone()
 }

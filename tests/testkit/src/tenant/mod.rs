@@ -124,6 +124,13 @@ pub enum TenantCluster {
     /// A light one of its own, started now: no scheduler, Pods are placed
     /// on the simulated node by `spec.nodeName`.
     Light,
+    /// A full one of its own whose components run in a Pod on the
+    /// management cluster's real node, as Kamaji runs a tenant's control
+    /// plane: Deployment `R` in the tenant's namespace, owned by its
+    /// TenantControlPlane (`crate::node`), and with it the CSI controller
+    /// `R-kcsi-controller` as a Pod there. Deleting those Pods stops them;
+    /// a terminating namespace makes no new ones.
+    InPods,
 }
 
 impl TenantOptions {
@@ -145,6 +152,15 @@ impl TenantOptions {
     }
 
     /// On a light tenant cluster of its own ([`TenantCluster::Light`]).
+    /// Its control plane and CSI controller in Pods on the real node
+    /// ([`TenantCluster::InPods`]).
+    pub fn in_pods(self) -> TenantOptions {
+        TenantOptions {
+            cluster: TenantCluster::InPods,
+            ..self
+        }
+    }
+
     pub fn light(self) -> TenantOptions {
         TenantOptions {
             cluster: TenantCluster::Light,
@@ -179,6 +195,7 @@ impl TenantCluster {
             }
             TenantCluster::Own => cp.cluster_up(&cp.unique("t")),
             TenantCluster::Light => cp.cluster_up_with(&cp.unique("l"), true),
+            TenantCluster::InPods => cp.cluster_prepare_pod(&cp.unique("p")),
         }
     }
 }
@@ -257,8 +274,18 @@ impl Tenant {
             history,
         };
         t.create_control_plane().await;
+        let in_pods = !t.cluster.commands.is_empty();
+        if in_pods {
+            t.run_control_plane_pod(cp).await;
+        }
         cozystack::write_namespace_values(&t.management, &t.namespace).await;
         let mut all_values = json!({"hookTimeout": "10s"});
+        if in_pods {
+            // The CSI controller runs a Pod on the node (one that holds its
+            // place: the simulator's plugin and sidecars work while it runs).
+            all_values["kcsiController"] = json!({"replicas": 1,
+                "image": crate::node::harness_image(cp), "args": ["pause"]});
+        }
         if let (Some(all), Some(extra)) = (all_values.as_object_mut(), values.as_object()) {
             all.extend(extra.clone());
         }
@@ -373,6 +400,68 @@ impl Tenant {
             .create(&pp, &secret)
             .await
             .expect("create admin kubeconfig Secret");
+    }
+}
+
+impl Tenant {
+    /// What Kamaji makes of the TenantControlPlane for a cluster run in
+    /// Pods: Deployment `R` in the tenant's namespace, owned by the
+    /// TenantControlPlane (Kamaji's `SetControllerReference`, its labels
+    /// `kamaji.clastix.io/name`, `/component: deployment`, `/project`:
+    /// clastix/kamaji 26.3.6-edge, the version Cozystack v1.6.2 builds), one
+    /// container per component. The Pod shares the node's network (Kamaji's
+    /// has its own IP behind Service `R`, which needs a Service proxy this
+    /// node has not), so the kubeconfig's address reaches it. Returns once
+    /// the API server serves its `kube-system` namespace.
+    async fn run_control_plane_pod(&self, cp: &ControlPlane) {
+        let (ns, r) = (self.namespace.as_str(), self.name.as_str());
+        let tcp =
+            Api::<DynamicObject>::namespaced_with(self.management.clone(), ns, &tcp_resource())
+                .get(r)
+                .await
+                .expect("the TenantControlPlane");
+        let image = crate::node::harness_image(cp);
+        let state = cp.state.display().to_string();
+        let containers: Vec<Value> = self
+            .cluster
+            .commands
+            .iter()
+            .map(|(component, args)| {
+                json!({"name": component, "image": image, "args": args,
+                       "volumeMounts": [{"name": "state", "mountPath": state}]})
+            })
+            .collect();
+        let labels = json!({"kamaji.clastix.io/project": "kamaji", "kamaji.clastix.io/name": r,
+                            "kamaji.clastix.io/component": "deployment"});
+        let deployment = json!({"apiVersion": "apps/v1", "kind": "Deployment",
+            "metadata": {"name": r, "namespace": ns, "labels": labels,
+                "ownerReferences": [{"apiVersion": "kamaji.clastix.io/v1alpha1", "kind": "TenantControlPlane",
+                    "name": r, "uid": tcp.metadata.uid.clone().expect("tcp uid"),
+                    "controller": true, "blockOwnerDeletion": true}]},
+            "spec": {"replicas": 1, "strategy": {"type": "Recreate"},
+                "selector": {"matchLabels": {"kamaji.clastix.io/name": r}},
+                "template": {"metadata": {"labels": labels},
+                    "spec": {"hostNetwork": true, "terminationGracePeriodSeconds": 5,
+                        "nodeSelector": {"kubernetes.io/hostname": crate::node::NODE},
+                        "containers": containers,
+                        "volumes": [{"name": "state", "hostPath": {"path": state, "type": "Directory"}}]}}}});
+        crate::manifests::apply(&self.management, &deployment).await;
+        let api = self.api.clone();
+        eventually(
+            &format!("{r}'s API server, in its Pod, answering /readyz"),
+            Duration::from_secs(180),
+            || {
+                let api = api.clone();
+                async move {
+                    Api::<k8s_openapi::api::core::v1::Namespace>::all(api)
+                        .get("kube-system")
+                        .await
+                        .map(drop)
+                        .map_err(|e| e.to_string())
+                }
+            },
+        )
+        .await;
     }
 }
 
