@@ -485,7 +485,12 @@ func (s *supervisor) components(c *cluster, info *clusterInfo, dir string) []com
 		"--secure-port=" + strconv.Itoa(c.ports[1]),
 		"--service-account-private-key-file=" + pki(saKeyFile),
 		"--root-ca-file=" + pki(caCertFile),
-		"--use-service-account-credentials=false",
+		// Each controller acts as its own ServiceAccount, as kubeadm and
+		// Talos (Cozystack's management clusters) run it: the namespace
+		// controller's requests carry
+		// system:serviceaccount:kube-system:namespace-controller, the name
+		// the gate's namespace rules know it by.
+		"--use-service-account-credentials=true",
 		"--cluster-signing-cert-file=" + pki(caCertFile),
 		"--cluster-signing-key-file=" + pki(caKeyFile),
 	}, kubeconfig, serving, controllers)

@@ -332,7 +332,8 @@ pub fn harness_image(cp: &ControlPlane) -> String {
     static IMAGE: std::sync::OnceLock<String> = std::sync::OnceLock::new();
     IMAGE
         .get_or_init(|| {
-            let name = "volume-gate.test/harness:latest".to_string();
+            // Not `latest`: the kubelet would try to pull it.
+            let name = "volume-gate.test/harness:local".to_string();
             let dir = cp.state.join("images");
             std::fs::create_dir_all(&dir).expect("images dir");
             let archive = dir.join("harness.tar");

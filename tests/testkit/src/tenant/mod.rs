@@ -427,7 +427,7 @@ impl Tenant {
             .commands
             .iter()
             .map(|(component, args)| {
-                json!({"name": component, "image": image, "args": args,
+                json!({"name": component, "image": image, "imagePullPolicy": "IfNotPresent", "args": args,
                        "volumeMounts": [{"name": "state", "mountPath": state}]})
             })
             .collect();
