@@ -7,7 +7,7 @@ use std::time::Duration;
 
 use futures::StreamExt;
 use kube::api::Api;
-use kube::runtime::watcher;
+use kube::runtime::{WatchStreamExt, watcher};
 use tokio::time::Instant;
 use tracing::warn;
 
@@ -59,8 +59,27 @@ impl Progress for WaitProgress<'_> {
     }
 }
 
+/// How long a watch may fail without a pause before the wait gives up with
+/// its last error: an API server that went away mid-pass (its Pod deleted,
+/// its node gone) cannot be waited on, and the next pass, which asks it
+/// `/readyz` first, takes the road of an unreachable tenant. The watch
+/// retries with Kubernetes' client backoff meanwhile, never in a tight loop.
+pub(super) const WATCH_GIVE_UP: Duration = Duration::from_secs(30);
+
+/// A watcher's error as the API error it carries, for the step's report.
+fn api_error(e: watcher::Error) -> kube::Error {
+    match e {
+        watcher::Error::InitialListFailed(k)
+        | watcher::Error::WatchStartFailed(k)
+        | watcher::Error::WatchFailed(k) => k,
+        other => kube::Error::Service(Box::new(std::io::Error::other(other.to_string()))),
+    }
+}
+
 /// Watches until every name in `targets` is gone, or until none has gone
 /// for `quiet` (the worker's `--wait-bound`); returns those still present.
+/// A watch that keeps failing for [`WATCH_GIVE_UP`] ends the wait with its
+/// error.
 /// The bound counts from the last object gone, not from the start: a slow
 /// driver that keeps freeing (thousands of volumes at its client's rate
 /// limit) is waited for, a stuck one is reported after the bound.
@@ -68,8 +87,23 @@ impl Progress for WaitProgress<'_> {
 /// do not mean thousands of writes.
 pub(super) async fn wait_gone<K, P>(
     api: Api<K>,
+    targets: HashSet<String>,
+    quiet: Duration,
+    progress: &P,
+) -> Result<BTreeSet<String>, kube::Error>
+where
+    K: kube::Resource + Clone + serde::de::DeserializeOwned + std::fmt::Debug + Send + 'static,
+    P: Progress,
+{
+    wait_gone_within(api, targets, quiet, WATCH_GIVE_UP, progress).await
+}
+
+/// [`wait_gone`], giving up on a failing watch after `give_up`.
+async fn wait_gone_within<K, P>(
+    api: Api<K>,
     mut targets: HashSet<String>,
     quiet: Duration,
+    give_up: Duration,
     progress: &P,
 ) -> Result<BTreeSet<String>, kube::Error>
 where
@@ -80,23 +114,34 @@ where
     if targets.is_empty() {
         return Ok(BTreeSet::new());
     }
-    let stream = watcher(api, watcher::Config::default());
+    let stream = watcher(api, watcher::Config::default()).default_backoff();
     futures::pin_mut!(stream);
     let mut seen: HashSet<String> = HashSet::new();
     let mut listing = false;
     let mut last_report = Instant::now();
     let mut unreported = false;
     let mut deadline = Instant::now() + quiet;
+    let mut failing_since: Option<Instant> = None;
     loop {
         let next = match tokio::time::timeout_at(deadline, stream.next()).await {
             Err(_) => break,
             Ok(None) => break,
             Ok(Some(Err(e))) => {
-                // The watcher recovers by itself; a persistent failure ends at the deadline.
+                let since = *failing_since.get_or_insert_with(Instant::now);
+                if since.elapsed() >= give_up {
+                    return Err(api_error(e));
+                }
                 warn!(error = %e, "watch failed; retrying");
                 continue;
             }
-            Ok(Some(Ok(ev))) => ev,
+            Ok(Some(Ok(ev))) => {
+                // `Init` starts every attempt, a failing one too: only
+                // what the API server sent shows the watch works.
+                if !matches!(ev, watcher::Event::Init) {
+                    failing_since = None;
+                }
+                ev
+            }
         };
         let before = targets.len();
         match next {
@@ -135,4 +180,45 @@ where
         }
     }
     Ok(targets.into_iter().collect())
+}
+
+#[cfg(test)]
+mod tests {
+    use std::sync::Arc;
+
+    use k8s_openapi::api::core::v1::PersistentVolume;
+
+    use super::*;
+    use crate::testing::FakeApi;
+
+    #[tokio::test]
+    async fn a_watch_that_keeps_failing_ends_the_wait_with_its_error_after_a_backoff_not_a_spin() {
+        let give_up = Duration::from_secs(2);
+        let api = FakeApi::new();
+        api.fail("GET", "/api/v1/persistentvolumes", 500);
+        let client = Arc::clone(&api).client();
+        let started = Instant::now();
+        let targets: HashSet<String> = ["pv-1".to_string()].into();
+        let waited = wait_gone_within(
+            Api::<PersistentVolume>::all(client),
+            targets,
+            Duration::from_secs(600),
+            give_up,
+            &NoProgress,
+        )
+        .await;
+        let e = waited.expect_err("a dead API server is not waited on for the whole bound");
+        assert!(
+            e.to_string().contains("500") || e.to_string().contains("scripted"),
+            "{e}"
+        );
+        let took = started.elapsed();
+        assert!(
+            (give_up..Duration::from_secs(60)).contains(&took),
+            "gave up after {took:?}"
+        );
+        // With a backoff between attempts, not thousands of them.
+        let tries = api.calls_to("GET", "/api/v1/persistentvolumes").len();
+        assert!((2..20).contains(&tries), "{tries} lists in {took:?}");
+    }
 }
