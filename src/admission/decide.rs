@@ -318,14 +318,32 @@ pub fn named_for(
         .collect()
 }
 
-/// Whether a name could be named for a parent at all: it starts with the
-/// profile's parent name prefix (`kubernetes-`), which every parent's name
-/// does. The cheap test before the parents of a namespace are read.
-pub fn may_be_named_for_a_parent(profile: &Profile, names: &[&str]) -> bool {
-    !profile.parent.name_prefix.is_empty()
-        && names
-            .iter()
-            .any(|n| n.starts_with(profile.parent.name_prefix.as_str()))
+/// The parent names an object could be named for: every prefix of its name,
+/// or of an owner's, that ends before a dash (or is the whole name), starts
+/// with the profile's parent name prefix (`kubernetes-`, which every
+/// parent's name does) and is a valid object name. Read one by one (a GET
+/// each: the webhook may not list releases), they are the `parents` of
+/// [`named_for`]. None without a name prefix in the profile.
+pub fn parent_candidates(profile: &Profile, names: &[&str]) -> Vec<String> {
+    let prefix = profile.parent.name_prefix.as_str();
+    if prefix.is_empty() {
+        return Vec::new();
+    }
+    let mut out: Vec<String> = Vec::new();
+    for n in names.iter().filter(|n| n.starts_with(prefix)) {
+        let ends = n
+            .char_indices()
+            .filter(|(i, c)| *c == '-' && *i > prefix.len())
+            .map(|(i, _)| i)
+            .chain([n.len()]);
+        for end in ends {
+            let candidate = &n[..end];
+            if is_object_name(candidate) && !out.iter().any(|o| o == candidate) {
+                out.push(candidate.to_string());
+            }
+        }
+    }
+    out
 }
 
 /// The object as part of a parent release, unless another identity already

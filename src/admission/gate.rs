@@ -169,8 +169,8 @@ impl Gate {
                             judged.push((
                                 Target::Unrelated,
                                 cannot_judge(format!(
-                                    "refusing to delete {subject}: cannot list the tenants of namespace \
-                                     {namespace}: {e}"
+                                    "refusing to delete {subject}: cannot read the tenants it may be named \
+                                     for in namespace {namespace}: {e}"
                                 )),
                             ));
                         }
@@ -464,9 +464,10 @@ impl Gate {
     }
 
     /// The tenants of `namespace` that `old` (being deleted by the
-    /// namespace controller) is named for (`decide::named_for`): one list
-    /// of the namespace's parents, and only when its name or an owner's
-    /// could name one.
+    /// namespace controller) is named for (`decide::named_for`): each
+    /// parent name its name or an owner's could stand for, read by name
+    /// (`decide::parent_candidates`; most objects have none, a tenant's a
+    /// few).
     async fn named_for(
         &self,
         kind: &crate::profile::GroupKind,
@@ -483,24 +484,15 @@ impl Gate {
             .collect();
         let mut names = owners.clone();
         names.push(name);
-        if namespace.is_empty()
-            || !is_object_name(namespace)
-            || !decide::may_be_named_for_a_parent(&self.profile, &names)
-        {
+        if namespace.is_empty() || !is_object_name(namespace) {
             return Ok(Vec::new());
         }
-        let api: Api<DynamicObject> =
-            Api::namespaced_with(self.client.clone(), namespace, &self.parent_resource);
-        self.metrics.api_reads.inc();
-        let parents: Vec<String> = api
-            .list_metadata(
-                &kube::api::ListParams::default().labels(&self.profile.parent_selector()),
-            )
-            .await?
-            .items
-            .into_iter()
-            .filter_map(|p| p.metadata.name)
-            .collect();
+        let mut parents = Vec::new();
+        for candidate in decide::parent_candidates(&self.profile, &names) {
+            if self.read_parent(namespace, &candidate).await?.is_some() {
+                parents.push(candidate);
+            }
+        }
         Ok(decide::named_for(
             &self.profile,
             kind,
@@ -869,7 +861,7 @@ mod tests {
 
     #[tokio::test]
     async fn a_namespace_deletion_holds_the_pods_named_for_a_tenant_until_it_is_done() {
-        let parents = "/apis/helm.toolkit.fluxcd.io/v2/namespaces/tenant-a/helmreleases";
+        let hrs = "/apis/helm.toolkit.fluxcd.io/v2/namespaces/tenant-a/helmreleases";
         let pod = |name: &str, owner: &str| {
             json!({"apiVersion": "v1", "kind": "Pod", "metadata": {"name": name, "namespace": NS,
                 "ownerReferences": [{"apiVersion": "apps/v1", "kind": "ReplicaSet", "name": owner,
@@ -882,12 +874,9 @@ mod tests {
             req.kind.kind = "Pod".into();
             req
         };
-        let list = json!({"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadataList",
-            "metadata": {}, "items": [{"apiVersion": "meta.k8s.io/v1", "kind": "PartialObjectMetadata",
-                                       "metadata": {"name": "kubernetes-a", "namespace": NS}}]});
         // The tenant API server's Pod, by its ReplicaSet: held in teardown.
+        // Every name it could be named for is read (a 404 is no parent).
         let api = FakeApi::new();
-        api.get(parents, list.clone());
         api.get(
             PARENT,
             parent(true, json!({"volumes.cozystack.io/phase": "Releasing"})),
@@ -897,9 +886,14 @@ mod tests {
             .await;
         assert_eq!(verdict.reason(), "teardown-held", "{verdict:?}");
         assert!(matches!(target, Target::Guarded { ref tenant, .. } if tenant == "kubernetes-a"));
+        let read: Vec<String> = api.calls().into_iter().map(|c| c.path).collect();
+        assert!(
+            read.contains(&format!("{hrs}/kubernetes-a-7d9f"))
+                && read.contains(&PARENT.to_string()),
+            "{read:?}"
+        );
         // Done: allowed.
         let api = FakeApi::new();
-        api.get(parents, list.clone());
         api.get(
             PARENT,
             parent(true, json!({"volumes.cozystack.io/phase": "Released"})),
@@ -908,10 +902,9 @@ mod tests {
             .validate(&delete(pod("kubernetes-a-7d9f-x", "kubernetes-a-7d9f")))
             .await;
         assert!(verdict.allowed(), "{verdict:?}");
-        // Named for no tenant: nothing read but the list; and nothing at all
-        // for a name that cannot be a parent's.
+        // Named for no tenant (no parent answers): allowed; and nothing is
+        // read for a name that cannot be a parent's.
         let api = FakeApi::new();
-        api.get(parents, list.clone());
         let (_, verdict) = gate(&api)
             .validate(&delete(pod("kubernetes-b-1", "kubernetes-b")))
             .await;
@@ -920,9 +913,9 @@ mod tests {
         let (_, verdict) = gate(&api).validate(&delete(pod("etcd-0", "etcd"))).await;
         assert_eq!(verdict.reason(), "unrelated");
         assert!(api.calls().is_empty(), "{:?}", reads(&api));
-        // A failed list refuses.
+        // A failed read refuses.
         let api = FakeApi::new();
-        api.fail("GET", parents, 500);
+        api.fail("GET", PARENT, 500);
         let (_, verdict) = gate(&api)
             .validate(&delete(pod("kubernetes-a-7d9f-x", "kubernetes-a-7d9f")))
             .await;

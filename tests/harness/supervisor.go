@@ -485,11 +485,13 @@ func (s *supervisor) components(c *cluster, info *clusterInfo, dir string) []com
 		"--secure-port=" + strconv.Itoa(c.ports[1]),
 		"--service-account-private-key-file=" + pki(saKeyFile),
 		"--root-ca-file=" + pki(caCertFile),
-		// Each controller acts as its own ServiceAccount, as kubeadm and
-		// Talos (Cozystack's management clusters) run it: the namespace
-		// controller's requests carry
+		// Each controller acts as its own ServiceAccount, as kubeadm's
+		// controller manager does (its static Pod sets this flag): the
+		// namespace controller's requests carry
 		// system:serviceaccount:kube-system:namespace-controller, the name
-		// the gate's namespace rules know it by.
+		// the gate's namespace rules know it by. With the controller
+		// manager's own credentials every controller was "admin", and those
+		// rules never saw it.
 		"--use-service-account-credentials=true",
 		"--cluster-signing-cert-file=" + pki(caCertFile),
 		"--cluster-signing-key-file=" + pki(caKeyFile),

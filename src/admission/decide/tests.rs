@@ -1976,9 +1976,18 @@ fn what_is_named_for_a_tenant_is_found_by_its_name_or_its_owners() {
     assert!(named(gk("", "Event"), &format!("{R}.17a3"), &[]).is_empty());
     assert!(named(gk("", "Pod"), "kubernetes-prodx-1", &[]).is_empty());
     assert!(named(gk("", "Pod"), "etcd-0", &["etcd"]).is_empty());
-    // Only a name with the parents' prefix is worth a read of them.
-    assert!(may_be_named_for_a_parent(&p, &["x", "kubernetes-a"]));
-    assert!(!may_be_named_for_a_parent(&p, &["etcd-0", "etcd"]));
+    // The parents a name could stand for: each prefix before a dash that
+    // is a parent's kind of name; none for names without the prefix.
+    assert_eq!(
+        parent_candidates(&p, &["virt-launcher-x", "kubernetes-a-md0-x"]),
+        ["kubernetes-a", "kubernetes-a-md0", "kubernetes-a-md0-x"]
+    );
+    assert_eq!(
+        parent_candidates(&p, &["kubernetes-a-7d9f-x", "kubernetes-a-7d9f"]),
+        ["kubernetes-a", "kubernetes-a-7d9f", "kubernetes-a-7d9f-x"]
+    );
+    assert!(parent_candidates(&p, &["etcd-0", "etcd"]).is_empty());
+    assert!(parent_candidates(&p, &["kubernetes-"]).is_empty());
 }
 
 #[test]

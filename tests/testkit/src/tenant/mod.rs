@@ -208,7 +208,11 @@ fn obj(ar: &ApiResource, ns: &str, name: &str, labels: Value, body: Value) -> Dy
 }
 
 /// The labels Cozystack's API writes on the parent release of Kubernetes
-/// application `r`: the profile's, its application name, and Flux's shard.
+/// application `r` (`pkg/registry/apps/application/rest.go`, v1.6.2): the
+/// profile's, its application name, and Flux's shard, `tenants` from the
+/// ApplicationDefinition, which the flux-shard-operator's webhook rewrites
+/// to `shard<i>` when the release is created
+/// (`internal/fluxshardoperator/webhook.go`).
 pub fn parent_labels(r: &str) -> BTreeMap<String, String> {
     let profile = super::profile();
     let mut labels = profile.parent.match_labels.clone();
@@ -345,7 +349,11 @@ impl Tenant {
 
     /// What Kamaji makes of the KamajiControlPlane: the TenantControlPlane
     /// (served by this tenant's harness API server) and the admin
-    /// kubeconfig Secret it owns.
+    /// kubeconfig Secret it owns, `R-admin-kubeconfig`, with the two of
+    /// Kamaji's four keys the profile reads (`super-admin.svc`,
+    /// `super-admin.conf`), Kamaji's labels and its owner reference
+    /// (clastix/kamaji 26.3.6-edge, the version Cozystack v1.6.2 builds:
+    /// `internal/resources/kubeconfig.go`, `controllers/resources.go`).
     async fn create_control_plane(&self) {
         let (ns, r) = (self.namespace.as_str(), self.name.as_str());
         let kubeconfig_secret = super::profile().kubeconfig_secret_name(r);
