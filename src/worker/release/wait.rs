@@ -59,11 +59,13 @@ impl Progress for WaitProgress<'_> {
     }
 }
 
-/// How long a watch may fail without a pause before the wait gives up with
-/// its last error: an API server that went away mid-pass (its Pod deleted,
-/// its node gone) cannot be waited on, and the next pass, which asks it
-/// `/readyz` first, takes the road of an unreachable tenant. The watch
-/// retries with Kubernetes' client backoff meanwhile, never in a tight loop.
+/// How long a watch may fail to start (its list or its watch request
+/// refused or unanswered) before the wait gives up with its last error: an
+/// API server that went away mid-pass (its Pod deleted, its node gone)
+/// cannot be waited on, and the next pass, which asks it `/readyz` first,
+/// takes the road of an unreachable tenant. A stream that breaks after it
+/// started does not count (a loaded server drops them). The watch retries
+/// with Kubernetes' client backoff meanwhile, never in a tight loop.
 pub(super) const WATCH_GIVE_UP: Duration = Duration::from_secs(30);
 
 /// A watcher's error as the API error it carries, for the step's report.
@@ -78,7 +80,7 @@ fn api_error(e: watcher::Error) -> kube::Error {
 
 /// Watches until every name in `targets` is gone, or until none has gone
 /// for `quiet` (the worker's `--wait-bound`); returns those still present.
-/// A watch that keeps failing for [`WATCH_GIVE_UP`] ends the wait with its
+/// A watch that cannot start for [`WATCH_GIVE_UP`] ends the wait with its
 /// error.
 /// The bound counts from the last object gone, not from the start: a slow
 /// driver that keeps freeing (thousands of volumes at its client's rate
@@ -127,9 +129,20 @@ where
             Err(_) => break,
             Ok(None) => break,
             Ok(Some(Err(e))) => {
-                let since = *failing_since.get_or_insert_with(Instant::now);
-                if since.elapsed() >= give_up {
-                    return Err(api_error(e));
+                // Only a watch that cannot even start counts: one whose
+                // stream broke had reached the server (a loaded one drops
+                // streams, and is waited on).
+                let starting = matches!(
+                    e,
+                    watcher::Error::InitialListFailed(_) | watcher::Error::WatchStartFailed(_)
+                );
+                if starting {
+                    let since = *failing_since.get_or_insert_with(Instant::now);
+                    if since.elapsed() >= give_up {
+                        return Err(api_error(e));
+                    }
+                } else {
+                    failing_since = None;
                 }
                 warn!(error = %e, "watch failed; retrying");
                 continue;
