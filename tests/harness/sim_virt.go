@@ -152,6 +152,13 @@ func (v *virt) syncMachineDeployment(ctx context.Context, key string) error {
 }
 
 func (v *virt) ensureVMI(ctx context.Context, vm *unstructured.Unstructured) error {
+	// Made only when missing: a namespace being deleted refuses every
+	// create, one of an object that exists too, and the VM's hot-plugging
+	// must go on there (the gate keeps the VM and its VMI until the
+	// tenant's volumes are released).
+	if _, err := v.s.dyn.Resource(gvrVMI).Namespace(vm.GetNamespace()).Get(ctx, vm.GetName(), metav1.GetOptions{}); err == nil {
+		return nil
+	}
 	vmi := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "kubevirt.io/v1", "kind": "VirtualMachineInstance",
 		"metadata": map[string]any{
@@ -271,6 +278,11 @@ func (v *virt) editVolumeStatus(ctx context.Context, ns, name string, edit func(
 
 // attachmentPod is the Pod that holds DataVolume dv's PVC for the VM.
 func (v *virt) attachmentPod(ctx context.Context, ns, r, dv string, owner *metav1.OwnerReference) error {
+	// Made only when missing (a namespace being deleted refuses every
+	// create, one of a Pod that exists too).
+	if _, err := v.s.mgmt.CoreV1().Pods(ns).Get(ctx, attachmentPod(dv), metav1.GetOptions{}); err == nil {
+		return nil
+	}
 	pod := &corev1.Pod{
 		ObjectMeta: metav1.ObjectMeta{
 			Name: attachmentPod(dv), Namespace: ns,
