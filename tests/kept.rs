@@ -71,14 +71,30 @@ async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_de
     })
     .await;
     let released_after = overridden.elapsed();
-    assert!(
-        t.datavolumes()
-            .list(&Default::default())
-            .await
-            .map(|l| l.items.is_empty())
-            .unwrap_or(true),
-        "the namespace controller deleted the DataVolumes"
-    );
+    // The kept PV goes Released when its PVC is gone; the DataVolumes go in
+    // the same or a later sync of the namespace controller (the retry of its
+    // refused deletes is on its own backoff), and once gone stay gone (a
+    // namespace being deleted refuses every create).
+    common::wait::eventually(
+        "the namespace controller to delete the DataVolumes",
+        Duration::from_secs(180),
+        || async {
+            match t.datavolumes().list(&Default::default()).await {
+                Ok(l) if l.items.is_empty() => Ok(()),
+                Ok(l) => Err(format!(
+                    "{:?}",
+                    l.items
+                        .iter()
+                        .map(|d| (d.metadata.name.clone(), d.metadata.deletion_timestamp.is_some()))
+                        .collect::<Vec<_>>()
+                )),
+                // The namespace itself gone: so are they.
+                Err(kube::Error::Api(s)) if s.code == 404 => Ok(()),
+                Err(e) => Err(e.to_string()),
+            }
+        },
+    )
+    .await;
 
     // The kept disk's PV (cluster-scoped) and the disk itself stay.
     assert_eq!(
