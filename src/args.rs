@@ -122,6 +122,12 @@ pub struct WorkerArgs {
     /// waited for).
     #[arg(long, default_value = "10m", value_parser = parse_duration)]
     pub wait_bound: Duration,
+    /// How long one tenant's pass may hold a release slot while another
+    /// tenant waits for one: past it, a pass waiting on its driver gives the
+    /// slot up and queues again (first come, first served), so slow drivers
+    /// cannot keep every slot from the tenants behind them.
+    #[arg(long, default_value = "2m", value_parser = parse_duration)]
+    pub release_turn: Duration,
     /// How long a tenant being deleted must stay unreachable (no kubeconfig,
     /// no answer) before the phase frees its inventoried volumes with reclaim
     /// policy Delete from the management side (profile `infra`).

@@ -52,6 +52,8 @@ pub struct Metrics {
     pub volumes_freed: Counter,
     pub residue_volumes: Gauge,
     pub reconcile_errors: Family<ErrorLabels, Counter>,
+    pub slot_wait_seconds: Histogram,
+    pub turns_yielded: Counter,
 }
 
 impl Metrics {
@@ -73,6 +75,9 @@ impl Metrics {
             volumes_freed: Counter::default(),
             residue_volumes: Gauge::default(),
             reconcile_errors: Family::default(),
+            // 0.1s to ~1.8h.
+            slot_wait_seconds: Histogram::new(exponential_buckets(0.1, 2.0, 17)),
+            turns_yielded: Counter::default(),
             registry: Registry::default(),
         };
         registry.register(
@@ -114,6 +119,16 @@ impl Metrics {
             "reconcile_errors",
             "Worker reconcile errors by kind",
             m.reconcile_errors.clone(),
+        );
+        registry.register(
+            "release_slot_wait_seconds",
+            "Time a release pass waited for one of the worker's release slots",
+            m.slot_wait_seconds.clone(),
+        );
+        registry.register(
+            "release_turns_yielded",
+            "Release passes that gave their slot to a waiting tenant at the end of their turn",
+            m.turns_yielded.clone(),
         );
         Arc::new(Self { registry, ..m })
     }

@@ -137,18 +137,17 @@ async fn a_second_parent_with_a_copy_of_a_bound_tenants_kubeconfig_can_delete_no
     claim_untouched(&victim).await;
     assert_eq!(env.sim.volumes_of(&victim.namespace, &victim.name), volumes);
 
-    // Neither does the victim act through a cluster two parents claim,
-    // until an operator settles it: an override on the borrower, which then
-    // goes, and the victim's own teardown finishes.
+    // The victim was bound to its cluster first (at custody, long before
+    // the copies): its own teardown goes on, and frees its volume.
     victim.delete_parent().await;
-    let record = victim
-        .wait_phase(Phase::Blocked, Duration::from_secs(60))
-        .await;
-    let message = record.message.unwrap_or_default();
+    victim.wait_parent_gone(Duration::from_secs(180)).await;
     assert!(
-        message.contains(&format!("{ns}/{borrower}")),
-        "the victim's record names the other claimant: {message}"
+        env.sim
+            .volumes_of(&victim.namespace, &victim.name)
+            .is_empty(),
+        "the victim's own teardown freed its volume"
     );
+    // The copies stay Blocked until an operator settles them.
     for t in [&b, &s] {
         t.grant_override("operators").await;
         let operator = cp
@@ -159,13 +158,6 @@ async fn a_second_parent_with_a_copy_of_a_bound_tenants_kubeconfig_can_delete_no
             .expect("an authorized override");
         t.wait_parent_gone(Duration::from_secs(60)).await;
     }
-    victim.wait_parent_gone(Duration::from_secs(180)).await;
-    assert!(
-        env.sim
-            .volumes_of(&victim.namespace, &victim.name)
-            .is_empty(),
-        "the victim's own teardown freed its volume"
-    );
 }
 
 /// An API server of mallory's own: TLS with a CA of hers, answering
@@ -390,4 +382,53 @@ async fn a_parent_with_no_room_for_its_record_says_so_and_deletes_nothing_until_
     .expect("free the parent's annotations");
     t.wait_parent_gone(Duration::from_secs(180)).await;
     assert!(env.sim.volumes_of(&t.namespace, &t.name).is_empty());
+}
+
+/// Issue 41, case 5: a parent of mallory's own, in her namespace, whose
+/// TenantControlPlane (hers to write) points at a server of hers answering
+/// the victim's `kube-system` UID (public: it is in the victim's record),
+/// under her own CA. It imitates the victim's cluster but is not it: the
+/// victim's teardown is not held by it.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn an_imitators_parent_in_another_namespace_does_not_hold_the_tenant_it_imitates() {
+    let env = env();
+    let cp = env.cp;
+    let victim = Tenant::create(cp, &cp.unique("imitatee")).await;
+    victim.wait_custody().await;
+    victim.with_held_claims(&["data"]).await;
+    let uid = victim.wait_cluster_bound().await;
+    assert_eq!(env.sim.volumes_of(&victim.namespace, &victim.name).len(), 1);
+
+    let ns = cp.unique("tenant-imitator");
+    cp.namespace(&ns).await;
+    let m = common::editor::mallory(cp, &[&ns]).await;
+    let fake = fake_api_server(&uid).await;
+    let kubeconfig = json!({"apiVersion": "v1", "kind": "Config",
+        "clusters": [{"name": "t", "cluster": {"server": format!("https://127.0.0.1:{}", fake.port),
+            "certificate-authority-data": base64(fake.ca_pem.as_bytes())}}],
+        "users": [{"name": "u", "user": {"token": "anything"}}],
+        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "u"}}],
+        "current-context": "t"})
+    .to_string();
+    let decoy = "kubernetes-decoy";
+    let d = Tenant::attach(cp, &ns, decoy, &victim.cluster).await;
+    kubeconfig_secret(&m, &ns, decoy, kubeconfig.as_bytes()).await;
+    control_plane(&m, &ns, decoy, &format!("127.0.0.1:{}", fake.port)).await;
+    common::tenant::bare_parent(&hrs_in(&m, &ns), decoy).await;
+    // Bound to what it reached: the victim's UID under mallory's CA, which
+    // is not the victim's cluster, so no conflict with anyone.
+    let note = d
+        .wait_event("Normal", "ClusterBound", |n| n.contains(&uid))
+        .await;
+    assert!(!note.contains("another parent"), "{note}");
+
+    victim.delete_parent().await;
+    victim.wait_parent_gone(Duration::from_secs(180)).await;
+    assert!(
+        env.sim
+            .volumes_of(&victim.namespace, &victim.name)
+            .is_empty(),
+        "the victim's teardown was not held by the imitation, and freed its volume"
+    );
+    drop(fake);
 }

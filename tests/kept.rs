@@ -85,7 +85,10 @@ async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_de
                     "{:?}",
                     l.items
                         .iter()
-                        .map(|d| (d.metadata.name.clone(), d.metadata.deletion_timestamp.is_some()))
+                        .map(|d| (
+                            d.metadata.name.clone(),
+                            d.metadata.deletion_timestamp.is_some()
+                        ))
                         .collect::<Vec<_>>()
                 )),
                 // The namespace itself gone: so are they.

@@ -43,7 +43,7 @@ fi
 
 # The longest binaries first (seconds each, measured alone on 2 cores), so the
 # last to start are short; binaries not named here run after these, by name.
-order=(load faults security gated infra bypass teardown chart_install attach node binding platform
+order=(load faults security gated infra bypass teardown chart_install attach node binding worker_inputs platform slots
     outage flux_gated incident surface snapshots kept kept_proxmox chart_cert_manager flux)
 # Weight of a binary in the $jobs slots: load keeps both CPUs busy by itself.
 weight() { [[ "$1" == load ]] && echo 2 || echo 1; }

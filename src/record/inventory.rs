@@ -117,7 +117,8 @@ impl Inventory {
     }
 
     /// JSON for the annotation, truncated to [`MAX_INVENTORY_BYTES`]: the
-    /// volumes still on storage are kept first, and truncation is stated.
+    /// volumes still on storage are kept first (those whose disk stays
+    /// before the rest), and truncation is stated.
     pub fn encode(&self) -> String {
         let taken_at = bounded(&self.taken_at, MAX_TAKEN_AT_BYTES);
         if taken_at.len() < self.taken_at.len() {
@@ -131,8 +132,21 @@ impl Inventory {
         if full.len() <= MAX_INVENTORY_BYTES {
             return full;
         }
-        // The volumes still on storage are listed first.
-        let mut all: Vec<Volume> = self.volumes.iter().filter(|v| !v.gone).cloned().collect();
+        // The volumes still on storage are listed first, those whose disk
+        // is to stay (not `Delete`) before all: an override keeps what the
+        // record names and every disk a cut record may have left out.
+        let mut all: Vec<Volume> = self
+            .volumes
+            .iter()
+            .filter(|v| !v.gone && v.is_kept())
+            .cloned()
+            .collect();
+        all.extend(
+            self.volumes
+                .iter()
+                .filter(|v| !v.gone && !v.is_kept())
+                .cloned(),
+        );
         all.extend(self.volumes.iter().filter(|v| v.gone).cloned());
         let encode_first = |n: usize| {
             let shown = Inventory {

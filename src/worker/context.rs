@@ -92,6 +92,8 @@ pub struct Context {
     pub(crate) parents: Store<ParentMeta>,
     namespaces: Store<PartialObjectMeta<Namespace>>,
     pub(crate) slots: Arc<Semaphore>,
+    /// Passes waiting for a slot now (`release::Turn`).
+    pub(crate) waiting_for_slot: Arc<std::sync::atomic::AtomicUsize>,
     tenants: Mutex<HashMap<TenantRef, TenantState>>,
     /// Reconciles a tenant when its phase task ends.
     trigger: tokio::sync::mpsc::UnboundedSender<ObjectRef<ParentMeta>>,
@@ -128,6 +130,7 @@ impl Context {
             parents: p.parents,
             namespaces: p.namespaces,
             slots: Arc::new(Semaphore::new(p.max_concurrent.max(1))),
+            waiting_for_slot: Arc::default(),
             tenants: Mutex::new(HashMap::new()),
             trigger: p.trigger,
         }
@@ -216,6 +219,13 @@ impl Context {
             });
             (attempts, delay)
         })
+    }
+
+    /// `t`'s pass gave its slot up at the end of its turn: the next pass
+    /// starts now (and queues for a slot), not on the backoff.
+    pub(crate) fn turn_yielded(&self, t: &TenantRef) {
+        self.metrics.turns_yielded.inc();
+        self.tenant(t, |s| s.retry = None);
     }
 
     /// `t`'s phase has an outcome: no retry is due, the phase's duration is

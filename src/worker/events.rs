@@ -21,6 +21,8 @@ pub enum Reason {
     InventoryTaken,
     /// Volumes appeared while releasing.
     InventoryGrew,
+    /// A pass gave its release slot to a waiting tenant and queued again.
+    SlotYielded,
     /// The tenant API is dead: volumes freed from the management side.
     FreedFromManagement,
     /// A pass could not finish; retried with backoff.
@@ -34,7 +36,7 @@ pub enum Reason {
 }
 
 impl Reason {
-    pub const ALL: [Reason; 12] = [
+    pub const ALL: [Reason; 13] = [
         Reason::CustodyTaken,
         Reason::ClusterBound,
         Reason::ClusterConflict,
@@ -42,6 +44,7 @@ impl Reason {
         Reason::ReleaseStarted,
         Reason::InventoryTaken,
         Reason::InventoryGrew,
+        Reason::SlotYielded,
         Reason::FreedFromManagement,
         Reason::Blocked,
         Reason::Released,
@@ -58,6 +61,7 @@ impl Reason {
             Reason::ReleaseStarted => "ReleaseStarted",
             Reason::InventoryTaken => "InventoryTaken",
             Reason::InventoryGrew => "InventoryGrew",
+            Reason::SlotYielded => "SlotYielded",
             Reason::FreedFromManagement => "FreedFromManagement",
             Reason::Blocked => "Blocked",
             Reason::Released => "Released",
@@ -78,6 +82,7 @@ impl Reason {
             Reason::CustodyTaken
             | Reason::ClusterBound
             | Reason::ReleaseStarted
+            | Reason::SlotYielded
             | Reason::InventoryTaken
             | Reason::InventoryGrew
             | Reason::Released => EventType::Normal,

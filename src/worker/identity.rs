@@ -17,9 +17,11 @@
 //! - it is bound only to the API server the management side says runs this
 //!   tenant (Kamaji's TenantControlPlane `R`: its endpoint, or its Service
 //!   in the tenant's own namespace), not to wherever the Secret points;
-//! - one cluster belongs to one parent: a cluster another parent is bound
-//!   to is never acted on through either (`conflict`), so a second parent
-//!   made with a copy of another tenant's kubeconfig can delete nothing.
+//! - one cluster belongs to one parent, the one bound to it first: a
+//!   cluster (UID and CA) another parent was bound to earlier is never acted
+//!   on through a later one (`conflict`), so a second parent made with a
+//!   copy of another tenant's kubeconfig can delete nothing, and a server
+//!   that only imitates a cluster (its UID under another CA) holds nobody.
 
 use std::time::Duration;
 
@@ -112,32 +114,59 @@ pub fn check(bound: Option<&ClusterIdentity>, seen: &ClusterIdentity, secret: &s
     }
 }
 
-/// Whether another parent is bound to the cluster `seen` (same
-/// `kube-system` UID): `(namespace/name, its binding)` of each other
-/// parent. One cluster belongs to one parent; when two claim it, one
-/// reached it through a copy of the other's kubeconfig, and neither may
-/// delete anything through it until an operator has settled which parent
-/// is not its own (an override on that one, which then goes).
+/// Whether another parent is bound to the cluster `seen`: `(namespace/name,
+/// its binding)` of each other parent. One cluster belongs to one parent;
+/// when two claim it, one reached it through a copy of the other's
+/// kubeconfig. The cluster is the whole identity: the `kube-system` UID
+/// *and* the CA that certified it (a binding made before the CA was kept
+/// matches by UID alone). A server that answers with another cluster's UID
+/// under its own CA is another cluster, however it names itself: the UID is
+/// public, the CA's key is not. Of two parents bound to one cluster, the
+/// one bound first keeps it (it was bound while nothing was at stake, at
+/// custody; a copy of its kubeconfig came later): only the later one, and
+/// both when neither is earlier, is refused.
 pub fn conflict(
     me: &str,
     seen: &ClusterIdentity,
     others: &[(String, ClusterIdentity)],
 ) -> Option<String> {
-    let claimants: Vec<String> = others
+    let same_cluster = |id: &ClusterIdentity| {
+        id.kube_system_uid == seen.kube_system_uid
+            && (id.ca_sha256 == seen.ca_sha256
+                || id.ca_sha256.is_empty()
+                || seen.ca_sha256.is_empty())
+    };
+    let claimants: Vec<&(String, ClusterIdentity)> = others
         .iter()
-        .filter(|(who, id)| who != me && id.kube_system_uid == seen.kube_system_uid)
+        .filter(|(who, id)| who != me && same_cluster(id))
+        .collect();
+    if claimants.is_empty()
+        || claimants
+            .iter()
+            .all(|(_, id)| bound_before(&seen.bound_at, &id.bound_at))
+    {
+        return None;
+    }
+    let named: Vec<String> = claimants
+        .iter()
         .map(|(who, id)| format!("{who} (bound at {})", id.bound_at))
         .collect();
-    (!claimants.is_empty()).then(|| {
-        format!(
-            "the tenant cluster {} is bound to another parent too: {}. One cluster belongs to one parent; one of \
-             them reached it through a copy of the other's admin kubeconfig. Nothing is deleted or counted as \
-             freed through it while both claim it: record an override on the parent whose cluster it is not, and \
-             once that parent is gone the other proceeds",
-            seen.describe(),
-            claimants.join(", ")
-        )
-    })
+    Some(format!(
+        "the tenant cluster {} (bound at {}) is bound to another parent too, no later than this one: {}. One \
+         cluster belongs to one parent, the one bound to it first; one of them reached it through a copy of the \
+         other's admin kubeconfig. Nothing is deleted or counted as freed through it here: record an override on \
+         the parent whose cluster it is not, and once that parent is gone the other proceeds",
+        seen.describe(),
+        seen.bound_at,
+        named.join(", ")
+    ))
+}
+
+/// Whether binding time `a` is strictly before `b` (RFC 3339; an unreadable
+/// time is never before anything).
+fn bound_before(a: &str, b: &str) -> bool {
+    let at = |s: &str| s.parse::<jiff::Timestamp>().ok();
+    matches!((at(a), at(b)), (Some(a), Some(b)) if a < b)
 }
 
 /// Where the management side says the tenant's API server runs: Kamaji's
@@ -252,6 +281,60 @@ mod tests {
             conflict("tenant-z/kubernetes-evil", &id("https://c", "u3"), &others),
             None
         );
+    }
+
+    #[test]
+    fn the_parent_bound_first_keeps_its_cluster_and_an_imitator_under_another_ca_is_no_claimant() {
+        let at = |uid: &str, ca: &str, when: &str| ClusterIdentity {
+            server: "https://a".into(),
+            kube_system_uid: uid.into(),
+            bound_at: when.into(),
+            ca_sha256: ca.into(),
+        };
+        let victim = at("u1", "ca-1", "2026-12-03T08:00:00Z");
+        // A server of an editor's, under her own CA, answering the victim's
+        // (public) UID: bound later or earlier, it is another cluster.
+        for when in ["2026-12-03T09:00:00Z", "2026-12-03T07:00:00Z"] {
+            let imitator = (
+                "tenant-e/kubernetes-decoy".to_string(),
+                at("u1", "ca-evil", when),
+            );
+            assert_eq!(
+                conflict("tenant-x/kubernetes-a", &victim, &[imitator]),
+                None
+            );
+        }
+        // A real copy of the victim's kubeconfig, bound later: the victim
+        // goes on, the copy is refused.
+        let copy = (
+            "tenant-e/kubernetes-copy".to_string(),
+            at("u1", "ca-1", "2026-12-03T09:00:00Z"),
+        );
+        assert_eq!(
+            conflict(
+                "tenant-x/kubernetes-a",
+                &victim,
+                std::slice::from_ref(&copy)
+            ),
+            None
+        );
+        let refused = conflict(
+            "tenant-e/kubernetes-copy",
+            &copy.1,
+            &[("tenant-x/kubernetes-a".to_string(), victim.clone())],
+        )
+        .expect("the later binding is refused");
+        assert!(
+            refused.contains("tenant-x/kubernetes-a") && refused.contains("bound to it first"),
+            "{refused}"
+        );
+        // Bound in the same second: neither is first, both are refused; a
+        // binding made before the CA was kept matches by UID.
+        let twin = (
+            "tenant-e/kubernetes-twin".to_string(),
+            at("u1", "", "2026-12-03T08:00:00Z"),
+        );
+        assert!(conflict("tenant-x/kubernetes-a", &victim, &[twin]).is_some());
     }
 
     #[test]

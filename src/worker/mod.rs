@@ -51,6 +51,9 @@ impl std::fmt::Display for TenantRef {
 pub struct Settings {
     pub probe_timeout: Duration,
     pub wait_bound: Duration,
+    /// How long a pass may hold its release slot while another tenant waits
+    /// for one (`release::Turn`).
+    pub release_turn: Duration,
     pub request_timeout: Duration,
     pub retry_base: Duration,
     pub retry_max: Duration,

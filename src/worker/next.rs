@@ -136,6 +136,9 @@ pub fn next(seen: Seen<'_>) -> Next {
 pub struct Leaves<'a> {
     pub inventory: Option<&'a Inventory>,
     pub kept: Option<&'a std::collections::BTreeSet<String>>,
+    /// Infra objects (by name) whose management PVC no infra object of the
+    /// tenant owns: deleting DataVolumes does not take those PVCs.
+    pub unowned: Option<&'a std::collections::BTreeSet<String>>,
     pub finder: &'a str,
 }
 
@@ -186,10 +189,27 @@ pub fn override_message(ov: &Override, leaves: &Leaves<'_>) -> String {
         ));
     }
     if let Some(i) = leaves.inventory {
-        let goes: Vec<_> = i
+        let unowned = |v: &&crate::record::Volume| {
+            v.infra
+                .as_ref()
+                .is_some_and(|r| leaves.unowned.is_some_and(|u| u.contains(&r.name)))
+        };
+        let not_kept: Vec<_> = i
             .remaining()
             .filter(|v| v.infra.as_ref().is_some_and(|r| !r.kept))
             .collect();
+        let (stays, goes): (Vec<_>, Vec<_>) = not_kept.into_iter().partition(unowned);
+        if !stays.is_empty() {
+            parts.push(format!(
+                "{} not freed by the driver {} on storage until {} PVC is deleted: no DataVolume owns it any \
+                 more (CDI collected it after completion, or its owner reference was removed), so deleting \
+                 DataVolumes does not take it: {}",
+                count(stays.len(), "volume"),
+                if stays.len() == 1 { "stays" } else { "stay" },
+                if stays.len() == 1 { "its" } else { "their" },
+                names(&stays)
+            ));
+        }
         if !goes.is_empty() {
             parts.push(format!(
                 "{} not freed by the driver {} with their DataVolumes when the teardown deletes them: {}",
@@ -551,8 +571,26 @@ mod tests {
             &Leaves {
                 inventory: Some(&inv),
                 kept: Some(&kept),
+                unowned: None,
                 finder,
             },
+        );
+        // b's PVC has no DataVolume owning it: it stays, and says why.
+        let unowned = std::collections::BTreeSet::from(["b".to_string()]);
+        let orphan = override_message(
+            &ov,
+            &Leaves {
+                inventory: Some(&inv),
+                kept: Some(&kept),
+                unowned: Some(&unowned),
+                finder,
+            },
+        );
+        assert!(
+            orphan.contains(
+                "1 volume not freed by the driver stays on storage until its PVC is deleted"
+            ) && !orphan.contains("goes with their DataVolumes"),
+            "{orphan}"
         );
         for needle in [
             "override by alice (archived)",
@@ -572,6 +610,7 @@ mod tests {
             &Leaves {
                 inventory: Some(&inv),
                 kept: None,
+                unowned: None,
                 finder,
             },
         );
@@ -582,6 +621,7 @@ mod tests {
             &Leaves {
                 inventory: None,
                 kept: Some(&kept),
+                unowned: None,
                 finder,
             },
         );

@@ -2,11 +2,14 @@
 //! and the phase task, which runs a pass and records its outcome.
 
 use std::sync::Arc;
+use std::sync::atomic::Ordering;
 use std::time::Duration;
+
+use tokio::time::Instant;
 
 use kube::runtime::controller::Action;
 use kube::{Resource, ResourceExt};
-use tracing::{Instrument, error, info_span, instrument, warn};
+use tracing::{Instrument, error, info, info_span, instrument, warn};
 
 use super::context::ParentMeta;
 use super::events::Reason;
@@ -115,12 +118,21 @@ async fn record_override(ctx: &Context, t: &TenantRef, record: &Record) -> Resul
         .stamped_override()
         .expect("next saw a stamped override");
     let mut inventory = record.inventory.clone();
-    let kept = match ctx.profile.infra.as_ref() {
+    let (kept, unowned) = match ctx.profile.infra.as_ref() {
         Some(spec) => {
             let observed = release::observe(ctx, t, spec, inventory.as_mut()).await?;
-            Some(release::keep(ctx, t, &observed, inventory.as_mut(), false).await?)
+            let unowned: std::collections::BTreeSet<String> = observed
+                .claims
+                .iter()
+                .filter(|c| !c.owned)
+                .map(|c| c.name.clone())
+                .collect();
+            (
+                Some(release::keep(ctx, t, &observed, inventory.as_mut(), false).await?),
+                Some(unowned),
+            )
         }
-        None => None,
+        None => (None, None),
     };
     let finder = format!(
         "kubectl get pv -l {}={}",
@@ -131,6 +143,7 @@ async fn record_override(ctx: &Context, t: &TenantRef, record: &Record) -> Resul
         &next::Leaves {
             inventory: inventory.as_ref(),
             kept: kept.as_ref(),
+            unowned: unowned.as_ref(),
             finder: &finder,
         },
     );
@@ -171,10 +184,21 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
     if record.phase.is_none() {
         record_start(&ctx, &t).await;
     }
-    let Ok(_permit) = ctx.slots.clone().acquire_owned().await else {
+    let asked = Instant::now();
+    ctx.waiting_for_slot.fetch_add(1, Ordering::SeqCst);
+    let permit = ctx.slots.clone().acquire_owned().await;
+    ctx.waiting_for_slot.fetch_sub(1, Ordering::SeqCst);
+    let Ok(_permit) = permit else {
         return;
     };
-    let recorded = match release::run(&ctx, &t, &record).await {
+    ctx.metrics
+        .slot_wait_seconds
+        .observe(asked.elapsed().as_secs_f64());
+    let turn = release::Turn::new(ctx.settings.release_turn, ctx.waiting_for_slot.clone());
+    let recorded = match turn.run(release::run(&ctx, &t, &record)).await {
+        Ok(release::Outcome::Blocked { inventory, .. }) if turn.yielded() => {
+            record_yield(&ctx, &t, inventory).await
+        }
         Ok(outcome) => record_outcome(&ctx, &t, outcome).await,
         Err(e) => Err(e),
     };
@@ -195,6 +219,35 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
         });
     }
     ctx.pass_over(&t);
+}
+
+/// A pass that gave its slot up at the end of its turn (`release::Turn`):
+/// still `Releasing`, saying how far it got; the next pass queues for a
+/// slot at once, behind the tenants that were waiting.
+async fn record_yield(
+    ctx: &Context,
+    t: &TenantRef,
+    inventory: Option<crate::record::Inventory>,
+) -> Result<(), kube::Error> {
+    let so_far = inventory
+        .as_ref()
+        .map(|i| format!("{}/{} volumes freed; ", i.freed, i.total))
+        .unwrap_or_default();
+    let message = format!(
+        "{so_far}gave its release slot to a waiting tenant after its {}s turn (--release-turn) and queued again",
+        ctx.settings.release_turn.as_secs()
+    );
+    info!(%message, "release turn over");
+    ctx.turn_yielded(t);
+    let update = Update {
+        phase: Some(Phase::Releasing),
+        message: Some(message.clone()),
+        inventory,
+        ..Default::default()
+    };
+    ctx.write_record(t, &update).await?;
+    ctx.event(t, Reason::SlotYielded, message).await;
+    Ok(())
 }
 
 /// The first pass of a phase: `Releasing` (or waiting for a slot) and its Event.
@@ -318,6 +371,7 @@ mod tests {
         let settings = Settings {
             probe_timeout: Duration::from_secs(1),
             wait_bound: Duration::from_secs(1),
+            release_turn: Duration::from_secs(120),
             request_timeout: Duration::from_secs(1),
             retry_base: Duration::from_secs(30),
             retry_max: Duration::from_secs(600),

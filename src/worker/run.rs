@@ -101,6 +101,7 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
     let settings = Settings {
         probe_timeout: args.probe_timeout,
         wait_bound: args.wait_bound,
+        release_turn: args.release_turn,
         request_timeout: Duration::from_secs(30),
         retry_base: args.retry_base,
         retry_max: args.retry_max,

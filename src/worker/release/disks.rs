@@ -41,8 +41,15 @@ pub struct Held {
     pub reclaim: Option<String>,
     /// A PV the worker keeps (labelled `kept`): the reclaim policy it had.
     pub kept_from: Option<String>,
+    /// A PV the worker keeps for another tenant (its `kept-for`, or
+    /// `<unnamed>`): never pinned, let go or recorded by this one.
+    pub foreign: Option<String>,
     /// A PV's CSI volumeHandle.
     pub handle: Option<String>,
+    /// A claim owned by one of the tenant's infra objects (it goes when
+    /// that object is deleted; one CDI has collected, or whose owner
+    /// reference was removed, does not).
+    pub owned: bool,
 }
 
 impl Held {
@@ -50,6 +57,9 @@ impl Held {
         let mut s = self.name.clone();
         if let Some(d) = &self.detail {
             s.push_str(&format!(" ({d})"));
+        }
+        if let Some(other) = &self.foreign {
+            s.push_str(&format!(", kept for {other}"));
         }
         if self.deleting {
             s.push_str(", being deleted");
@@ -134,7 +144,7 @@ pub fn attach_refs(inv: &mut Inventory, infra: &InfraSpec) {
 /// one: none is recorded, rather than perhaps the wrong disk).
 pub fn note_pvs(inv: &mut Inventory, observed: &Observed) {
     let mut by_ref: BTreeMap<&str, Vec<&str>> = BTreeMap::new();
-    for v in &observed.volumes {
+    for v in observed.volumes.iter().filter(|v| v.foreign.is_none()) {
         if let Some(claim) = v.claim.as_deref() {
             by_ref.entry(claim).or_default().push(v.name.as_str());
         }
@@ -145,12 +155,20 @@ pub fn note_pvs(inv: &mut Inventory, observed: &Observed) {
             [only] => Some((claim, *only)),
             _ => None,
         })
-        .chain(
+        .chain(observed.claims.iter().filter_map(|c| {
+            // A claim's volumeName counts only where that PV names the
+            // claim back (`select`): a PVC anyone creates can name any PV.
+            let pv = c.detail.as_deref()?;
             observed
-                .claims
+                .volumes
                 .iter()
-                .filter_map(|c| Some((c.name.as_str(), c.detail.as_deref()?))),
-        )
+                .any(|v| {
+                    v.name == pv
+                        && v.claim.as_deref() == Some(c.name.as_str())
+                        && v.foreign.is_none()
+                })
+                .then_some((c.name.as_str(), pv))
+        }))
         .collect();
     let handles: BTreeMap<&str, &str> = observed
         .volumes
@@ -198,7 +216,11 @@ pub fn mark_gone(inv: &mut Inventory, observed: &Observed) -> usize {
 
 /// What of the management cluster's objects is the tenant's: infra objects
 /// labelled for it or named by the inventory; the claims of those (by name,
-/// by owner, or by label); the PVs of those claims, or recorded.
+/// by owner, or by label); the PVs bound to those claims (the PV's claimRef
+/// names the claim back, with its UID while the claim exists) or to a gone
+/// claim the inventory names, and the PVs recorded. A PV bound in another
+/// namespace is never selected: a PVC's `spec.volumeName` names any PV its
+/// writer likes.
 pub fn select(
     infra: &InfraSpec,
     tenant: &str,
@@ -251,27 +273,43 @@ pub fn select(
             .any(|o| object_uids.contains(o.uid.as_str()));
         if labels(m) || named.contains(name) || object_names.contains(name) || owned {
             let bound = c.spec.as_ref().and_then(|s| s.volume_name.clone());
-            out.claims.push(held(m, bound));
+            out.claims.push(Held {
+                owned,
+                ..held(m, bound)
+            });
         }
     }
-    let claim_names: HashSet<&str> = out.claims.iter().map(|h| h.name.as_str()).collect();
-    let claim_pvs: HashSet<&str> = out
-        .claims
+    // Every claim of the namespace by name (selected or not): a PV whose
+    // claimRef names a claim that exists is that claim's only if the UIDs
+    // agree; a claim made later under a gone claim's name is another claim.
+    let live: BTreeMap<&str, Option<&str>> = claims
         .iter()
-        .filter_map(|h| h.detail.as_deref())
+        .filter_map(|c| Some((c.metadata.name.as_deref()?, c.metadata.uid.as_deref())))
         .collect();
+    let selected: HashSet<&str> = out.claims.iter().map(|h| h.name.as_str()).collect();
     for pv in volumes {
         let name = pv.metadata.name.as_deref().unwrap_or_default();
-        let claim = pv
-            .spec
-            .as_ref()
-            .and_then(|s| s.claim_ref.as_ref())
-            .filter(|r| r.namespace.as_deref() == Some(namespace))
-            .and_then(|r| r.name.clone());
+        let claim_ref = pv.spec.as_ref().and_then(|s| s.claim_ref.as_ref());
+        // A PV bound in another namespace is never the tenant's, whatever
+        // names it: a PVC's `spec.volumeName`, which anyone who may create a
+        // PVC writes, or a record.
+        if claim_ref.is_some_and(|r| r.namespace.as_deref() != Some(namespace)) {
+            continue;
+        }
+        let claim = claim_ref.and_then(|r| r.name.clone());
+        let same_claim = |n: &str| {
+            let uid = claim_ref.and_then(|r| r.uid.as_deref());
+            match live.get(n) {
+                Some(Some(live_uid)) => uid.is_none_or(|u| u == *live_uid),
+                _ => true,
+            }
+        };
+        // Named back by a claim of the tenant's (the claim's own, same UID),
+        // or by the inventory's object whose claim is gone or is that one.
         let claimed = claim
             .as_deref()
-            .is_some_and(|n| claim_names.contains(n) || named.contains(n));
-        if claimed || claim_pvs.contains(name) || recorded_pvs.contains(name) {
+            .is_some_and(|n| (selected.contains(n) || named.contains(n)) && same_claim(n));
+        if claimed || (recorded_pvs.contains(name) && claim.as_deref().is_none_or(same_claim)) {
             let phase = pv.status.as_ref().and_then(|s| s.phase.clone());
             out.volumes.push(Held {
                 claim,
@@ -288,6 +326,16 @@ pub fn select(
             });
         }
     }
+    // A claim only labelled for the tenant is one of its disks only if a
+    // selected PV is bound to it: an editor's PVC holding no disk (Pending,
+    // or naming a PV that does not name it back) is nothing to wait for.
+    let bound_back: HashSet<String> = out.volumes.iter().filter_map(|v| v.claim.clone()).collect();
+    out.claims.retain(|c| {
+        c.owned
+            || named.contains(c.name.as_str())
+            || object_names.contains(c.name.as_str())
+            || bound_back.contains(&c.name)
+    });
     for list in [&mut out.objects, &mut out.claims, &mut out.volumes] {
         list.sort_by(|a, b| a.name.cmp(&b.name));
     }
@@ -310,13 +358,21 @@ pub enum Keep {
 /// Which management PVs of the tenant must keep their disk, and which the
 /// worker kept before but no longer must. A disk is kept when its tenant
 /// volume is not `Delete` (`Volume::is_kept`); when no inventory was ever
-/// taken and the tenant API cannot say (`reachable` false: an unreachable
-/// API, or an override), every disk of the tenant is kept (its policy is
-/// unknown; a disk kept by mistake is found and freed by hand, a disk freed
-/// by mistake is gone). A PV being deleted is past keeping.
+/// taken, or the record could not hold it whole (`truncated`), and the
+/// tenant API cannot say (`reachable` false: an unreachable API, or an
+/// override), every disk of the tenant no record names is kept (its policy
+/// is unknown; a disk kept by mistake is found and freed by hand, a disk
+/// freed by mistake is gone). A PV being deleted is past keeping; a PV kept
+/// for another tenant (`Held::foreign`) is that tenant's to let go.
 pub fn keep_plan(inv: Option<&Inventory>, observed: &Observed, reachable: bool) -> Vec<Keep> {
     let mut plan = Vec::new();
-    for pv in observed.volumes.iter().filter(|v| !v.deleting) {
+    // Another tenant's kept disk is neither pinned nor let go by this one,
+    // whatever names it here.
+    for pv in observed
+        .volumes
+        .iter()
+        .filter(|v| !v.deleting && v.foreign.is_none())
+    {
         let volume = inv.and_then(|i| {
             i.volumes.iter().find(|v| {
                 v.infra.as_ref().is_some_and(|r| {
@@ -337,9 +393,11 @@ pub fn keep_plan(inv: Option<&Inventory>, observed: &Observed, reachable: bool) 
                     .as_ref()
                     .is_some_and(|r| !observed.objects.iter().any(|o| o.name == r.name))
         };
+        // Not named by a record that was cut (it could not hold every
+        // volume): its policy is unknown, as with no inventory.
         let keep = match volume {
             Some(v) => v.is_kept() && !freed_by_driver(v),
-            None => inv.is_none() && !reachable,
+            None => inv.is_none_or(|i| i.truncated) && !reachable,
         };
         let retained = pv.reclaim.as_deref() == Some("Retain");
         match (&pv.kept_from, keep) {
@@ -383,7 +441,7 @@ pub fn kept_after(observed: &Observed, plan: &[Keep]) -> BTreeSet<String> {
     let mut kept: BTreeSet<String> = observed
         .volumes
         .iter()
-        .filter(|v| v.kept_from.is_some())
+        .filter(|v| v.kept_from.is_some() && v.foreign.is_none())
         .map(|v| v.name.clone())
         .collect();
     for step in plan {
@@ -425,10 +483,16 @@ pub fn deletable<'a>(inv: &'a Inventory, observed: &Observed) -> Vec<&'a InfraRe
 pub fn disks_of(freed: &[String], inv: &Inventory, observed: &Observed) -> HashSet<String> {
     let freed: HashSet<&str> = freed.iter().map(String::as_str).collect();
     observed
-        .claims
+        .volumes
         .iter()
-        .filter(|c| freed.contains(c.name.as_str()))
-        .filter_map(|c| c.detail.clone())
+        .filter(|v| v.foreign.is_none() && v.claim.as_deref().is_some_and(|c| freed.contains(c)))
+        .filter(|v| {
+            observed
+                .claims
+                .iter()
+                .any(|c| c.detail.as_deref() == Some(v.name.as_str()))
+        })
+        .map(|v| v.name.clone())
         .chain(
             inv.volumes
                 .iter()
@@ -623,6 +687,16 @@ mod tests {
             ],
             ..Default::default()
         };
+        let observed = Observed {
+            volumes: ["a", "c"]
+                .map(|x| Held {
+                    name: format!("disk-{x}"),
+                    claim: Some(format!("pvc-{x}")),
+                    ..Default::default()
+                })
+                .into(),
+            ..observed
+        };
         let freed = vec!["pvc-a".to_string(), "pvc-b".to_string()];
         let disks = disks_of(&freed, &inv, &observed);
         let want: HashSet<String> = ["disk-a", "disk-b"].map(String::from).into();
@@ -690,6 +764,120 @@ mod tests {
         assert_eq!(d, ["pvc-1"]);
     }
 
+    /// `pv` bound to claim `claim` of `claim_ns` whose UID was `uid`.
+    fn bound_pv(name: &str, claim_ns: &str, claim: &str, uid: &str) -> PersistentVolume {
+        let mut v = pv(name, claim_ns, claim);
+        v.spec.as_mut().unwrap().claim_ref.as_mut().unwrap().uid = Some(uid.into());
+        v
+    }
+
+    #[test]
+    fn a_pvc_naming_a_pv_of_another_namespace_or_a_gone_claims_pv_selects_nothing() {
+        let inv = inventory(&[("pvc-1", "Delete")]);
+        // An editor's PVC labelled for the tenant: its volumeName names a PV
+        // bound in another namespace (case 2 and 3 of issue 41).
+        let claims = [
+            pvc("pvc-1", &[MINE], Some("pvc-1"), Some("pv-m1")),
+            pvc("decoy", &[MINE], None, Some("pv-elsewhere")),
+            // Made under the name of a gone tenant's claim (case 1): the
+            // released PV still names the old claim's UID.
+            pvc("old-claim", &[MINE], None, None),
+        ];
+        let volumes = [
+            bound_pv("pv-m1", NS, "pvc-1", "uid-pvc-1"),
+            bound_pv("pv-elsewhere", "victims", "data", "uid-data"),
+            bound_pv("pv-gone-tenants", NS, "old-claim", "uid-of-the-gone-claim"),
+        ];
+        let o = select(
+            &InfraSpec::cozystack(),
+            "kubernetes-a",
+            NS,
+            Some(&inv),
+            &[meta("pvc-1", &[MINE])],
+            &claims,
+            &volumes,
+        );
+        let names: Vec<&str> = o.volumes.iter().map(|h| h.name.as_str()).collect();
+        assert_eq!(names, ["pv-m1"]);
+        // The decoys hold no disk of the tenant's: nothing to wait for.
+        let selected: Vec<&str> = o.claims.iter().map(|h| h.name.as_str()).collect();
+        assert_eq!(selected, ["pvc-1"]);
+        // Not even with no inventory, where every selected disk is kept.
+        let none = select(
+            &InfraSpec::cozystack(),
+            "kubernetes-a",
+            NS,
+            None,
+            &[],
+            &claims,
+            &volumes,
+        );
+        let pinned: Vec<String> = keep_plan(None, &none, false)
+            .into_iter()
+            .map(|k| match k {
+                Keep::Pin { pv, .. } | Keep::Unpin { pv, .. } => pv,
+            })
+            .collect();
+        assert_eq!(pinned, ["pv-m1"], "{none:?}");
+        // Nor is a PVC's volumeName recorded as the tenant's disk.
+        let mut inv = inventory(&[("decoy", "Delete")]);
+        note_pvs(&mut inv, &none);
+        assert_eq!(inv.volumes[0].infra.as_ref().unwrap().pv, None);
+    }
+
+    #[test]
+    fn another_tenants_kept_disk_is_never_pinned_or_let_go() {
+        let mut inv = inventory(&[("old-claim", "Delete")]);
+        // Named by this tenant's inventory (its API, which its admin
+        // writes), kept for a gone sibling.
+        let mut theirs = disk("pv-gone-tenants", "old-claim", "Retain", Some("Delete"));
+        theirs.foreign = Some("tenant-a/kubernetes-gone".into());
+        let observed = with_disks(vec![theirs]);
+        note_pvs(&mut inv, &observed);
+        assert_eq!(
+            inv.volumes[0].infra.as_ref().unwrap().pv,
+            None,
+            "not recorded as ours"
+        );
+        for reachable in [true, false] {
+            assert!(keep_plan(Some(&inv), &observed, reachable).is_empty());
+            assert!(keep_plan(None, &observed, reachable).is_empty());
+        }
+        assert!(kept_after(&observed, &[]).is_empty());
+        assert!(
+            observed.volumes[0]
+                .describe()
+                .contains("kept for tenant-a/kubernetes-gone")
+        );
+    }
+
+    #[test]
+    fn a_disk_a_cut_record_does_not_name_is_kept_at_an_override() {
+        let mut inv = inventory(&[("pvc-1", "Delete")]);
+        let observed = with_disks(vec![
+            disk("mgmt-1", "pvc-1", "Delete", None),
+            disk("mgmt-cut", "pvc-left-out", "Delete", None),
+        ]);
+        note_pvs(&mut inv, &observed);
+        // The record held everything: a disk it does not name is not a
+        // tenant volume.
+        assert!(keep_plan(Some(&inv), &observed, false).is_empty());
+        // It was cut: the left-out disk's policy is unknown, so it is kept
+        // (an override or the unreachable road); the API answering, the
+        // pass knows every volume and the plan is its own.
+        inv.truncated = true;
+        assert_eq!(
+            keep_plan(Some(&inv), &observed, false)
+                .iter()
+                .map(|k| match k {
+                    Keep::Pin { pv, .. } | Keep::Unpin { pv, .. } => pv.as_str(),
+                })
+                .collect::<Vec<_>>(),
+            ["mgmt-cut"]
+        );
+        assert!(keep_plan(Some(&inv), &observed, true).is_empty());
+    }
+
     #[test]
     fn a_recorded_pv_is_still_the_tenants_once_its_claim_is_gone() {
         let mut inv = inventory(&[("pvc-1", "Delete")]);
@@ -700,7 +888,7 @@ mod tests {
             Some(&inv),
             &[meta("pvc-1", &[MINE])],
             &[pvc("pvc-1", &[MINE], Some("pvc-1"), Some("pv-m1"))],
-            &[],
+            &[bound_pv("pv-m1", NS, "pvc-1", "uid-pvc-1")],
         );
         note_pvs(&mut inv, &before);
         let mut released = pv("pv-m1", "", "");

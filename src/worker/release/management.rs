@@ -67,6 +67,7 @@ pub async fn observe(
         &volumes,
     );
     let keys = &ctx.keys;
+    let me = format!("{}/{}", t.namespace, t.name);
     for held in observed.volumes.iter_mut() {
         let Some(pv) = volumes
             .iter()
@@ -81,6 +82,19 @@ pub async fn observe(
             .map(String::as_str)
             == Some("true")
         {
+            // Kept for whom: only this tenant's own kept disks are its to
+            // let go (a PV is written by the worker and administrators only,
+            // but what selects it here, a PVC's name and labels, by anyone
+            // who may edit the namespace).
+            let kept_for = m
+                .annotations
+                .as_ref()
+                .and_then(|a| a.get(&keys.kept_for))
+                .cloned();
+            if kept_for.as_deref() != Some(me.as_str()) {
+                held.foreign = Some(kept_for.unwrap_or_else(|| "<unnamed>".into()));
+                continue;
+            }
             held.kept_from = Some(
                 m.annotations
                     .as_ref()

@@ -33,6 +33,7 @@ use tracing::{info, instrument, warn};
 
 pub use management::{keep, observe};
 pub use tenant_side::FREEZE_QUOTA;
+pub use wait::Turn;
 
 use super::context::Vetted;
 use super::events::Reason;

@@ -3,6 +3,8 @@
 //! behind them on the management side.
 
 use std::collections::{BTreeSet, HashSet};
+use std::sync::Arc;
+use std::sync::atomic::{AtomicBool, AtomicUsize, Ordering};
 use std::time::Duration;
 
 use futures::StreamExt;
@@ -13,6 +15,76 @@ use tracing::warn;
 
 use crate::record::{Inventory, Phase, Update};
 use crate::worker::{Context, TenantRef};
+
+/// A pass's turn at its release slot. The worker has few slots (at most
+/// `--max-concurrent-releases` passes at once) and a pass holds one while it
+/// waits on the tenant's driver, which may free one volume at a time for
+/// hours. Past `--release-turn`, while another tenant waits for a slot, a
+/// wait ends early: the pass gives its slot up and queues again behind the
+/// waiting ones (the slots are handed out first come, first served). Only
+/// waits end early: they change nothing, and the next pass takes up where
+/// this one stopped.
+#[derive(Clone, Debug)]
+pub struct Turn {
+    ends: Instant,
+    waiting: Arc<AtomicUsize>,
+    yielded: Arc<AtomicBool>,
+}
+
+tokio::task_local! {
+    static TURN: Turn;
+}
+
+impl Turn {
+    /// A turn of `length` from now; `waiting` counts the passes waiting for
+    /// a slot.
+    pub fn new(length: Duration, waiting: Arc<AtomicUsize>) -> Self {
+        Turn {
+            ends: Instant::now() + length,
+            waiting,
+            yielded: Arc::new(AtomicBool::new(false)),
+        }
+    }
+
+    /// Runs `pass` in this turn: its waits end early once the turn is over
+    /// and another tenant waits.
+    pub async fn run<F: std::future::Future>(&self, pass: F) -> F::Output {
+        TURN.scope(self.clone(), pass).await
+    }
+
+    /// Whether a wait of the pass ended early to give the slot up.
+    pub fn yielded(&self) -> bool {
+        self.yielded.load(Ordering::SeqCst)
+    }
+
+    /// When a wait should next look at the turn: its end, then every
+    /// second while nobody waits.
+    fn check_at(&self) -> Instant {
+        self.ends.max(Instant::now() + Duration::from_secs(1))
+    }
+
+    /// Over, with a tenant waiting: says so, once and for good.
+    fn over(&self) -> bool {
+        if self.yielded() {
+            return true;
+        }
+        let over = Instant::now() >= self.ends && self.waiting.load(Ordering::SeqCst) > 0;
+        if over {
+            self.yielded.store(true, Ordering::SeqCst);
+        }
+        over
+    }
+}
+
+/// The running pass's turn is over ([`Turn`]); never outside a turn.
+fn turn_over() -> bool {
+    TURN.try_with(Turn::over).unwrap_or(false)
+}
+
+/// When the running pass's wait should look at its turn next.
+fn turn_check_at() -> Option<Instant> {
+    TURN.try_with(Turn::check_at).ok()
+}
 
 /// Told of each object that goes while waiting.
 pub trait Progress: Sync {
@@ -124,8 +196,16 @@ where
     let mut unreported = false;
     let mut deadline = Instant::now() + quiet;
     let mut failing_since: Option<Instant> = None;
+    // A turn ends a wait only once it has listed what is there: every pass
+    // sees at least where its driver got to.
+    let mut listed_once = false;
     loop {
-        let next = match tokio::time::timeout_at(deadline, stream.next()).await {
+        if listed_once && turn_over() {
+            break;
+        }
+        let wake = turn_check_at().map_or(deadline, |at| at.min(deadline));
+        let next = match tokio::time::timeout_at(wake, stream.next()).await {
+            Err(_) if Instant::now() < deadline => continue,
             Err(_) => break,
             Ok(None) => break,
             Ok(Some(Err(e))) => {
@@ -169,6 +249,7 @@ where
             }
             watcher::Event::InitDone => {
                 listing = false;
+                listed_once = true;
                 targets.retain(|n| seen.contains(n));
             }
             watcher::Event::Apply(_) => {}
