@@ -147,16 +147,11 @@ async fn a_second_parent_with_a_copy_of_a_bound_tenants_kubeconfig_can_delete_no
             .is_empty(),
         "the victim's own teardown freed its volume"
     );
-    // The copies stay Blocked until an operator settles them.
+    // With the victim gone, so is its cluster (its TenantControlPlane went
+    // with it): the copies reach nothing, hold no disk on the management
+    // side, and go (the unreachable road, `docs/design.md` §5b).
     for t in [&b, &s] {
-        t.grant_override("operators").await;
-        let operator = cp
-            .client_as("olivia", &["operators", "system:authenticated"])
-            .await;
-        t.annotate_override(&operator, "a copy of another tenant's kubeconfig")
-            .await
-            .expect("an authorized override");
-        t.wait_parent_gone(Duration::from_secs(60)).await;
+        t.wait_parent_gone(Duration::from_secs(120)).await;
     }
 }
 
