@@ -49,10 +49,27 @@ impl Tenant {
         }))
         .unwrap();
         self.place(&mut pod);
-        Api::<Pod>::namespaced(self.api.clone(), ns)
-            .create(&PostParams::default(), &pod)
-            .await
-            .expect("create pod");
+        // A namespace just made has no ServiceAccount `default` until the
+        // tenant's controller manager makes it, and the API server refuses
+        // a Pod until then: a state the namespace moves into, waited for.
+        let api = Api::<Pod>::namespaced(self.api.clone(), ns);
+        eventually(
+            &format!("Pod {ns}/{name} created"),
+            Duration::from_secs(120),
+            || async {
+                match api.create(&PostParams::default(), &pod).await {
+                    Ok(_) => Ok(()),
+                    Err(kube::Error::Api(s))
+                        if s.code == 403
+                            && s.message.contains("serviceaccount \"default\" not found") =>
+                    {
+                        Err(s.message)
+                    }
+                    Err(e) => panic!("create pod {ns}/{name}: {e}"),
+                }
+            },
+        )
+        .await;
     }
 
     /// A light cluster has no scheduler: its Pods go to the simulated node.
@@ -101,7 +118,10 @@ impl Tenant {
             .expect("create statefulset");
     }
 
-    /// Waits until `n` claims are Bound and every Pod is Running.
+    /// Waits until `n` claims are Bound and every Pod is Running. Its bound
+    /// is a failure's, not a target: a machine building 50 tenants while
+    /// another test binary runs (`tests/load.rs` in the suite) has taken
+    /// more than 90 s to run one Pod.
     pub async fn wait_settled(&self, claims: usize, pods: usize) {
         let api = self.api.clone();
         eventually(
@@ -109,7 +129,7 @@ impl Tenant {
                 "{claims} claims bound and {pods} pods running in {}",
                 self.name
             ),
-            Duration::from_secs(90),
+            Duration::from_secs(240),
             || {
                 let api = api.clone();
                 async move {
