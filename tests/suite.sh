@@ -7,7 +7,7 @@
 # the CPUs 18% busy, `bypass` 40%, and only `load` (50 tenant clusters) more
 # than 90%. `cargo test` runs the binaries one after another, so the suite's
 # time was the sum of their times. This runs up to $VOLUME_GATE_TEST_JOBS
-# binaries at once (default 3), the longest first, `load` alone
+# binaries at once (default 2), the longest first, `load` alone
 # (it alone keeps the machine busy); each binary still runs its own tests as
 # libtest does (as many at once as there are CPUs). Every binary runs even
 # when one fails; the exit status fails if any did.
@@ -27,7 +27,7 @@ if ((BASH_VERSINFO[0] < 5 || (BASH_VERSINFO[0] == 5 && BASH_VERSINFO[1] < 1))); 
     echo "suite.sh: needs bash 5.1 or newer (it waits with 'wait -n -p'); this is bash $BASH_VERSION" >&2
     exit 2
 fi
-jobs="${VOLUME_GATE_TEST_JOBS:-3}"
+jobs="${VOLUME_GATE_TEST_JOBS:-2}"
 if ! [[ "$jobs" =~ ^[1-9][0-9]*$ ]]; then
     echo "suite.sh: VOLUME_GATE_TEST_JOBS must be a positive integer, not '$jobs'" >&2
     exit 2
