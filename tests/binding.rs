@@ -164,6 +164,19 @@ struct FakeApiServer {
     task: tokio::task::JoinHandle<()>,
 }
 
+impl FakeApiServer {
+    /// A kubeconfig that leads to it, trusting its CA.
+    fn kubeconfig(&self) -> String {
+        json!({"apiVersion": "v1", "kind": "Config",
+            "clusters": [{"name": "t", "cluster": {"server": format!("https://127.0.0.1:{}", self.port),
+                "certificate-authority-data": base64(self.ca_pem.as_bytes())}}],
+            "users": [{"name": "u", "user": {"token": "anything"}}],
+            "contexts": [{"name": "t", "context": {"cluster": "t", "user": "u"}}],
+            "current-context": "t"})
+        .to_string()
+    }
+}
+
 impl Drop for FakeApiServer {
     fn drop(&mut self) {
         self.task.abort();
@@ -252,13 +265,7 @@ async fn a_server_answering_with_a_tenants_uid_but_certified_by_another_ca_is_an
     // The UID is public: it is in the record.
     let uid = t.wait_cluster_bound().await;
     let fake = fake_api_server(&uid).await;
-    let kubeconfig = json!({"apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "t", "cluster": {"server": format!("https://127.0.0.1:{}", fake.port),
-            "certificate-authority-data": base64(fake.ca_pem.as_bytes())}}],
-        "users": [{"name": "u", "user": {"token": "anything"}}],
-        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "u"}}],
-        "current-context": "t"})
-    .to_string();
+    let kubeconfig = fake.kubeconfig();
     let m = common::editor::mallory(cp, &[&t.namespace]).await;
     let secret = common::profile().kubeconfig_secret_name(&t.name);
     Api::<Secret>::namespaced(m.clone(), &t.namespace)
@@ -398,13 +405,7 @@ async fn an_imitators_parent_in_another_namespace_does_not_hold_the_tenant_it_im
     cp.namespace(&ns).await;
     let m = common::editor::mallory(cp, &[&ns]).await;
     let fake = fake_api_server(&uid).await;
-    let kubeconfig = json!({"apiVersion": "v1", "kind": "Config",
-        "clusters": [{"name": "t", "cluster": {"server": format!("https://127.0.0.1:{}", fake.port),
-            "certificate-authority-data": base64(fake.ca_pem.as_bytes())}}],
-        "users": [{"name": "u", "user": {"token": "anything"}}],
-        "contexts": [{"name": "t", "context": {"cluster": "t", "user": "u"}}],
-        "current-context": "t"})
-    .to_string();
+    let kubeconfig = fake.kubeconfig();
     let decoy = "kubernetes-decoy";
     let d = Tenant::attach(cp, &ns, decoy, &victim.cluster).await;
     kubeconfig_secret(&m, &ns, decoy, kubeconfig.as_bytes()).await;

@@ -31,27 +31,23 @@ fn turn() -> String {
 }
 
 fn env() -> &'static common::Env {
-    let turn = turn();
-    common::gated_with(
-        [
-            "--max-concurrent-releases",
-            "1",
-            "--release-turn",
-            turn.as_str(),
-            "--wait-bound",
-            "30s",
-            "--retry-base",
-            "1s",
-            "--retry-max",
-            "3s",
-            "--probe-timeout",
-            "3s",
-            "--lease-duration",
-            "4s",
-        ]
-        .map(String::from)
-        .to_vec(),
-    )
+    // The short worker's flags but its wait bound (well above the driver's
+    // pace here), one slot and a turn.
+    let short = common::short_worker_args();
+    let mut args: Vec<String> = short
+        .chunks(2)
+        .filter(|pair| pair[0] != "--wait-bound")
+        .flatten()
+        .cloned()
+        .collect();
+    for (flag, value) in [
+        ("--max-concurrent-releases", "1".to_string()),
+        ("--release-turn", turn()),
+        ("--wait-bound", "30s".to_string()),
+    ] {
+        args.extend([flag.to_string(), value]);
+    }
+    common::gated_with(args)
 }
 
 /// Holds each of `t`'s PVs with a finalizer of the test's: deleted, a PV

@@ -175,7 +175,7 @@ pub fn gated_short() -> &'static Env {
 }
 
 /// The worker flags of [`EnvConfig::gated_short`].
-fn short_worker_args() -> Vec<String> {
+pub fn short_worker_args() -> Vec<String> {
     [
         "--wait-bound",
         "10s",
