@@ -2,10 +2,12 @@ package main
 
 import (
 	"context"
+	"errors"
 	"fmt"
 	"strings"
 	"sync"
 	"sync/atomic"
+	"syscall"
 	"time"
 
 	corev1 "k8s.io/api/core/v1"
@@ -38,6 +40,8 @@ type tenant struct {
 	dyn        dynamic.Interface
 	apiUp      bool
 	problem    string // last reason logged for the API being unusable
+	// failures counts the probes in a row that found the API not ready.
+	failures int
 	kubelet    *worker
 	driver     *worker
 
@@ -102,8 +106,27 @@ func (t *tenant) run(ctx context.Context) {
 	}
 }
 
+// probeFailuresBeforeDown is how many probes in a row must fail before an
+// API that answered is taken for down, as the kubelet takes a container's
+// probe (failureThreshold, default 3): one late answer on a loaded machine
+// is not an outage. Stopping the kubelet and the driver on it restarted the
+// CSI sidecars, whose start-up lists loaded the machine further: 50 light
+// tenants on 2 cores logged 6,947 api-down lines in one run and never
+// settled. An API that cannot be reached at all (no kubeconfig, the
+// connection refused, its control plane stopped) is down at once.
+const probeFailuresBeforeDown = 3
+
 func (t *tenant) reconcile(ctx context.Context) {
-	up, why := t.probe(ctx)
+	up, why, definite := t.probe(ctx)
+	if up {
+		t.failures = 0
+	} else {
+		t.failures++
+		if t.apiUp && !definite && t.failures < probeFailuresBeforeDown {
+			t.logf("tenant", "api-late", "probe %d of %d failed: %s", t.failures, probeFailuresBeforeDown, why)
+			up, why = true, ""
+		}
+	}
 	switch {
 	case up && !t.apiUp:
 		t.logf("tenant", "api-up", "tenant API %s answers /readyz", t.server)
@@ -151,12 +174,15 @@ func (t *tenant) setWorkers(kubeletOn, driverOn bool, kubeletWhy, driverWhy stri
 		t.kubelet = nil
 		t.logf("kubelet", "stopped", "node %s: %s", simNodeName, kubeletWhy)
 	}
-	if kubeletOn && t.kubelet == nil {
+	// A late probe dropped the client: what runs keeps its own; nothing new
+	// starts until the next probe connects again.
+	connected := t.client != nil
+	if kubeletOn && connected && t.kubelet == nil {
 		k := newKubelet(t, t.client)
 		t.kubelet = startWorker(t.s.ctx, k.run)
 		t.logf("kubelet", "started", "node %s on %s", simNodeName, t.server)
 	}
-	if driverOn && t.driver == nil {
+	if driverOn && connected && t.driver == nil {
 		d := newDriver(t, t.client, t.dyn, t.kubeconfig)
 		t.driver = startWorker(t.s.ctx, d.run)
 		t.driverActive.Store(true)
@@ -285,14 +311,16 @@ func (t *tenant) freeAfter() slowness {
 
 // probe connects to the tenant API (once per outage, from the admin
 // kubeconfig Secret) and asks it /readyz, bounded by a short timeout.
-func (t *tenant) probe(ctx context.Context) (bool, string) {
+// definite says the API cannot be reached at all, not only that it
+// answered late or not ready.
+func (t *tenant) probe(ctx context.Context) (up bool, why string, definite bool) {
 	if t.s.kamaji.isStopped(t.ns, t.name) {
 		t.client = nil
-		return false, "TenantControlPlane deleted: tenant API server stopped"
+		return false, "TenantControlPlane deleted: tenant API server stopped", true
 	}
 	if t.client == nil {
 		if why := t.connect(ctx); why != "" {
-			return false, why
+			return false, why, true
 		}
 	}
 	pctx, cancel := context.WithTimeout(ctx, 3*time.Second)
@@ -300,9 +328,9 @@ func (t *tenant) probe(ctx context.Context) (bool, string) {
 	if _, err := t.client.Discovery().RESTClient().Get().AbsPath("/readyz").DoRaw(pctx); err != nil {
 		// Read the Secret again next time: the API may come back elsewhere.
 		t.client = nil
-		return false, fmt.Sprintf("tenant API %s did not answer /readyz: %v", t.server, err)
+		return false, fmt.Sprintf("tenant API %s did not answer /readyz: %v", t.server, err), errors.Is(err, syscall.ECONNREFUSED)
 	}
-	return true, ""
+	return true, "", false
 }
 
 func (t *tenant) connect(ctx context.Context) string {
