@@ -42,8 +42,8 @@ type tenant struct {
 	problem    string // last reason logged for the API being unusable
 	// failures counts the probes in a row that found the API not ready.
 	failures int
-	kubelet    *worker
-	driver     *worker
+	kubelet  *worker
+	driver   *worker
 
 	// driverActive is read by the kubelet: mounting a volume needs the
 	// driver's node plugin, which goes away with the driver release.
