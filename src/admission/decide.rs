@@ -4,7 +4,7 @@
 
 use std::collections::BTreeMap;
 
-use crate::admission::review::SpecView;
+use crate::admission::request::SpecView;
 use crate::names::is_subdomain as is_object_name;
 use crate::profile::{GroupKind, Profile, tenant_from_name};
 use crate::record::{Keys, Record};
@@ -881,9 +881,10 @@ pub fn strictest(verdicts: Vec<Verdict>) -> Verdict {
 
 pub mod flux;
 mod update;
+pub use crate::admission::request::ObjectMetaView;
 pub use update::{
-    Change, Mutation, ObjectMetaView, Requester, UpdateVerdict, guard_update, mutate,
-    override_refused, to_json_patch,
+    Change, Mutation, Requester, UpdateVerdict, guard_update, mutate, override_refused,
+    to_json_patch,
 };
 
 #[cfg(test)]

@@ -1,7 +1,7 @@
-//! The gate: gathers the facts a decision needs (fresh reads of the parent,
-//! its namespace, a SubjectAccessReview) and hands them to the pure
-//! decisions of [`super::decide`]. It only reads: admission has no side
-//! effects (`docs/design.md` §2).
+//! The gate: makes the reads the judge asks for (fresh GETs of the parent
+//! and its namespace, a SubjectAccessReview) and asks it again, until it
+//! answers. Every rule is the judge's ([`super::judge`]); the gate only
+//! reads: admission has no side effects (`docs/design.md` §2).
 
 use std::sync::Arc;
 
@@ -10,28 +10,26 @@ use k8s_openapi::api::authorization::v1::{
 };
 use k8s_openapi::api::core::v1::Namespace;
 use kube::api::{Api, ApiResource, PostParams};
-use kube::core::admission::Operation;
-use kube::core::{DynamicObject, PartialObjectMeta};
+use kube::core::DynamicObject;
 
-use super::decide::flux::{self, Release};
-use super::decide::{
-    self, Change, ObjectMetaView, ParentFacts, Requester, Subject, Target, UpdateVerdict, Verdict,
-    cannot_judge, classify,
-};
-use super::review;
+use super::decide::{Target, Verdict, cannot_judge};
+use super::judge::{Access, Admission, Facts, Judge, Read};
+use super::request::{self, ObjectMetaView};
 use crate::metrics::Metrics;
-use crate::names::is_subdomain as is_object_name;
 use crate::profile::Profile;
 use crate::record::Keys;
 
-/// Who deletes a namespace's contents once it is being deleted.
-pub const NAMESPACE_CONTROLLER: &str = "system:serviceaccount:kube-system:namespace-controller";
+pub use super::judge::NAMESPACE_CONTROLLER;
 
-/// Everything a decision needs besides the request.
+/// How many times the judge is asked for one request. Two rounds of reads
+/// are the most a request needs (`docs/design.md` §4); a judge that asks
+/// again for what it was given, or keeps asking, is a bug, and the gate
+/// refuses rather than loops.
+const MAX_ROUNDS: usize = 4;
+
+/// The judge and what it reads through.
 pub struct Gate {
-    pub profile: Profile,
-    pub keys: Keys,
-    pub worker_identity: String,
+    pub judge: Judge,
     pub client: kube::Client,
     pub metrics: Arc<Metrics>,
     parent_resource: ApiResource,
@@ -46,20 +44,72 @@ impl Gate {
     ) -> Self {
         let parent_resource = profile.parent_resource();
         Self {
-            keys: Keys::new(&profile.annotation_prefix),
-            profile,
-            worker_identity,
+            judge: Judge::new(profile, worker_identity),
             client,
             metrics,
             parent_resource,
         }
     }
 
-    fn requester<'a>(&self, req: &'a review::Request) -> Requester<'a> {
-        let username = req.user_info.username.as_deref().unwrap_or("");
-        Requester {
-            username,
-            is_worker: !username.is_empty() && username == self.worker_identity,
+    pub fn profile(&self) -> &Profile {
+        &self.judge.profile
+    }
+
+    pub fn keys(&self) -> &Keys {
+        &self.judge.keys
+    }
+
+    /// The validating decision for one request: the judge's, after the
+    /// reads it asked for.
+    pub async fn validate(&self, req: &request::Request) -> (Target, Verdict) {
+        let now = jiff::Timestamp::now();
+        let mut facts = Facts::default();
+        for _ in 0..MAX_ROUNDS {
+            let reads = match self.judge.admit(req, &facts, now) {
+                Admission::Judged(target, verdict) => return (target, verdict),
+                Admission::Need(reads) => reads,
+            };
+            if reads.is_empty() || reads.iter().all(|r| facts.has(r)) {
+                break;
+            }
+            let done = futures::future::join_all(
+                reads
+                    .into_iter()
+                    .filter(|r| !facts.has(r))
+                    .map(|r| self.read(req, r)),
+            )
+            .await;
+            for fact in done {
+                fact(&mut facts);
+            }
+        }
+        (
+            Target::Unrelated,
+            cannot_judge("the decision asked again for what it had read (a bug in volume-gate)"),
+        )
+    }
+
+    /// The mutating answer for one request (no read).
+    pub fn mutate(&self, req: &request::Request) -> (Target, Verdict, Option<json_patch::Patch>) {
+        self.judge.mutate(req, jiff::Timestamp::now())
+    }
+
+    /// Makes one read; the returned closure adds it to the facts.
+    async fn read(&self, req: &request::Request, read: Read) -> Box<dyn FnOnce(&mut Facts) + Send> {
+        self.metrics.api_reads.inc();
+        match read {
+            Read::Parent { namespace, name } => {
+                let got = self.read_parent(&namespace, &name).await;
+                Box::new(move |f: &mut Facts| f.parent(&namespace, &name, got))
+            }
+            Read::Namespace { name } => {
+                let got = self.namespace_deleting(&name).await;
+                Box::new(move |f: &mut Facts| f.namespace(&name, got))
+            }
+            Read::OverrideAccess { namespace, tenant } => {
+                let got = self.override_access(req, &namespace, &tenant).await;
+                Box::new(move |f: &mut Facts| f.access(&namespace, &tenant, got))
+            }
         }
     }
 
@@ -68,570 +118,46 @@ impl Gate {
     async fn read_parent(
         &self,
         namespace: &str,
-        tenant: &str,
-    ) -> Result<Option<ParentFacts>, kube::Error> {
+        name: &str,
+    ) -> Result<Option<ObjectMetaView>, String> {
         let api: Api<DynamicObject> =
             Api::namespaced_with(self.client.clone(), namespace, &self.parent_resource);
-        self.metrics.api_reads.inc();
-        let Some(meta) = api.get_metadata_opt(tenant).await? else {
-            return Ok(None);
-        };
-        Ok(self.parent_facts(namespace, tenant, &meta))
+        let meta = api
+            .get_metadata_opt(name)
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(meta.map(|meta| {
+            let m = meta.metadata;
+            ObjectMetaView {
+                namespace: namespace.to_string(),
+                name: name.to_string(),
+                labels: m.labels.unwrap_or_default(),
+                annotations: m.annotations.unwrap_or_default(),
+                finalizers: m.finalizers.unwrap_or_default(),
+                deleting: m.deletion_timestamp.is_some(),
+            }
+        }))
     }
 
-    fn parent_facts(
-        &self,
-        namespace: &str,
-        tenant: &str,
-        meta: &PartialObjectMeta<DynamicObject>,
-    ) -> Option<ParentFacts> {
-        let m = &meta.metadata;
-        let view = ObjectMetaView {
-            namespace: namespace.to_string(),
-            name: tenant.to_string(),
-            labels: m.labels.clone().unwrap_or_default(),
-            annotations: m.annotations.clone().unwrap_or_default(),
-            finalizers: m.finalizers.clone().unwrap_or_default(),
-            deleting: m.deletion_timestamp.is_some(),
-        };
-        self.profile
-            .is_parent(&view.labels)
-            .then(|| ParentFacts::of(&self.profile, &self.keys, namespace, tenant, &view))
-    }
-
-    async fn namespace_deleting(&self, namespace: &str) -> Result<bool, kube::Error> {
+    async fn namespace_deleting(&self, namespace: &str) -> Result<bool, String> {
         let api: Api<Namespace> = Api::all(self.client.clone());
-        self.metrics.api_reads.inc();
         Ok(api
             .get_metadata_opt(namespace)
-            .await?
+            .await
+            .map_err(|e| e.to_string())?
             .is_none_or(|ns| ns.metadata.deletion_timestamp.is_some()))
     }
 
-    /// The validating decision for one request.
-    pub async fn validate(&self, req: &review::Request) -> (Target, Verdict) {
-        let kind = review::group_kind(req);
-        let namespace = req.namespace.as_deref().unwrap_or("");
-        let name = review::request_name(req);
-        match req.operation {
-            Operation::Delete => {
-                if name.is_empty() {
-                    return (
-                        Target::Unrelated,
-                        cannot_judge(format!(
-                            "DELETE of {kind} in namespace {namespace:?} names no object"
-                        )),
-                    );
-                }
-                let Some(old) = req.old_object.as_ref() else {
-                    // Without the object its labels are unknown: never guess.
-                    let target = classify(&self.profile, &kind, name, &Default::default());
-                    return (
-                        target,
-                        cannot_judge(format!(
-                            "DELETE of {kind} {namespace}/{name} carries no oldObject"
-                        )),
-                    );
-                };
-                let labels = review::labels_of(Some(old));
-                // The namespace controller deletes only in a namespace being
-                // deleted: a hint for what to read first, never a fact a
-                // verdict rests on.
-                let from_ns_controller =
-                    req.user_info.username.as_deref() == Some(NAMESPACE_CONTROLLER);
-                let subject = Subject::delete(&kind, namespace, name);
-                let mut judged = Vec::new();
-                let ids = decide::identities_of(&self.profile, &kind, name, &labels, &old.spec);
-                let mut ids = decide::with_release_identity(
-                    ids,
-                    namespace,
-                    self.release_of(namespace, name, Some(old)),
-                );
-                // A namespace being deleted takes what the phase runs on:
-                // what has no other identity (Pods, ReplicaSets, Services)
-                // is held for the tenants it is named for.
-                if from_ns_controller && ids.is_empty() {
-                    match self.named_for(&kind, namespace, name, old).await {
-                        Ok(tenants) => {
-                            for tenant in tenants {
-                                if !ids.iter().any(|t| {
-                                    !matches!(t, Target::Parent { .. })
-                                        && t.tenant() == Some(tenant.as_str())
-                                }) {
-                                    ids.push(Target::Guarded {
-                                        tenant,
-                                        role: decide::NAMESPACE_ROAD_ROLE.to_string(),
-                                    });
-                                }
-                            }
-                        }
-                        Err(e) => {
-                            judged.push((
-                                Target::Unrelated,
-                                cannot_judge(format!(
-                                    "refusing to delete {subject}: cannot read the tenants it may be named \
-                                     for in namespace {namespace}: {e}"
-                                )),
-                            ));
-                        }
-                    }
-                }
-                for target in ids {
-                    let verdict = match &target {
-                        Target::Parent { tenant } => {
-                            let view = review::meta_view(old, namespace, name);
-                            let facts = ParentFacts::of(
-                                &self.profile,
-                                &self.keys,
-                                namespace,
-                                tenant,
-                                &view,
-                            );
-                            decide::decide_parent_delete(&self.profile, subject, &facts)
-                        }
-                        Target::CsiRelease { tenant }
-                        | Target::Child { tenant }
-                        | Target::Guarded { tenant, .. } => {
-                            let tenant = tenant.clone();
-                            self.decide_dependent(
-                                &target,
-                                subject,
-                                namespace,
-                                &tenant,
-                                from_ns_controller,
-                            )
-                            .await
-                        }
-                        Target::ReleaseObject {
-                            tenant,
-                            namespace: parent_namespace,
-                        } => {
-                            let (tenant, parent_namespace) =
-                                (tenant.clone(), parent_namespace.clone());
-                            self.decide_dependent(
-                                &target,
-                                subject,
-                                &parent_namespace,
-                                &tenant,
-                                from_ns_controller && parent_namespace == namespace,
-                            )
-                            .await
-                        }
-                        // Deleting a disk frees it, as the driver does, and
-                        // a hand deleting one decides so. The namespace
-                        // controller deletes everything at once: its deletes
-                        // wait until the phase has kept what must stay.
-                        Target::InfraDisk { tenant } if from_ns_controller => {
-                            let tenant = tenant.clone();
-                            self.decide_dependent(
-                                &target,
-                                subject,
-                                namespace,
-                                &tenant,
-                                from_ns_controller,
-                            )
-                            .await
-                        }
-                        Target::InfraDisk { .. } => Verdict::allow("frees-the-disk"),
-                        Target::Unrelated => Verdict::allow("unrelated"),
-                    };
-                    judged.push((target, verdict));
-                }
-                self.warn_impossible_markers(
-                    &kind,
-                    &[req.old_object.as_ref()],
-                    strictest_of(judged),
-                )
-            }
-            // helm-controller trusts a release's status: only it writes one.
-            Operation::Update if req.sub_resource.as_deref() == Some("status") => {
-                if kind != self.profile.parent_kind() {
-                    return (Target::Unrelated, Verdict::allow("unrelated"));
-                }
-                let labels = review::labels_of(req.old_object.as_ref());
-                (
-                    classify(&self.profile, &kind, name, &labels),
-                    decide::decide_status_write(
-                        &self.profile,
-                        Subject::delete(&kind, namespace, name).with_action(decide::STATUS_ACTION),
-                        self.requester(req).username,
-                    ),
-                )
-            }
-            Operation::Create | Operation::Update => {
-                let mut judged = Vec::new();
-                // A change that makes helm-controller uninstall the release
-                // (first: its refusal says most about such a change).
-                if kind == self.profile.parent_kind()
-                    && let (Some(old), Some(new)) = (req.old_object.as_ref(), req.object.as_ref())
-                {
-                    let who = self.requester(req).username;
-                    judged.extend(
-                        self.judge_removal(&kind, namespace, name, (old, new), who)
-                            .await,
-                    );
-                }
-                // A change of what the object is: judged like the delete it enables.
-                if req.operation == Operation::Update {
-                    let old = review::labels_of(req.old_object.as_ref());
-                    let new = review::labels_of(req.object.as_ref());
-                    let subject = Subject::delete(&kind, namespace, name).with_action("relabel");
-                    let none = review::SpecView::default();
-                    let old_spec = req.old_object.as_ref().map_or(&none, |o| &o.spec);
-                    let new_spec = req.object.as_ref().map_or(&none, |o| &o.spec);
-                    for target in decide::relabel_targets_of(
-                        &self.profile,
-                        &kind,
-                        name,
-                        (&old, old_spec),
-                        (&new, new_spec),
-                    ) {
-                        let tenant = target
-                            .tenant()
-                            .expect("a dependent has a tenant")
-                            .to_string();
-                        let verdict = self
-                            .decide_dependent(&target, subject, namespace, &tenant, false)
-                            .await;
-                        judged.push((target, verdict));
-                    }
-                    // Taken out of (or put into) a parent release: judged as
-                    // the delete of an object of each release concerned.
-                    let (before, after) = (
-                        self.release_of(namespace, name, req.old_object.as_ref()),
-                        self.release_of(namespace, name, req.object.as_ref()),
-                    );
-                    if before != after {
-                        for (parent_namespace, tenant) in before.into_iter().chain(after) {
-                            let target = Target::ReleaseObject {
-                                tenant: tenant.clone(),
-                                namespace: parent_namespace.clone(),
-                            };
-                            let verdict = self
-                                .decide_dependent(
-                                    &target,
-                                    subject,
-                                    &parent_namespace,
-                                    &tenant,
-                                    false,
-                                )
-                                .await;
-                            judged.push((target, verdict));
-                        }
-                    }
-                }
-                if kind == self.profile.parent_kind() {
-                    judged.push(self.guard_release(req, &kind, namespace, name).await);
-                }
-                let objects = [req.old_object.as_ref(), req.object.as_ref()];
-                self.warn_impossible_markers(&kind, &objects, strictest_of(judged))
-            }
-            _ => (Target::Unrelated, Verdict::allow("unrelated")),
-        }
-    }
-
-    /// An UPDATE of a release that makes helm-controller remove what it
-    /// installed while the object stays (`decide::flux`), judged like the
-    /// delete it amounts to under each identity the release has before or
-    /// after: the parent and the CSI release until done, another child
-    /// during teardown. A move of the chart's source by the platform's own
-    /// writers is its upgrade, not a removal
-    /// (`decide::source_move_by_platform`).
-    async fn judge_removal(
+    /// Whether the request's user may record an override on the tenant: a
+    /// SubjectAccessReview of the profile's override permission.
+    async fn override_access(
         &self,
-        kind: &crate::profile::GroupKind,
-        namespace: &str,
-        name: &str,
-        (old, new): (&review::Object, &review::Object),
-        username: &str,
-    ) -> Vec<(Target, Verdict)> {
-        let removals = flux::removals(
-            Release {
-                name,
-                namespace,
-                spec: &old.spec,
-            },
-            Release {
-                name,
-                namespace,
-                spec: &new.spec,
-            },
-        );
-        if removals.is_empty() {
-            return Vec::new();
-        }
-        let mut targets = decide::identities_of(
-            &self.profile,
-            kind,
-            name,
-            &review::labels_of(Some(old)),
-            &old.spec,
-        );
-        for t in decide::identities_of(
-            &self.profile,
-            kind,
-            name,
-            &review::labels_of(Some(new)),
-            &new.spec,
-        ) {
-            if !targets.contains(&t) {
-                targets.push(t);
-            }
-        }
-        let owners = (
-            decide::release_of(
-                &self.profile,
-                namespace,
-                &review::labels_of(Some(old)),
-                &review::meta_view(old, namespace, name).annotations,
-            ),
-            decide::release_of(
-                &self.profile,
-                namespace,
-                &review::labels_of(Some(new)),
-                &review::meta_view(new, namespace, name).annotations,
-            ),
-        );
-        let mut judged = Vec::new();
-        for target in targets {
-            let upgrade = decide::source_move_by_platform(
-                &self.profile,
-                &target,
-                username,
-                namespace,
-                (owners.0.as_ref(), owners.1.as_ref()),
-            );
-            let removals: Vec<&str> = removals
-                .iter()
-                .copied()
-                .filter(|r| !(upgrade && *r == flux::CHART))
-                .collect();
-            if removals.is_empty() {
-                judged.push((target, Verdict::allow("platform-source-move")));
-                continue;
-            }
-            let action = decide::removal_action(&removals);
-            let subject = Subject::delete(kind, namespace, name).with_action(&action);
-            let verdict = match &target {
-                Target::Parent { tenant } => {
-                    let view = review::meta_view(old, namespace, name);
-                    let facts =
-                        ParentFacts::of(&self.profile, &self.keys, namespace, tenant, &view);
-                    decide::decide_parent_removal(&self.profile, subject, &facts)
-                }
-                Target::CsiRelease { tenant } | Target::Child { tenant } => {
-                    let tenant = tenant.clone();
-                    self.decide_dependent(&target, subject, namespace, &tenant, false)
-                        .await
-                }
-                _ => continue,
-            };
-            judged.push((target, verdict));
-        }
-        judged
-    }
-
-    /// An allow of an object whose tenant markers name no tenant that can
-    /// exist says so (`decide::impossible_markers`).
-    fn warn_impossible_markers(
-        &self,
-        kind: &crate::profile::GroupKind,
-        objects: &[Option<&review::Object>],
-        (target, verdict): (Target, Verdict),
-    ) -> (Target, Verdict) {
-        let Verdict::Allow {
-            reason,
-            mut warnings,
-        } = verdict
-        else {
-            return (target, verdict);
-        };
-        for o in objects.iter().flatten() {
-            let m = &o.metadata;
-            let markers = decide::impossible_markers(
-                &self.profile,
-                kind,
-                m.labels.as_ref().unwrap_or(&Default::default()),
-                m.annotations.as_ref().unwrap_or(&Default::default()),
-            );
-            for w in decide::impossible_marker_warnings(&markers) {
-                if !warnings.contains(&w) {
-                    warnings.push(w);
-                }
-            }
-        }
-        (target, Verdict::Allow { reason, warnings })
-    }
-
-    /// The tenants of `namespace` that `old` (being deleted by the
-    /// namespace controller) is named for (`decide::named_for`): each
-    /// parent name its name or an owner's could stand for, read by name
-    /// (`decide::parent_candidates`; most objects have none, a tenant's a
-    /// few).
-    async fn named_for(
-        &self,
-        kind: &crate::profile::GroupKind,
-        namespace: &str,
-        name: &str,
-        old: &review::Object,
-    ) -> Result<Vec<String>, kube::Error> {
-        let owners: Vec<&str> = old
-            .metadata
-            .owner_references
-            .iter()
-            .flatten()
-            .map(|o| o.name.as_str())
-            .collect();
-        let mut names = owners.clone();
-        names.push(name);
-        if namespace.is_empty() || !is_object_name(namespace) {
-            return Ok(Vec::new());
-        }
-        let mut parents = Vec::new();
-        for candidate in decide::parent_candidates(&self.profile, &names) {
-            if self.read_parent(namespace, &candidate).await?.is_some() {
-                parents.push(candidate);
-            }
-        }
-        Ok(decide::named_for(
-            &self.profile,
-            kind,
-            name,
-            &owners,
-            &parents,
-        ))
-    }
-
-    /// The parent release `obj` belongs to, `(namespace, release)`, unless
-    /// it is one of that release's teardown hook objects (not held).
-    /// `name` is the request's, never the body's.
-    fn release_of(
-        &self,
-        namespace: &str,
-        name: &str,
-        obj: Option<&review::Object>,
-    ) -> Option<(String, String)> {
-        let view = review::meta_view(obj?, namespace, name);
-        decide::release_of(&self.profile, namespace, &view.labels, &view.annotations)
-            .filter(|(_, release)| !self.profile.is_release_hook(name, release))
-    }
-
-    /// The guards on CREATE/UPDATE of a release: record, override, custody.
-    async fn guard_release(
-        &self,
-        req: &review::Request,
-        kind: &crate::profile::GroupKind,
-        namespace: &str,
-        name: &str,
-    ) -> (Target, Verdict) {
-        let Some(new) = req.object.as_ref() else {
-            return (
-                Target::Unrelated,
-                cannot_judge(format!("{kind} {namespace}/{name} carries no object")),
-            );
-        };
-        let new_view = review::meta_view(new, namespace, name);
-        let old_view = req
-            .old_object
-            .as_ref()
-            .map(|o| review::meta_view(o, namespace, name));
-        let target = classify(&self.profile, kind, &new_view.name, &new_view.labels);
-        let who = self.requester(req);
-        let change = Change {
-            old: old_view.as_ref(),
-            new: &new_view,
-        };
-        let verdict = match decide::guard_update(
-            &self.profile,
-            &self.keys,
-            change,
-            who,
-            jiff::Timestamp::now(),
-        ) {
-            UpdateVerdict::Final(v) => v,
-            UpdateVerdict::NeedsOverridePermission { namespace, tenant } => {
-                self.check_override_permission(req, &namespace, &tenant)
-                    .await
-            }
-        };
-        (target, verdict)
-    }
-
-    async fn decide_dependent(
-        &self,
-        target: &Target,
-        subject: Subject<'_>,
+        req: &request::Request,
         namespace: &str,
         tenant: &str,
-        namespace_likely_deleting: bool,
-    ) -> Verdict {
-        // Both go into URL paths: a '/' would read some other object (and a
-        // 404 there reads as "no parent"). The API server never sends such
-        // names; a forged review gets a refusal (found by fuzzing).
-        if !is_object_name(namespace) || !is_object_name(tenant) {
-            return cannot_judge(format!(
-                "refusing to {} {subject}: {namespace:?}/{tenant:?} is not a namespace and name the API server would send",
-                subject.action
-            ));
-        }
-        // When the decision may need the namespace too, both are read at
-        // once: the decision then waits for the slower GET, not for both in
-        // turn (`docs/benchmarks.md`, benchmark 2). Not when the namespace is
-        // most likely being deleted (the namespace controller's own deletes):
-        // the parent is then being deleted too and the namespace is moot, so
-        // a namespace deletion's burst costs the API server one read per
-        // decision. Whatever was read ahead, the namespace is used only where
-        // `needs_namespace` says so (read then if it was not), and only then
-        // can its error refuse.
-        let (parent, read_ahead) =
-            if decide::may_need_namespace(target) && !namespace_likely_deleting {
-                let (p, n) = tokio::join!(
-                    self.read_parent(namespace, tenant),
-                    self.namespace_deleting(namespace)
-                );
-                (p, Some(n))
-            } else {
-                (self.read_parent(namespace, tenant).await, None)
-            };
-        let mut parent = match parent {
-            Ok(p) => p,
-            Err(e) => {
-                return cannot_judge(format!(
-                    "refusing to {} {subject}: cannot read tenant {namespace}/{tenant}: {e}",
-                    subject.action
-                ));
-            }
-        };
-        if let Some(p) = parent
-            .as_mut()
-            .filter(|p| decide::needs_namespace(target, p))
-        {
-            let deleting = match read_ahead {
-                Some(n) => n,
-                None => self.namespace_deleting(namespace).await,
-            };
-            match deleting {
-                Ok(deleting) => p.namespace_deleting = Some(deleting),
-                Err(e) => {
-                    return cannot_judge(format!(
-                        "refusing to {} {subject}: cannot read namespace {namespace}: {e}",
-                        subject.action
-                    ));
-                }
-            }
-        }
-        decide::decide_dependent_delete(&self.profile, target, subject, parent.as_ref())
-    }
-
-    async fn check_override_permission(
-        &self,
-        req: &review::Request,
-        namespace: &str,
-        tenant: &str,
-    ) -> Verdict {
+    ) -> Result<Access, String> {
         let u = &req.user_info;
-        let username = u.username.clone().unwrap_or_default();
-        let p = &self.profile.override_permission;
+        let p = &self.judge.profile.override_permission;
         let sar = SubjectAccessReview {
             spec: SubjectAccessReviewSpec {
                 user: u.username.clone(),
@@ -651,87 +177,16 @@ impl Gate {
             ..Default::default()
         };
         let api: Api<SubjectAccessReview> = Api::all(self.client.clone());
-        self.metrics.api_reads.inc();
-        match api.create(&PostParams::default(), &sar).await {
-            Ok(done) => {
-                let status = done.status.unwrap_or_default();
-                if status.allowed && !status.denied.unwrap_or(false) {
-                    Verdict::allow("override-authorized")
-                } else {
-                    decide::override_refused(
-                        &self.profile,
-                        &username,
-                        namespace,
-                        tenant,
-                        status.reason.as_deref().unwrap_or(""),
-                    )
-                }
-            }
-            Err(e) => cannot_judge(format!(
-                "cannot check whether {username} may record an override on {namespace}/{tenant} (SubjectAccessReview failed: {e})"
-            )),
-        }
+        let done = api
+            .create(&PostParams::default(), &sar)
+            .await
+            .map_err(|e| e.to_string())?;
+        let status = done.status.unwrap_or_default();
+        Ok(Access {
+            allowed: status.allowed && !status.denied.unwrap_or(false),
+            reason: status.reason.unwrap_or_default(),
+        })
     }
-
-    /// The mutating answer for one request: a verdict and its patch.
-    pub fn mutate(&self, req: &review::Request) -> (Target, Verdict, Option<json_patch::Patch>) {
-        let kind = review::group_kind(req);
-        let namespace = req.namespace.as_deref().unwrap_or("");
-        if !matches!(req.operation, Operation::Create | Operation::Update)
-            || kind != self.profile.parent_kind()
-        {
-            return (Target::Unrelated, Verdict::allow("unrelated"), None);
-        }
-        let Some(new) = req.object.as_ref() else {
-            return (
-                Target::Unrelated,
-                cannot_judge(format!(
-                    "{kind} {namespace}/{} carries no object",
-                    review::request_name(req)
-                )),
-                None,
-            );
-        };
-        let name = review::request_name(req);
-        let new_view = review::meta_view(new, namespace, name);
-        let old_view = req
-            .old_object
-            .as_ref()
-            .map(|o| review::meta_view(o, namespace, name));
-        let target = classify(&self.profile, &kind, &new_view.name, &new_view.labels);
-        let change = Change {
-            old: old_view.as_ref(),
-            new: &new_view,
-        };
-        let mutations = decide::mutate(
-            &self.profile,
-            &self.keys,
-            change,
-            self.requester(req),
-            jiff::Timestamp::now(),
-        );
-        let reason = if mutations.is_empty() {
-            "unchanged"
-        } else {
-            "mutated"
-        };
-        let patch = decide::to_json_patch(&self.profile, &self.keys, &mutations);
-        (target, Verdict::allow(reason), Some(patch))
-    }
-}
-
-/// The strictest verdict of those an object's identities got, with the
-/// identity that earned it (the first one when all allow).
-fn strictest_of(judged: Vec<(Target, Verdict)>) -> (Target, Verdict) {
-    let target = judged
-        .iter()
-        .find(|(_, v)| !v.allowed())
-        .or(judged.first())
-        .map_or(Target::Unrelated, |(t, _)| t.clone());
-    (
-        target,
-        decide::strictest(judged.into_iter().map(|(_, v)| v).collect()),
-    )
 }
 
 /// The gate's read paths against a scripted API server: what it reads, and
@@ -741,6 +196,7 @@ mod tests {
     use serde_json::{Value, json};
 
     use super::*;
+    use crate::admission::review;
     use crate::testing::{FakeApi, partial_metadata};
 
     const WORKER: &str = "system:serviceaccount:volume-gate:volume-gate-worker";
@@ -765,7 +221,7 @@ mod tests {
         old: Option<Value>,
         name: &str,
         user: &str,
-    ) -> review::Request {
+    ) -> request::Request {
         let kind =
             json!({"group": "helm.toolkit.fluxcd.io", "version": "v2", "kind": "HelmRelease"});
         let body = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
@@ -784,7 +240,7 @@ mod tests {
         json!({"apps.cozystack.io/application.kind": "Kubernetes", "apps.cozystack.io/application.group": "apps.cozystack.io"})
     }
 
-    fn child_delete(name: &str) -> review::Request {
+    fn child_delete(name: &str) -> request::Request {
         let old = release(
             name,
             json!({"cozystack.io/target-cluster-name": "kubernetes-a"}),
@@ -982,7 +438,7 @@ mod tests {
 
     /// A DELETE of ServiceAccount `name` that helm-controller installed with
     /// release kubernetes-a.
-    fn release_sa_delete(name: &str) -> review::Request {
+    fn release_sa_delete(name: &str) -> request::Request {
         let old = json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": {"name": name, "namespace": NS,
             "labels": {"helm.toolkit.fluxcd.io/name": "kubernetes-a", "helm.toolkit.fluxcd.io/namespace": NS}}});
         let body = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {

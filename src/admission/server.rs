@@ -17,6 +17,7 @@ use tracing::{info, warn};
 
 use super::decide::{Verdict, cannot_judge};
 use super::gate::Gate;
+use super::request;
 use super::review::{self, Invalid};
 use crate::args::WebhookArgs;
 use crate::metrics::{DecisionLabels, EndpointLabels};
@@ -132,8 +133,8 @@ async fn answer(gate: &Gate, body: &[u8], endpoint: Endpoint) -> Response {
         }
         Endpoint::Mutate => gate.mutate(&req),
     };
-    let op = review::operation_name(&req.operation);
-    let kind = review::group_kind(&req);
+    let op = request::operation_name(&req.operation);
+    let kind = request::group_kind(&req);
     let verdict_label = if verdict.allowed() {
         "allowed"
     } else {
@@ -159,7 +160,7 @@ async fn answer(gate: &Gate, body: &[u8], endpoint: Endpoint) -> Response {
         operation = op,
         kind = %kind,
         namespace = req.namespace.as_deref().unwrap_or(""),
-        name = review::request_name(&req),
+        name = request::request_name(&req),
         user = req.user_info.username.as_deref().unwrap_or(""),
         dry_run = req.dry_run,
         target = target.label(),
@@ -259,11 +260,11 @@ pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
     info!(
         listen = %listener.local_addr().map_err(WebhookError::Serve)?,
         admin = %rt.admin_addr,
-        profile = %gate.profile.name,
-        worker_identity = %gate.worker_identity,
-        release_controllers = ?gate.profile.writers.release_controllers,
-        parent_source_writers = ?gate.profile.writers.parent_sources,
-        parent_replacers = ?gate.profile.writers.parent_replacers,
+        profile = %gate.profile().name,
+        worker_identity = %gate.judge.worker_identity,
+        release_controllers = ?gate.profile().writers.release_controllers,
+        parent_source_writers = ?gate.profile().writers.parent_sources,
+        parent_replacers = ?gate.profile().writers.parent_replacers,
         "volume-gate webhook serving"
     );
     let served = crate::tls::serve(

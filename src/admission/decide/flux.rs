@@ -28,7 +28,7 @@
 
 use serde_json::Value;
 
-use crate::admission::review::SpecView;
+use crate::admission::request::SpecView;
 
 /// The top-level spec fields whose change the webhook conditions send for
 /// judging as written (the chart template's `chart`/`sourceRef` and the

@@ -1,7 +1,7 @@
 //! Every row of the decision table and every guard, named for the behaviour.
 
 use super::*;
-use crate::admission::review::SpecView;
+use crate::admission::request::SpecView;
 use crate::record::{Inventory, Volume};
 
 const NS: &str = "tenant-acme";

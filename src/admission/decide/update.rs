@@ -2,8 +2,6 @@
 //! may change the record, the override and its stamps, and the custody
 //! finalizer; and the mutating webhook's patch.
 
-use std::collections::BTreeMap;
-
 use super::*;
 
 /// Who is asking, from the request's userInfo.
@@ -18,17 +16,6 @@ pub struct Requester<'a> {
 pub struct Change<'a> {
     pub old: Option<&'a ObjectMetaView>,
     pub new: &'a ObjectMetaView,
-}
-
-/// The parts of ObjectMeta the guards look at.
-#[derive(Clone, Debug, Default, PartialEq)]
-pub struct ObjectMetaView {
-    pub namespace: String,
-    pub name: String,
-    pub labels: BTreeMap<String, String>,
-    pub annotations: BTreeMap<String, String>,
-    pub finalizers: Vec<String>,
-    pub deleting: bool,
 }
 
 /// What the validating guards conclude on an UPDATE/CREATE of a release.

@@ -33,12 +33,12 @@ use base64::Engine;
 use common::{AnnKey, AnnVal, WORKER};
 use http_body_util::BodyExt;
 use kube::core::admission::{AdmissionRequest, Operation};
-use volume_gate::admission::review::Object as DynamicObject;
+use volume_gate::admission::request::Object as DynamicObject;
 use libfuzzer_sys::fuzz_target;
 use serde_json::{Value, json};
 use tower::ServiceExt;
 use volume_gate::admission::decide::{self, Change, Requester, Target, UpdateVerdict};
-use volume_gate::admission::review;
+use volume_gate::admission::{request, review};
 use volume_gate::admission::{Gate, router};
 use volume_gate::args::DEFAULT_MAX_BODY_BYTES;
 use volume_gate::metrics::Metrics;
@@ -286,7 +286,7 @@ fn check_validate(
     now: jiff::Timestamp,
     out: &Value,
 ) {
-    let kind = review::group_kind(req);
+    let kind = request::group_kind(req);
     let namespace = req.namespace.as_deref().unwrap_or("");
     let record = Record::from_annotations(&KEYS, &common::annotations(&facts.annotations, &KEYS, "", 0));
     // The answer `docs/design.md` §4 gives a dependent, from the stand-in's
@@ -323,7 +323,7 @@ fn check_validate(
         }
     };
     // A DELETECOLLECTION item has an empty request name: the object's own counts.
-    let name = review::request_name(req);
+    let name = request::request_name(req);
     match req.operation {
         Operation::Delete => {
             if name.is_empty() {
@@ -335,8 +335,8 @@ fn check_validate(
                 return;
             };
             // Every identity is judged and the strictest answer wins.
-            let labels = review::labels_of(Some(old));
-            let view = review::meta_view(old, namespace, name);
+            let labels = request::labels_of(Some(old));
+            let view = request::meta_view(old, namespace, name);
             let ids = decide::identities(&PROFILE, &kind, name, &labels);
             let release = decide::release_of(&PROFILE, namespace, &view.labels, &view.annotations);
             let ids = decide::with_release_identity(ids, namespace, release);
@@ -359,8 +359,8 @@ fn check_validate(
                 &PROFILE,
                 &kind,
                 name,
-                &review::labels_of(req.old_object.as_ref()),
-                &review::labels_of(req.object.as_ref()),
+                &request::labels_of(req.old_object.as_ref()),
+                &request::labels_of(req.object.as_ref()),
             )
             .is_empty() =>
         {
@@ -371,8 +371,8 @@ fn check_validate(
                 &PROFILE,
                 &kind,
                 name,
-                &review::labels_of(req.old_object.as_ref()),
-                &review::labels_of(req.object.as_ref()),
+                &request::labels_of(req.old_object.as_ref()),
+                &request::labels_of(req.object.as_ref()),
             );
             let expected = targets.iter().all(&dependent_expected);
             if allowed {
@@ -388,8 +388,8 @@ fn check_validate(
                 assert!(!allowed, "a parent write without object was allowed: {out}");
                 return;
             };
-            let new_view = review::meta_view(new, namespace, &req.name);
-            let old_view = req.old_object.as_ref().map(|o| review::meta_view(o, namespace, &req.name));
+            let new_view = request::meta_view(new, namespace, &req.name);
+            let old_view = req.old_object.as_ref().map(|o| request::meta_view(o, namespace, &req.name));
             let username = req.user_info.username.as_deref().unwrap_or("");
             let who = Requester { username, is_worker: !username.is_empty() && username == WORKER };
             let change = Change { old: old_view.as_ref(), new: &new_view };
@@ -414,7 +414,7 @@ fn check_validate(
 }
 
 fn check_mutate(req: &AdmissionRequest<DynamicObject>, body: &[u8], allowed: bool, out: &Value) {
-    let kind = review::group_kind(req);
+    let kind = request::group_kind(req);
     let parent_write = matches!(req.operation, Operation::Create | Operation::Update) && kind == PROFILE.parent_kind();
     if !parent_write {
         assert!(allowed, "the mutating webhook denied {:?} of {kind}: {out}", req.operation);
@@ -442,7 +442,7 @@ fn check_mutate(req: &AdmissionRequest<DynamicObject>, body: &[u8], allowed: boo
 /// The object stays in the same parent release (or in none).
 fn review_release_unchanged(req: &AdmissionRequest<DynamicObject>, namespace: &str) -> bool {
     let release = |o: Option<&DynamicObject>| {
-        o.map(|o| review::meta_view(o, namespace, "")).and_then(|v| decide::release_of(&PROFILE, namespace, &v.labels, &v.annotations))
+        o.map(|o| request::meta_view(o, namespace, "")).and_then(|v| decide::release_of(&PROFILE, namespace, &v.labels, &v.annotations))
     };
     release(req.old_object.as_ref()) == release(req.object.as_ref())
 }

@@ -38,13 +38,13 @@ use std::sync::LazyLock;
 use arbitrary::{Arbitrary, Unstructured};
 use common::{AnnKey, AnnVal};
 use kube::core::admission::Operation;
-use volume_gate::admission::review::Object as DynamicObject;
+use volume_gate::admission::request::Object as DynamicObject;
 use libfuzzer_sys::fuzz_target;
 use serde_json::Value;
 use volume_gate::admission::decide::{
     self, Change, ObjectMetaView, ParentFacts, Requester, Subject, Target, UpdateVerdict, Verdict,
 };
-use volume_gate::admission::review;
+use volume_gate::admission::{request, review};
 use volume_gate::profile::Profile;
 use volume_gate::record::{Keys, Record};
 
@@ -97,19 +97,19 @@ fn run(facts: &Facts, body: &[u8]) {
     let username = req.user_info.username.as_deref().unwrap_or("");
     let who = Requester { username, is_worker: facts.requester_is_worker && !username.is_empty() };
     let now = common::now(i32::from(facts.now_offset));
-    let kind = review::group_kind(&req);
+    let kind = request::group_kind(&req);
     let namespace = req.namespace.as_deref().unwrap_or("");
 
     match req.operation {
         Operation::Delete => {
             let Some(old) = req.old_object.as_ref() else { return };
-            let labels = review::labels_of(Some(old));
+            let labels = request::labels_of(Some(old));
             let target = decide::classify(&PROFILE, &kind, &req.name, &labels);
             let subject = Subject { kind: &kind, namespace, name: &req.name, action: "delete" };
             match &target {
                 Target::Unrelated => {}
                 Target::Parent { tenant } => {
-                    let view = review::meta_view(old, namespace, &req.name);
+                    let view = request::meta_view(old, namespace, &req.name);
                     let pf = ParentFacts {
                         namespace: namespace.to_string(),
                         name: tenant.clone(),
@@ -127,8 +127,8 @@ fn run(facts: &Facts, body: &[u8]) {
             }
         }
         Operation::Update => {
-            let old = review::labels_of(req.old_object.as_ref());
-            let new = review::labels_of(req.object.as_ref());
+            let old = request::labels_of(req.old_object.as_ref());
+            let new = request::labels_of(req.object.as_ref());
             // The oracle follows the first identity a relabel concerns (the
             // gate judges every one and keeps the strictest answer).
             if let Some(target) = decide::relabel_targets(&PROFILE, &kind, &req.name, &old, &new).into_iter().next() {
@@ -284,8 +284,8 @@ fn judge_parent_write(
 ) {
     let namespace = req.namespace.as_deref().unwrap_or("");
     let Some(new) = req.object.as_ref() else { return };
-    let new_view = review::meta_view(new, namespace, &req.name);
-    let old_view = req.old_object.as_ref().map(|o| review::meta_view(o, namespace, &req.name));
+    let new_view = request::meta_view(new, namespace, &req.name);
+    let old_view = req.old_object.as_ref().map(|o| request::meta_view(o, namespace, &req.name));
     let change = Change { old: old_view.as_ref(), new: &new_view };
 
     // The validating guard on the request as sent: must not panic; its
@@ -310,7 +310,7 @@ fn judge_parent_write(
         Ok(o) => o,
         Err(e) => panic!("the patched object no longer parses: {e}\nobject: {object}"),
     };
-    let patched_view = review::meta_view(&patched, namespace, &req.name);
+    let patched_view = request::meta_view(&patched, namespace, &req.name);
 
     if PROFILE.is_parent(&new_view.labels) {
         let removal = old_view.as_ref().is_some_and(|o| o.finalizers.contains(&PROFILE.custody_finalizer));
