@@ -7,7 +7,8 @@
 # the CPUs 18% busy, `bypass` 40%, and only `load` (50 tenant clusters) more
 # than 90%. `cargo test` runs the binaries one after another, so the suite's
 # time was the sum of their times. This runs up to $VOLUME_GATE_TEST_JOBS
-# binaries at once (default 2), the longest first, `load` alone
+# binaries at once (default 2): a first tier of quick ones (the unit tests
+# among them), then the longest first, `load` alone
 # (it alone keeps the machine busy); each binary still runs its own tests as
 # libtest does (as many at once as there are CPUs). Every binary runs even
 # when one fails; the exit status fails if any did.
@@ -41,8 +42,15 @@ elif (($#)); then
     exit 2
 fi
 
-# The longest binaries first (seconds each, measured alone on 2 cores), so the
-# last to start are short; binaries not named here run after these, by name.
+# The first tier: the pure tests (the crate's unit tests: every rule's
+# table, the judge, the scripted-API tests) and the binaries that start no
+# control plane, seconds in all. They run before anything else and the
+# suite says at once whether they passed, so a broken rule is known in a
+# minute, not after the long binaries; every binary still runs either way.
+first=("volume_gate (lib)" "volume-gate (bin)" webhook_https tls_reload chart network shipping harness_units)
+# Then the longest binaries first (seconds each, measured alone on 2 cores),
+# so the last to start are short; binaries not named here run after these,
+# by name.
 order=(load faults security gated infra bypass teardown chart_install attach node binding worker_inputs platform slots
     outage flux_gated incident surface snapshots kept kept_proxmox chart_cert_manager flux)
 # Weight of a binary in the $jobs slots: load keeps both CPUs busy by itself,
@@ -106,11 +114,15 @@ if ((${#exe[@]} == 0)); then
 fi
 
 queue=()
-for name in "${order[@]}"; do
+tier=0
+for name in "${first[@]}" "${order[@]}"; do
     [[ -n "${exe[$name]+x}" ]] && queue+=("$name")
 done
+for name in "${first[@]}"; do
+    [[ -n "${exe[$name]+x}" ]] && tier=$((tier + 1))
+done
 while IFS= read -r name; do
-    [[ " ${order[*]} " == *" $name "* ]] || queue+=("$name")
+    [[ " ${order[*]} " == *" $name "* || " ${first[*]} " == *" $name "* ]] || queue+=("$name")
 done < <(printf '%s\n' "${!exe[@]}" | LC_ALL=C sort)
 
 declare -A pid_of=() began=() took=() status=() result=()
@@ -157,7 +169,29 @@ reap() {
     done
 }
 
+# Says how the first tier went, once all of it has ended.
+first_tier_done() {
+    local name bad=()
+    for name in "${queue[@]:0:tier}"; do
+        ((${status[$name]} == 0)) || bad+=("$name")
+    done
+    echo
+    if ((${#bad[@]})); then
+        echo "──── first tier FAILED in $((SECONDS - built))s: ${bad[*]} (the long binaries run anyway)"
+    else
+        echo "──── first tier passed in $((SECONDS - built))s: $tier binaries, the unit tests among them; the long binaries follow"
+    fi
+}
+
+n=0
 for name in "${queue[@]}"; do
+    if ((n == tier && tier > 0)); then
+        while ((${#running[@]})); do
+            reap
+        done
+        first_tier_done
+    fi
+    n=$((n + 1))
     w=$(weight "$name")
     ((w > jobs)) && w=$jobs
     while ((used + w > jobs)); do
@@ -172,6 +206,7 @@ done
 while ((${#running[@]})); do
     reap
 done
+((tier == 0 || n > tier)) || first_tier_done
 
 echo
 echo "──── suite: $((SECONDS - started))s in all (Go programs ${go_built}s, build $((built - go_built))s, tests $((SECONDS - built))s)"
