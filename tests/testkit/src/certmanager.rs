@@ -48,6 +48,7 @@ pub async fn start(cp: &ControlPlane, namespace: &str) -> CertManager {
     let logs = cp.state.join("logs");
     let role = |role: &str| {
         let mut cmd = Command::new(dir.join("cert-manager"));
+        crate::process::go_program(&mut cmd);
         cmd.arg(role)
             .arg("--kubeconfig")
             .arg(&cp.management.kubeconfig)

@@ -107,7 +107,7 @@ fn start_control_plane(node: bool) -> ControlPlane {
         // gone and it has stopped the clusters, unless a panic marked it.
         super::scratch::keep_on_failure(&state);
         let started = std::time::Instant::now();
-        let out = Command::new(&harness)
+        let out = crate::process::go_program(&mut Command::new(&harness))
             .args(["up", "--state"])
             .arg(&state)
             .args([

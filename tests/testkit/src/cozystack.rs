@@ -393,6 +393,7 @@ impl CozystackController {
         .await;
         let probe = super::gate::free_port();
         let mut cmd = std::process::Command::new(dir.join("cozystack-controller"));
+        crate::process::go_program(&mut cmd);
         cmd.env("KUBECONFIG", &kubeconfig).args([
             "--zap-log-level=info".to_string(),
             "--disable-telemetry".into(),

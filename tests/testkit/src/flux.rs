@@ -208,6 +208,7 @@ impl Flux {
         let kubeconfig = controller_identity(cp).await;
         let health = free_port();
         let mut cmd = Command::new(dir.join("helm-controller"));
+        crate::process::go_program(&mut cmd);
         cmd.env("KUBECONFIG", &kubeconfig)
             .args(config.args())
             .args([

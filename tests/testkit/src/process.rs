@@ -130,3 +130,17 @@ impl Drop for Process {
         self.kill(libc::SIGTERM);
     }
 }
+
+/// The test world's Go programs (the harness's clusters, etcd, the
+/// simulator and its CSI sidecars, helm-controller, cozystack-controller,
+/// cert-manager) each run with one Go scheduler thread, as a container
+/// limited to one CPU does: up to ~200 of them share this machine's 2
+/// cores in the load test, and with a thread per core each they kept the
+/// run queue at a load average of 45-70, their tenant API servers answered
+/// `/readyz` late and the teardown did not finish
+/// (`docs/benchmarks-scale.md`, "50 light tenants on 2 cores"). It changes
+/// no behaviour: a Go program with one P still serves concurrently. The
+/// product's own processes (Rust) are not Go programs.
+pub fn go_program(cmd: &mut Command) -> &mut Command {
+    cmd.env("GOMAXPROCS", "1")
+}

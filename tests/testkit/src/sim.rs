@@ -69,6 +69,7 @@ impl Simulator {
         let profile = cp.state.join(cp.unique("profile.json"));
         std::fs::write(&profile, json).expect("write the profile");
         let mut cmd = Command::new(&cp.harness);
+        crate::process::go_program(&mut cmd);
         cmd.arg("sim")
             .arg("--profile")
             .arg(&profile)
