@@ -198,7 +198,7 @@ impl Context {
     /// wait for an end already past: a Blocked tenant then sat unretried
     /// until its parent next changed (seen: 100 s, until another test
     /// restarted the worker).
-    pub(crate) fn pass_over(&self, t: &TenantRef) {
+    pub(crate) fn pass_ended(&self, t: &TenantRef) {
         self.tenant(t, |s| s.task = None);
         self.retrigger(t);
     }
@@ -246,9 +246,9 @@ impl Context {
         }
     }
 
-    /// How long `t`'s API has been unreachable, counting from now if it was
-    /// reachable until now.
-    pub(crate) fn unreachable_for(&self, t: &TenantRef) -> std::time::Duration {
+    /// Notes that `t`'s API did not answer (the clock starts now if it was
+    /// reachable until now) and returns how long it has been unreachable.
+    pub(crate) fn note_unreachable(&self, t: &TenantRef) -> std::time::Duration {
         self.tenant(t, |s| {
             s.unreachable_since
                 .get_or_insert_with(Instant::now)
@@ -256,8 +256,8 @@ impl Context {
         })
     }
 
-    /// `t`'s API answered.
-    pub(crate) fn reachable(&self, t: &TenantRef) {
+    /// Notes that `t`'s API answered: the unreachable clock stops.
+    pub(crate) fn note_reachable(&self, t: &TenantRef) {
         self.tenant(t, |s| s.unreachable_since = None);
     }
 
@@ -559,7 +559,7 @@ impl Context {
         )
         .await
         {
-            Ok(api) => identity::observe(&api, s.probe_timeout, &now_rfc3339()).await,
+            Ok(api) => identity::read_identity(&api, s.probe_timeout, &now_rfc3339()).await,
             Err(e) => Err(e),
         };
         let observed = match observed {

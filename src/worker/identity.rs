@@ -32,7 +32,7 @@ use super::tenant::{TenantAccessError, TenantApi, error_chain};
 use crate::record::ClusterIdentity;
 
 /// Reads who the cluster behind `api` is, bounded by `timeout`.
-pub async fn observe(
+pub async fn read_identity(
     api: &TenantApi,
     timeout: Duration,
     now: &str,

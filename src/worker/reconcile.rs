@@ -120,7 +120,7 @@ async fn record_override(ctx: &Context, t: &TenantRef, record: &Record) -> Resul
     let mut inventory = record.inventory.clone();
     let (kept, unowned) = match ctx.profile.infra.as_ref() {
         Some(spec) => {
-            let observed = release::observe(ctx, t, spec, inventory.as_mut()).await?;
+            let observed = release::read_disks(ctx, t, spec, inventory.as_mut()).await?;
             let unowned: std::collections::BTreeSet<String> = observed
                 .claims
                 .iter()
@@ -177,7 +177,7 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
         Err(e) => {
             warn!(error = %e, "cannot read the parent before a release pass; retrying");
             ctx.schedule_retry(&t, |_| API_RETRY);
-            ctx.pass_over(&t);
+            ctx.pass_ended(&t);
             return;
         }
     };
@@ -218,7 +218,7 @@ pub(crate) async fn run_phase(ctx: Arc<Context>, t: TenantRef) {
             }
         });
     }
-    ctx.pass_over(&t);
+    ctx.pass_ended(&t);
 }
 
 /// A pass that gave its slot up at the end of its turn (`release::Turn`):

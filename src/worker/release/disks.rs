@@ -33,8 +33,10 @@ pub struct Held {
     pub labelled: bool,
     pub deleting: bool,
     pub finalizers: Vec<String>,
-    /// A claim's bound PV; a PV's phase.
-    pub detail: Option<String>,
+    /// A claim's bound PV (its `spec.volumeName`).
+    pub bound_pv: Option<String>,
+    /// A PV's phase.
+    pub pv_phase: Option<String>,
     /// A PV's claim (name; its namespace is the tenant's).
     pub claim: Option<String>,
     /// A PV's reclaim policy.
@@ -55,7 +57,7 @@ pub struct Held {
 impl Held {
     fn describe(&self) -> String {
         let mut s = self.name.clone();
-        if let Some(d) = &self.detail {
+        if let Some(d) = self.bound_pv.as_ref().or(self.pv_phase.as_ref()) {
             s.push_str(&format!(" ({d})"));
         }
         if let Some(other) = &self.foreign {
@@ -158,7 +160,7 @@ pub fn note_pvs(inv: &mut Inventory, observed: &Observed) {
         .chain(observed.claims.iter().filter_map(|c| {
             // A claim's volumeName counts only where that PV names the
             // claim back (`select`): a PVC anyone creates can name any PV.
-            let pv = c.detail.as_deref()?;
+            let pv = c.bound_pv.as_deref()?;
             observed
                 .volumes
                 .iter()
@@ -237,13 +239,12 @@ pub fn select(
     let recorded_pvs: HashSet<&str> = refs.iter().filter_map(|r| r.pv.as_deref()).collect();
     let labels =
         |m: &ObjectMeta| infra.is_tenants(m.labels.as_ref().unwrap_or(&BTreeMap::new()), tenant);
-    let held = |m: &ObjectMeta, detail: Option<String>| Held {
+    let held = |m: &ObjectMeta| Held {
         name: m.name.clone().unwrap_or_default(),
         uid: m.uid.clone(),
         labelled: labels(m),
         deleting: m.deletion_timestamp.is_some(),
         finalizers: m.finalizers.clone().unwrap_or_default(),
-        detail,
         ..Default::default()
     };
 
@@ -254,7 +255,7 @@ pub fn select(
     for m in objects {
         let name = m.name.as_deref().unwrap_or_default();
         if labels(m) || named.contains(name) {
-            out.objects.push(held(m, None));
+            out.objects.push(held(m));
         }
     }
     let object_uids: HashSet<&str> = out
@@ -272,10 +273,10 @@ pub fn select(
             .flatten()
             .any(|o| object_uids.contains(o.uid.as_str()));
         if labels(m) || named.contains(name) || object_names.contains(name) || owned {
-            let bound = c.spec.as_ref().and_then(|s| s.volume_name.clone());
             out.claims.push(Held {
                 owned,
-                ..held(m, bound)
+                bound_pv: c.spec.as_ref().and_then(|s| s.volume_name.clone()),
+                ..held(m)
             });
         }
     }
@@ -310,9 +311,9 @@ pub fn select(
             .as_deref()
             .is_some_and(|n| (selected.contains(n) || named.contains(n)) && same_claim(n));
         if claimed || (recorded_pvs.contains(name) && claim.as_deref().is_none_or(same_claim)) {
-            let phase = pv.status.as_ref().and_then(|s| s.phase.clone());
             out.volumes.push(Held {
                 claim,
+                pv_phase: pv.status.as_ref().and_then(|s| s.phase.clone()),
                 reclaim: pv
                     .spec
                     .as_ref()
@@ -322,7 +323,7 @@ pub fn select(
                     .as_ref()
                     .and_then(|s| s.csi.as_ref())
                     .map(|c| c.volume_handle.clone()),
-                ..held(&pv.metadata, phase)
+                ..held(&pv.metadata)
             });
         }
     }
@@ -490,7 +491,7 @@ pub fn disks_of(freed: &[String], inv: &Inventory, observed: &Observed) -> HashS
             observed
                 .claims
                 .iter()
-                .any(|c| c.detail.as_deref() == Some(v.name.as_str()))
+                .any(|c| c.bound_pv.as_deref() == Some(v.name.as_str()))
         })
         .map(|v| v.name.clone())
         .chain(
@@ -676,12 +677,12 @@ mod tests {
             claims: vec![
                 Held {
                     name: "pvc-a".into(),
-                    detail: Some("disk-a".into()),
+                    bound_pv: Some("disk-a".into()),
                     ..Default::default()
                 },
                 Held {
                     name: "pvc-c".into(),
-                    detail: Some("disk-c".into()),
+                    bound_pv: Some("disk-c".into()),
                     ..Default::default()
                 },
             ],

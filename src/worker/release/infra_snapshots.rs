@@ -297,7 +297,7 @@ fn holds_snapshot(o: &DynamicObject) -> bool {
 /// Lists the VolumeSnapshots of the tenant's namespace and all
 /// VolumeSnapshotContents, and plans; `None` when the management cluster
 /// does not serve snapshot.storage.k8s.io/v1.
-async fn observe(
+async fn list_and_plan(
     ctx: &Context,
     t: &TenantRef,
     spec: &InfraSpec,
@@ -369,7 +369,7 @@ pub(super) async fn snapshots_then_released(
     note: Option<String>,
     why: Kept,
 ) -> Result<Outcome, kube::Error> {
-    let Some(plan) = observe(ctx, t, spec, &inv).await? else {
+    let Some(plan) = list_and_plan(ctx, t, spec, &inv).await? else {
         return Ok(Outcome::Released {
             inventory: inv,
             note,

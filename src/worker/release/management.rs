@@ -1,5 +1,5 @@
 //! The management side of the phase: what the management cluster holds of
-//! a tenant's disks ([`observe`]), keeping what must stay ([`keep`]), freeing
+//! a tenant's disks ([`read_disks`]), keeping what must stay ([`keep`]), freeing
 //! what may go when the tenant API is dead ([`free_deletable`]), and the two
 //! roads that end there: step 7 on the management side
 //! ([`management_layer`]) and a tenant API that cannot be reached
@@ -27,7 +27,7 @@ use crate::worker::{Context, ErrorKind, TenantRef};
 /// bound behind it now (so a disk can still be waited for once its PVC is
 /// gone). A cluster that does not serve the infra API has no infra layer:
 /// `served` is false and nothing else is listed.
-pub async fn observe(
+pub async fn read_disks(
     ctx: &Context,
     t: &TenantRef,
     infra: &InfraSpec,
@@ -257,7 +257,7 @@ pub(super) async fn management_layer(
     spec: &InfraSpec,
     mut inv: Inventory,
 ) -> Result<Outcome, kube::Error> {
-    let observed = observe(ctx, t, spec, Some(&mut inv)).await?;
+    let observed = read_disks(ctx, t, spec, Some(&mut inv)).await?;
     if !observed.served {
         warn!(
             "the management cluster does not serve {}.{}: no infra layer to check",
@@ -321,9 +321,9 @@ pub(super) async fn unreachable(
         // The worker's own RBAC is wrong: nothing says the tenant is dead.
         return Ok(blocked(kind, why, previous));
     }
-    let unreachable_for = ctx.unreachable_for(t);
+    let unreachable_for = ctx.note_unreachable(t);
     let mut inv = previous.clone();
-    let observed = observe(ctx, t, spec, inv.as_mut()).await?;
+    let observed = read_disks(ctx, t, spec, inv.as_mut()).await?;
     if !observed.served {
         return Ok(blocked(
             kind,
@@ -435,7 +435,7 @@ async fn wait_disks_then_observe(
         &NoProgress,
     )
     .await?;
-    observe(ctx, t, spec, Some(inv)).await
+    read_disks(ctx, t, spec, Some(inv)).await
 }
 
 /// `Released` decided from the management side: no disk of the tenant is

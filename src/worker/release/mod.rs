@@ -31,7 +31,7 @@ use kube::api::Api;
 use tokio::time::Instant;
 use tracing::{info, instrument, warn};
 
-pub use management::{keep, observe};
+pub use management::{keep, read_disks};
 pub use tenant_side::FREEZE_QUOTA;
 pub use wait::Turn;
 
@@ -194,7 +194,7 @@ async fn reach(ctx: &Context, t: &TenantRef, record: &Record) -> Step<TenantSide
             );
         }
     };
-    ctx.reachable(t);
+    ctx.note_reachable(t);
     Ok(TenantSide {
         client: api.client.clone(),
         api,
@@ -228,7 +228,7 @@ async fn take_inventory(
         ctx.profile.infra.as_ref(),
     );
     if let Some(spec) = ctx.profile.infra.as_ref() {
-        let observed = management::observe(ctx, t, spec, Some(&mut inv)).await?;
+        let observed = management::read_disks(ctx, t, spec, Some(&mut inv)).await?;
         management::keep(ctx, t, &observed, Some(&mut inv), true).await?;
     }
     let message = format!(
@@ -409,7 +409,7 @@ async fn same_cluster(
         blocked(reason, message, inventory.clone()).into()
     };
     let secret = &tenant.secret;
-    let seen = identity::observe(&tenant.api, ctx.settings.probe_timeout, &now_rfc3339())
+    let seen = identity::read_identity(&tenant.api, ctx.settings.probe_timeout, &now_rfc3339())
         .await
         .map_err(|e| stop(e.kind(), e.to_string()))?;
     let (id, write) = match identity::check(bound, &seen, secret) {
