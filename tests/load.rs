@@ -249,7 +249,13 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
         .await
         .expect("delete the namespace of all tenants");
     teardown_begun.store(true, Ordering::SeqCst);
-    common::tenant::wait_namespace_gone(&client, NAMESPACE, Duration::from_secs(1200)).await;
+    // A bound, not a target: after every tenant is Released the namespace
+    // still waits on Flux, whose uninstalls fail while it terminates (the
+    // tenant chart's hook cannot start there) and are retried on its
+    // growing backoff. A fresh-clone suite run saw all 50 Released 13
+    // minutes after the delete and the namespace still held at 20 minutes by
+    // `finalizers.fluxcd.io` on 2 parents alone (docs/benchmarks-scale.md).
+    common::tenant::wait_namespace_gone(&client, NAMESPACE, Duration::from_secs(1800)).await;
     let teardown = t0.elapsed();
     stop.store(true, Ordering::SeqCst);
     for t in traffic {
