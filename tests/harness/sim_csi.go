@@ -334,11 +334,7 @@ func runSidecar(ctx context.Context, bin string, args []string, logPath string) 
 	}
 	defer out.Close()
 	cmd := exec.CommandContext(ctx, bin, args...)
-	// One Go scheduler thread, as for a light cluster's components (see
-	// lightEnv): two sidecars run per tenant, beside tens of tenants.
-	cmd.Env = append(slices.DeleteFunc(os.Environ(), func(kv string) bool {
-		return strings.HasPrefix(kv, "KUBECONFIG=") || strings.HasPrefix(kv, "GOMAXPROCS=")
-	}), "GOMAXPROCS=1")
+	cmd.Env = slices.DeleteFunc(os.Environ(), func(kv string) bool { return strings.HasPrefix(kv, "KUBECONFIG=") })
 	cmd.Stdout, cmd.Stderr = out, out
 	cmd.SysProcAttr = &syscall.SysProcAttr{Pdeathsig: syscall.SIGKILL}
 	cmd.Cancel = func() error { return cmd.Process.Signal(syscall.SIGTERM) }

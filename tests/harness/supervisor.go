@@ -91,16 +91,6 @@ const (
 		"serviceaccount-controller,serviceaccount-token-controller"
 )
 
-// lightEnv is the environment added for a light cluster's components: one
-// Go scheduler thread each (GOMAXPROCS=1), as a container limited to one
-// CPU gets from Go's runtime. Tens of light clusters share the machine's
-// cores; with a thread per core each, 50 tenants' 100 processes kept the
-// run queue of 2 cores at a load average of 45-70 and their API servers
-// answered /readyz late; with it (and the simulator's probe threshold) the
-// load test's 50 tenants were built in 433 s and it passed alone
-// (docs/benchmarks-scale.md, "50 light tenants on 2 cores").
-var lightEnv = []string{"GOMAXPROCS=1"}
-
 type cluster struct {
 	mu   sync.Mutex // serialises starting and stopping
 	name string
@@ -608,11 +598,7 @@ func (s *supervisor) writeInfo(dir, name string, info *clusterInfo) error {
 // spawnFor starts one component of cluster c; args[0] is the component.
 func (s *supervisor) spawnFor(c *cluster, info *clusterInfo, component string, logFile func(string) string, args []string) (*proc, error) {
 	path := logFile(component)
-	var env []string
-	if c.light {
-		env = lightEnv
-	}
-	p, err := s.spawnBinaryEnv(c.name+" "+component, path, s.self, env, args...)
+	p, err := s.spawn(c.name+" "+component, path, args...)
 	if err != nil {
 		return nil, err
 	}
@@ -627,11 +613,6 @@ func (s *supervisor) spawn(name, logPath string, args ...string) (*proc, error) 
 
 // spawnBinary starts bin (a path, or a name on PATH) as a supervised process.
 func (s *supervisor) spawnBinary(name, logPath, bin string, args ...string) (*proc, error) {
-	return s.spawnBinaryEnv(name, logPath, bin, nil, args...)
-}
-
-// spawnBinaryEnv is spawnBinary with env added to the supervisor's own.
-func (s *supervisor) spawnBinaryEnv(name, logPath, bin string, env []string, args ...string) (*proc, error) {
 	f, err := os.OpenFile(logPath, os.O_CREATE|os.O_WRONLY|os.O_APPEND, 0o644)
 	if err != nil {
 		return nil, err
@@ -643,9 +624,6 @@ func (s *supervisor) spawnBinaryEnv(name, logPath, bin string, env []string, arg
 	}
 	fmt.Fprintf(f, "=== %s %s %s\n", time.Now().Format(time.RFC3339), shown, strings.Join(args, " "))
 	cmd := exec.Command(bin, args...)
-	if len(env) > 0 {
-		cmd.Env = append(os.Environ(), env...)
-	}
 	cmd.Stdout, cmd.Stderr = f, f
 	// If the supervisor is SIGKILLed, the kernel kills its components too, so
 	// no orphan keeps a port or etcd busy.
