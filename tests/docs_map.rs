@@ -16,14 +16,22 @@ fn repo() -> PathBuf {
 /// the directory of the root path before it in the same cell:
 /// "`src/admission/decide.rs`, `decide/update.rs`".
 fn mapped() -> BTreeSet<String> {
-    let design = std::fs::read_to_string(repo().join("docs/design.md")).expect("read docs/design.md");
-    let start = design.find("## §7 Where things live").expect("design.md has §7");
+    let design =
+        std::fs::read_to_string(repo().join("docs/design.md")).expect("read docs/design.md");
+    let start = design
+        .find("## §7 Where things live")
+        .expect("design.md has §7");
     let section = &design[start..];
     let section = &section[..section[3..].find("\n## ").map_or(section.len(), |e| e + 3)];
     let mut out = BTreeSet::new();
-    for row in section.lines().filter(|l| l.starts_with('|') && !l.starts_with("|---")) {
+    for row in section
+        .lines()
+        .filter(|l| l.starts_with('|') && !l.starts_with("|---"))
+    {
         let cells: Vec<&str> = row.split('|').collect();
-        let Some(files) = cells.get(cells.len().saturating_sub(2)) else { continue };
+        let Some(files) = cells.get(cells.len().saturating_sub(2)) else {
+            continue;
+        };
         let mut dir: Option<String> = None;
         for quoted in files.split('`').skip(1).step_by(2) {
             for name in quoted.split(',').map(str::trim).filter(|n| !n.is_empty()) {
@@ -41,7 +49,11 @@ fn mapped() -> BTreeSet<String> {
                 };
                 let parent = Path::new(&path).parent().map(|p| p.display().to_string());
                 if ROOTS.iter().any(|r| name.starts_with(r)) {
-                    dir = if path.ends_with('/') { Some(path.trim_end_matches('/').to_string()) } else { parent };
+                    dir = if path.ends_with('/') {
+                        Some(path.trim_end_matches('/').to_string())
+                    } else {
+                        parent
+                    };
                 }
                 out.insert(path);
             }
@@ -64,12 +76,20 @@ fn sources(dir: &Path, out: &mut Vec<String>) {
 #[test]
 fn every_source_file_is_on_the_map_and_every_mapped_path_exists() {
     let mapped = mapped();
-    assert!(mapped.len() > 40, "the §7 table names too few paths to be read right: {mapped:?}");
+    assert!(
+        mapped.len() > 40,
+        "the §7 table names too few paths to be read right: {mapped:?}"
+    );
     let mut files = Vec::new();
     sources(&repo().join("src"), &mut files);
     let missing: Vec<&String> = files
         .iter()
-        .filter(|f| !mapped.contains(*f) && !mapped.iter().any(|m| m.ends_with('/') && f.starts_with(m.as_str())))
+        .filter(|f| {
+            !mapped.contains(*f)
+                && !mapped
+                    .iter()
+                    .any(|m| m.ends_with('/') && f.starts_with(m.as_str()))
+        })
         .collect();
     assert!(
         missing.is_empty(),
@@ -79,5 +99,8 @@ fn every_source_file_is_on_the_map_and_every_mapped_path_exists() {
         .iter()
         .filter(|m| !repo().join(m.trim_end_matches('/')).exists())
         .collect();
-    assert!(stale.is_empty(), "docs/design.md §7 names paths that do not exist: {stale:?}");
+    assert!(
+        stale.is_empty(),
+        "docs/design.md §7 names paths that do not exist: {stale:?}"
+    );
 }

@@ -1,5 +1,5 @@
 //! The worker's shared state, and its writes to the management API: the
-//! record, Events, the custody finalizer, the cluster binding.
+//! record, Events, the custody finalizer.
 
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
@@ -8,17 +8,16 @@ use k8s_openapi::api::core::v1::Namespace;
 use kube::ResourceExt;
 use kube::api::{Api, ApiResource, DynamicObject, Patch, PatchParams};
 use kube::core::PartialObjectMeta;
-use kube::runtime::controller::Action;
 use kube::runtime::events::{Event, EventType, Recorder, Reporter};
 use kube::runtime::reflector::{ObjectRef, Store};
 use tokio::sync::Semaphore;
 use tokio::task::JoinHandle;
 use tokio::time::Instant;
-use tracing::{debug, info, warn};
+use tracing::{info, warn};
 
 use super::events::Reason;
 use super::next::Task;
-use super::{ErrorKind, Settings, TenantRef, custody, identity, next, tenant};
+use super::{ErrorKind, Settings, TenantRef, custody, next};
 use crate::metrics::{Metrics, OutcomeLabels, PhaseLabels};
 use crate::profile::Profile;
 use crate::record::{Keys, Phase, Record, Update, now_rfc3339};
@@ -36,17 +35,6 @@ pub(crate) fn is_too_large(e: &kube::Error) -> bool {
         || (s.code == 422 && m.contains("annotations") && m.contains("too long"))
         || m.contains("request is too large")
         || m.contains("request entity too large")
-}
-
-/// What [`Context::vet_cluster`] concludes of a cluster for a tenant.
-#[derive(Clone, Debug, PartialEq, Eq)]
-pub(crate) enum Vetted {
-    Ours,
-    /// Not where the management side says this tenant's API server runs:
-    /// never bound.
-    Misplaced(String),
-    /// Another parent is bound to it too: neither acts through it.
-    Conflict(String),
 }
 
 /// A parent release as the worker watches it: metadata only.
@@ -69,7 +57,7 @@ struct TenantState {
     /// The running phase task.
     task: Option<JoinHandle<()>>,
     retry: Option<Retry>,
-    /// Attempts to bind the tenant's cluster (see `bind_cluster`).
+    /// Attempts to bind the tenant's cluster in a row (`binding::bind`).
     binds: u32,
     /// Retry requests made after the outcome (`request_retry`).
     requests: u32,
@@ -543,119 +531,22 @@ impl Context {
         Ok(())
     }
 
-    /// Binds the tenant to the cluster its admin kubeconfig reaches now,
-    /// while nothing is at stake, so a release pass can tell when the Secret
-    /// was later made to point elsewhere. A tenant whose kubeconfig or API
-    /// is not there yet (Kamaji is still building it) is tried again with
-    /// backoff.
-    pub(crate) async fn bind_cluster(&self, t: &TenantRef) -> Result<Action, kube::Error> {
-        let s = &self.settings;
-        let observed = match tenant::connect(
-            &self.client,
-            &self.profile,
-            &t.namespace,
-            &t.name,
-            s.request_timeout,
-        )
-        .await
-        {
-            Ok(api) => identity::read_identity(&api, s.probe_timeout, &now_rfc3339()).await,
-            Err(e) => Err(e),
-        };
-        let observed = match observed {
-            Ok(id) => match self.vet_cluster(t, &id, true).await? {
-                Vetted::Ours => Ok((id, None)),
-                // Bound all the same: the other parent's passes must see
-                // this claim too. Neither acts through the cluster.
-                Vetted::Conflict(why) => Ok((id, Some(why))),
-                Vetted::Misplaced(why) => {
-                    self.count_error(ErrorKind::ClusterConflict);
-                    self.event(
-                        t,
-                        Reason::ClusterNotBound,
-                        format!("the admin kubeconfig does not lead to this tenant's own cluster: {why}; not bound, retried"),
-                    )
-                    .await;
-                    Err(tenant::TenantAccessError::NotReady {
-                        server: id.server.clone(),
-                        message: why,
-                    })
-                }
-            },
-            Err(e) => Err(e),
-        };
-        match observed {
-            Ok((id, conflict)) => {
-                self.write_record(
-                    t,
-                    &Update {
-                        cluster: Some(id.clone()),
-                        ..Default::default()
-                    },
-                )
-                .await?;
-                self.tenant(t, |s| s.binds = 0);
-                match conflict {
-                    None => {
-                        let note = format!(
-                            "tenant cluster bound: {}; every release pass checks that the admin kubeconfig still reaches it",
-                            id.describe()
-                        );
-                        self.event(t, Reason::ClusterBound, note).await;
-                    }
-                    Some(why) => {
-                        self.count_error(ErrorKind::ClusterConflict);
-                        self.event(t, Reason::ClusterConflict, why).await;
-                    }
-                }
-                Ok(Action::await_change())
-            }
-            Err(e) => {
-                let attempts = self.tenant(t, |s| {
-                    s.binds += 1;
-                    s.binds
-                });
-                let delay = s.backoff(attempts);
-                debug!(error = %e, attempts, retry_in = ?delay, "tenant cluster not bound yet");
-                Ok(Action::requeue(delay))
-            }
-        }
+    /// A binding attempt failed: how many have in a row.
+    pub(crate) fn bind_failed(&self, t: &TenantRef) -> u32 {
+        self.tenant(t, |s| {
+            s.binds += 1;
+            s.binds
+        })
     }
 
-    /// Whether the cluster `seen` may be bound to (or, `binding` false,
-    /// still acted on for) tenant `t`: when binding, the management side
-    /// must record this tenant's control plane where the kubeconfig points
-    /// (`identity::placed`); always, no other parent may be bound to it
-    /// (`identity::conflict`).
-    pub(crate) async fn vet_cluster(
-        &self,
-        t: &TenantRef,
-        seen: &crate::record::ClusterIdentity,
-        binding: bool,
-    ) -> Result<Vetted, kube::Error> {
-        if binding && let Some(spec) = &self.profile.control_plane {
-            let name = spec.name_of(&t.name);
-            let api: Api<DynamicObject> =
-                Api::namespaced_with(self.client.clone(), &t.namespace, &spec.resource());
-            let cp = api.get_opt(&name).await?.map(|o| identity::ControlPlane {
-                object: format!("{} {}/{name}", spec.kind, t.namespace),
-                endpoint: serde_json::to_value(&o)
-                    .ok()
-                    .and_then(|v| {
-                        v.pointer(&spec.endpoint)
-                            .and_then(|e| e.as_str())
-                            .map(str::to_string)
-                    })
-                    .filter(|e| !e.is_empty()),
-                service_host: spec.service_of(&t.namespace, &t.name),
-            });
-            if let Err(why) = identity::placed(&seen.server, cp.as_ref()) {
-                return Ok(Vetted::Misplaced(why));
-            }
-        }
-        let me = t.to_string();
-        let others: Vec<(String, crate::record::ClusterIdentity)> = self
-            .parents
+    /// The tenant is bound: the next failure counts from one.
+    pub(crate) fn bind_succeeded(&self, t: &TenantRef) {
+        self.tenant(t, |s| s.binds = 0);
+    }
+
+    /// Every parent bound to a cluster, as `(namespace/name, binding)`.
+    pub(crate) fn bindings(&self) -> Vec<(String, crate::record::ClusterIdentity)> {
+        self.parents
             .state()
             .iter()
             .filter_map(|p| {
@@ -663,11 +554,7 @@ impl Context {
                 let id = Record::from_annotations(&self.keys, p.annotations()).cluster?;
                 Some((who, id))
             })
-            .collect();
-        Ok(match identity::conflict(&me, seen, &others) {
-            Some(why) => Vetted::Conflict(why),
-            None => Vetted::Ours,
-        })
+            .collect()
     }
 
     pub(crate) fn namespace_deleting(&self, namespace: &str) -> bool {

@@ -15,11 +15,11 @@
 //! - [`events`], [`errors`]: the Event reasons and the error kinds, each once
 //! - [`status`]: the `status` command
 
+pub mod binding;
 pub mod context;
 pub mod custody;
 pub mod errors;
 pub mod events;
-pub mod identity;
 pub mod next;
 pub mod reconcile;
 pub mod release;

@@ -14,7 +14,7 @@ use tracing::{Instrument, error, info, info_span, instrument, warn};
 use super::context::ParentMeta;
 use super::events::Reason;
 use super::next::{self, Next, Seen};
-use super::{Context, ErrorKind, TenantRef, release};
+use super::{Context, ErrorKind, TenantRef, binding, release};
 use crate::record::{Phase, Record, Update, now_rfc3339};
 use crate::text::count;
 
@@ -66,12 +66,12 @@ pub async fn reconcile(
             );
             ctx.event(&t, Reason::CustodyTaken, note).await;
             if bind {
-                Ok(ctx.bind_cluster(&t).await?)
+                Ok(binding::bind(&ctx, &t).await?)
             } else {
                 Ok(Action::await_change())
             }
         }
-        Next::BindCluster => Ok(ctx.bind_cluster(&t).await?),
+        Next::BindCluster => Ok(binding::bind(&ctx, &t).await?),
         Next::DeletedWithoutCustody => {
             warn!(
                 "tenant is being deleted without custody; its volumes were not released by volume-gate"

@@ -26,12 +26,12 @@ use kube::api::{Api, ApiResource, DynamicObject, ListParams};
 use kube::core::GroupVersionKind;
 use serde_json::Value;
 
+use super::outcome::{self, Outcome};
 use super::wait::{NoProgress, wait_gone};
-use super::{Outcome, blocked};
 use crate::profile::InfraSpec;
 use crate::record::{Inventory, Phase, Update};
 use crate::text::{count, listed};
-use crate::worker::{Context, ErrorKind, TenantRef};
+use crate::worker::{Context, TenantRef};
 
 /// A VolumeSnapshot in the tenant's management namespace, as listed.
 #[derive(Clone, Debug, Default, PartialEq, Eq)]
@@ -356,12 +356,11 @@ async fn list_and_plan(
     )))
 }
 
-/// The disks are gone: `Released` once the management storage has freed
-/// the tenant's snapshots being deleted (their contents watched until none
-/// has gone for `--wait-bound`, then `Blocked` naming them); the ones kept
-/// are named in the note ("1 volume freed, none left on storage: but 1
-/// snapshot kept: …").
-pub(super) async fn snapshots_then_released(
+/// The disks are gone: waits for the management storage to free the
+/// tenant's snapshots being deleted (their contents watched until none has
+/// gone for `--wait-bound`); the outcome ([`outcome::released`], naming the
+/// ones kept, or [`outcome::snapshots_remain`]) follows from what is left.
+pub(super) async fn snapshots_settle(
     ctx: &Context,
     t: &TenantRef,
     spec: &InfraSpec,
@@ -370,20 +369,11 @@ pub(super) async fn snapshots_then_released(
     why: Kept,
 ) -> Result<Outcome, kube::Error> {
     let Some(plan) = list_and_plan(ctx, t, spec, &inv).await? else {
-        return Ok(Outcome::Released {
-            inventory: inv,
-            note,
-        });
+        return Ok(outcome::released(inv, note, None));
     };
-    let note = match (note, kept_note(&plan, why)) {
-        (Some(n), Some(k)) => Some(format!("{n}; {k}")),
-        (n, k) => n.or(k),
-    };
+    let kept = kept_note(&plan, why);
     if plan.going.is_empty() && plan.unbound_going.is_empty() {
-        return Ok(Outcome::Released {
-            inventory: inv,
-            note,
-        });
+        return Ok(outcome::released(inv, note, kept));
     }
     let waited: Vec<String> = plan
         .going
@@ -433,26 +423,10 @@ pub(super) async fn snapshots_then_released(
         .collect();
     }
     if left.is_empty() {
-        return Ok(Outcome::Released {
-            inventory: inv,
-            note,
-        });
+        return Ok(outcome::released(inv, note, kept));
     }
     left.sort();
-    Ok(blocked(
-        ErrorKind::VolumesRemain,
-        format!(
-            "the disks are freed, but the management storage still holds {} being deleted, none gone for {}s: {} \
-             (the storage frees a snapshot when the csi-snapshotter there has deleted it and its \
-             VolumeSnapshotContent goes; what keeps one is in the events of its VolumeSnapshot or \
-             VolumeSnapshotContent there: a claim restoring from it, a failing DeleteSnapshot, a finalizer, \
-             or no snapshot controller running)",
-            count(left.len(), "snapshot"),
-            bound.as_secs(),
-            listed(&left, 5)
-        ),
-        Some(inv),
-    ))
+    Ok(outcome::snapshots_remain(inv, &left, bound))
 }
 
 #[cfg(test)]

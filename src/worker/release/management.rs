@@ -13,11 +13,11 @@ use tracing::{info, instrument, warn};
 
 use super::claims::{self, ClaimKey};
 use super::disks::{self, Keep, Observed};
-use super::infra_snapshots::{Kept, snapshots_then_released};
+use super::infra_snapshots::{Kept, snapshots_settle};
+use super::outcome::{self, Outcome, blocked};
 use super::wait::{NoProgress, wait_gone};
-use super::{Outcome, blocked};
 use crate::profile::InfraSpec;
-use crate::record::{Inventory, Phase, Record, Update, now_rfc3339};
+use crate::record::{Inventory, Phase, Record, Update};
 use crate::text::count;
 use crate::worker::events::Reason;
 use crate::worker::{Context, ErrorKind, TenantRef};
@@ -265,7 +265,7 @@ pub(super) async fn management_layer(
         );
     }
     if observed.is_empty() {
-        return snapshots_then_released(ctx, t, spec, inv, None, Kept::Retain).await;
+        return snapshots_settle(ctx, t, spec, inv, None, Kept::Retain).await;
     }
     ctx.write_record(
         t,
@@ -284,18 +284,13 @@ pub(super) async fn management_layer(
     let disks: HashSet<String> = observed.volumes.iter().map(|h| h.name.clone()).collect();
     let observed = wait_disks_then_observe(ctx, t, spec, disks, &mut inv).await?;
     if observed.is_empty() {
-        return snapshots_then_released(ctx, t, spec, inv, None, Kept::Retain).await;
+        return snapshots_settle(ctx, t, spec, inv, None, Kept::Retain).await;
     }
-    Ok(blocked(
-        ErrorKind::VolumesRemain,
-        format!(
-            "the tenant's PVs are gone, but the management cluster still holds disks behind them, none freed for {}s: {} \
-             (a finalizer on a {kind}, or a Pod mounting its PVC, keeps a disk; the disk is freed when the management PV goes)",
-            ctx.settings.wait_bound.as_secs(),
-            observed.describe(&spec.kind, 5),
-            kind = spec.kind,
-        ),
-        Some(inv),
+    Ok(outcome::disks_remain(
+        inv,
+        &observed.describe(&spec.kind, 5),
+        &spec.kind,
+        ctx.settings.wait_bound,
     ))
 }
 
@@ -325,12 +320,11 @@ pub(super) async fn unreachable(
     let mut inv = previous.clone();
     let observed = read_disks(ctx, t, spec, inv.as_mut()).await?;
     if !observed.served {
-        return Ok(blocked(
+        return Ok(outcome::unreachable_unserved(
             kind,
-            format!(
-                "{why}; the management cluster does not serve {}.{}, so the disks cannot be read there either",
-                spec.plural, spec.group
-            ),
+            &why,
+            &spec.plural,
+            &spec.group,
             previous,
         ));
     }
@@ -339,9 +333,7 @@ pub(super) async fn unreachable(
     keep(ctx, t, &observed, inv.as_mut(), false).await?;
     let labels = spec.selector_of(&t.name);
     if observed.is_empty() && disks::unmapped(inv.as_ref()).is_empty() {
-        let (inventory, note) = released_from_management(ctx, inv, &why, &labels, spec);
-        return snapshots_then_released(ctx, t, spec, inventory, Some(note), Kept::TenantDead)
-            .await;
+        return gone_from_management(ctx, t, spec, inv, &why, &labels).await;
     }
 
     let mut freed = Vec::new();
@@ -349,15 +341,12 @@ pub(super) async fn unreachable(
         let deletable = disks::deletable(i, &observed).len();
         if deletable > 0 && unreachable_for < ctx.settings.infra_after {
             let left = ctx.settings.infra_after.saturating_sub(unreachable_for);
-            return Ok(blocked(
+            return Ok(outcome::unreachable_waiting(
                 kind,
-                format!(
-                    "{why}; the management cluster holds {}; if the tenant API stays unreachable {}s more, \
-                     the phase frees from there the {} inventoried with reclaim policy Delete",
-                    observed.describe(&spec.kind, 5),
-                    left.as_secs().max(1),
-                    count(deletable, "volume"),
-                ),
+                &why,
+                &observed.describe(&spec.kind, 5),
+                left,
+                deletable,
                 inv,
             ));
         }
@@ -368,22 +357,19 @@ pub(super) async fn unreachable(
         let i = inv.as_mut().expect("freed from an inventory");
         observed = record_and_wait_freed(ctx, t, spec, &why, &freed, i, &observed).await?;
         if observed.is_empty() && disks::unmapped(inv.as_ref()).is_empty() {
-            let (inventory, note) = released_from_management(ctx, inv, &why, &labels, spec);
-            return snapshots_then_released(ctx, t, spec, inventory, Some(note), Kept::TenantDead)
-                .await;
+            return gone_from_management(ctx, t, spec, inv, &why, &labels).await;
         }
     }
 
     // What is kept, and why.
-    let mut parts = vec![
+    let reasons = disks::kept_reasons(inv.as_ref(), &observed, spec, &labels);
+    Ok(outcome::unreachable_kept(
+        kind,
         why,
-        format!(
-            "the management cluster holds {}",
-            observed.describe(&spec.kind, 5)
-        ),
-    ];
-    parts.extend(disks::kept_reasons(inv.as_ref(), &observed, spec, &labels));
-    Ok(blocked(kind, parts.join("; "), inv))
+        &observed.describe(&spec.kind, 5),
+        reasons,
+        inv,
+    ))
 }
 
 /// Says what was freed from the management side (the record, a Warning
@@ -438,39 +424,18 @@ async fn wait_disks_then_observe(
     read_disks(ctx, t, spec, Some(inv)).await
 }
 
-/// `Released` decided from the management side: no disk of the tenant is
-/// left there. Every inventoried volume is gone; the note says how.
-fn released_from_management(
+/// No disk of the tenant is left on the management side: every
+/// inventoried volume is gone ([`outcome::gone_from_management`]), once
+/// the snapshots being deleted there are.
+async fn gone_from_management(
     ctx: &Context,
+    t: &TenantRef,
+    spec: &InfraSpec,
     inv: Option<Inventory>,
     why: &str,
     labels: &str,
-    spec: &InfraSpec,
-) -> (Inventory, String) {
-    let mut inventory = inv.unwrap_or_else(|| Inventory::new(now_rfc3339(), Vec::new()));
-    let mut newly = 0;
-    for v in inventory.volumes.iter_mut().filter(|v| !v.gone) {
-        v.gone = true;
-        newly += 1;
-    }
-    inventory.freed = inventory.total;
+) -> Result<Outcome, kube::Error> {
+    let (inventory, newly, note) = outcome::gone_from_management(inv, why, labels, &spec.kind);
     ctx.metrics.volumes_freed.inc_by(newly as u64);
-    let freed_here = inventory
-        .volumes
-        .iter()
-        .filter(|v| v.infra.as_ref().is_some_and(|r| r.freed_here))
-        .count();
-    let note = if freed_here > 0 {
-        format!(
-            "the tenant API cannot be reached ({why}); {} freed from the management side, and no disk of the tenant is left there",
-            count(freed_here, "volume")
-        )
-    } else {
-        format!(
-            "the tenant API cannot be reached ({why}), and the management cluster holds no disk of it \
-             (no {kind}, PVC or PV labelled {labels} or named by the inventory)",
-            kind = spec.kind
-        )
-    };
-    (inventory, note)
+    snapshots_settle(ctx, t, spec, inventory, Some(note), Kept::TenantDead).await
 }

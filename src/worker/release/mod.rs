@@ -15,12 +15,15 @@
 //! - `management`: the management side (step 7 there, keeping disks, and
 //!   the road of a tenant API that cannot be reached).
 //! - `wait`: a watch until named objects are gone (step 6).
+//! - `outcome` (pure): every `Released` and `Blocked` a pass ends in, and
+//!   its message.
 
 pub mod claims;
 pub mod disks;
 pub mod holders;
 mod infra_snapshots;
 mod management;
+mod outcome;
 mod tenant_side;
 mod wait;
 
@@ -32,32 +35,16 @@ use tokio::time::Instant;
 use tracing::{info, instrument, warn};
 
 pub use management::{keep, read_disks};
+pub use outcome::Outcome;
+use outcome::blocked;
 pub use tenant_side::FREEZE_QUOTA;
 pub use wait::Turn;
 
-use super::context::Vetted;
 use super::events::Reason;
-use super::{Context, ErrorKind, TenantRef, identity, tenant};
+use super::{Context, ErrorKind, TenantRef, binding, tenant};
 use crate::record::{ClusterIdentity, Inventory, Phase, Record, Update, now_rfc3339};
 use crate::text::count;
 use wait::{NoProgress, WaitProgress, wait_gone};
-
-/// Where the phase ended up on this pass.
-#[derive(Debug)]
-pub enum Outcome {
-    /// Every inventoried PV is gone, and with the profile's infra layer
-    /// every disk behind them; `note` says how, when it is not the usual way.
-    Released {
-        inventory: Inventory,
-        note: Option<String>,
-    },
-    /// Something stands in the way; retried with backoff.
-    Blocked {
-        reason: ErrorKind,
-        message: String,
-        inventory: Option<Inventory>,
-    },
-}
 
 /// Why a step ended the pass before step 7.
 enum Stop {
@@ -80,14 +67,6 @@ impl From<Outcome> for Stop {
 }
 
 type Step<T> = Result<T, Stop>;
-
-fn blocked(reason: ErrorKind, message: String, inventory: Option<Inventory>) -> Outcome {
-    Outcome::Blocked {
-        reason,
-        message,
-        inventory,
-    }
-}
 
 /// Runs steps 1–7 once. `Err` is a management-API failure (requeue);
 /// everything about the tenant is an [`Outcome`].
@@ -328,9 +307,9 @@ async fn wait_for_volumes(
     }
 }
 
-/// Step 7's verdict on the inventory as it is now: `Released` when nothing
-/// is left (after the management side, with an infra layer), else
-/// `Blocked` naming what is left and why.
+/// Step 7's verdict on the inventory as it is now
+/// ([`outcome::tenant_side`]); nothing left there goes on to the
+/// management side, with an infra layer.
 async fn outcome(
     ctx: &Context,
     t: &TenantRef,
@@ -338,59 +317,20 @@ async fn outcome(
     contents_left: BTreeSet<String>,
     facts: &holders::Facts,
 ) -> Result<Outcome, kube::Error> {
-    let remaining: Vec<_> = inv.remaining().filter(|v| !v.is_retain()).collect();
-    let retained: Vec<_> = inv.remaining().filter(|v| v.is_retain()).collect();
-    if remaining.is_empty() && retained.is_empty() && contents_left.is_empty() {
-        return match &ctx.profile.infra {
-            None => Ok(Outcome::Released {
-                inventory: inv,
-                note: None,
-            }),
-            Some(spec) => management::management_layer(ctx, t, spec, inv).await,
-        };
+    let infra = ctx.profile.infra.as_ref();
+    if let Some(o) = outcome::tenant_side(
+        &inv,
+        &contents_left,
+        facts,
+        ctx.settings.wait_bound,
+        infra.is_some(),
+    ) {
+        return Ok(o);
     }
-    let mut parts = Vec::new();
-    if !remaining.is_empty() {
-        // The remedy for a dead node first: a long list is cut at the end.
-        let hint = holders::remedy(&remaining, facts)
-            .unwrap_or_else(|| "is the CSI driver running?".to_string());
-        parts.push(format!(
-            "{} of {} not freed, none for {}s ({hint}): {}",
-            remaining.len(),
-            count(inv.total, "volume"),
-            ctx.settings.wait_bound.as_secs(),
-            remaining
-                .iter()
-                .map(|v| match holders::explain(v, facts) {
-                    Some(why) => format!("{} [{why}]", v.describe()),
-                    None => v.describe(),
-                })
-                .collect::<Vec<_>>()
-                .join(", ")
-        ));
+    match infra {
+        None => Ok(outcome::released(inv, None, None)),
+        Some(spec) => management::management_layer(ctx, t, spec, inv).await,
     }
-    if !retained.is_empty() {
-        parts.push(format!(
-            "{} with reclaim policy Retain, kept on storage by design (on the management side too: their \
-             PVs there now have reclaim policy Retain); set persistentVolumeReclaimPolicy to Delete in the \
-             tenant to free them, or record an override to end the teardown with them kept: {}",
-            count(retained.len(), "volume"),
-            retained.iter().map(|v| v.describe()).collect::<Vec<_>>().join(", ")
-        ));
-    }
-    if !contents_left.is_empty() {
-        parts.push(format!(
-            "{} VolumeSnapshotContents not deleted: {}",
-            contents_left.len(),
-            contents_left.iter().cloned().collect::<Vec<_>>().join(", ")
-        ));
-    }
-    let reason = if remaining.is_empty() && contents_left.is_empty() {
-        ErrorKind::RetainResidue
-    } else {
-        ErrorKind::VolumesRemain
-    };
-    Ok(blocked(reason, parts.join("; "), Some(inv)))
 }
 
 /// Checks that the tenant's API reaches the cluster bound to the tenant,
@@ -408,44 +348,8 @@ async fn same_cluster(
     let stop = |reason: ErrorKind, message: String| -> Stop {
         blocked(reason, message, inventory.clone()).into()
     };
-    let secret = &tenant.secret;
-    let seen = identity::read_identity(&tenant.api, ctx.settings.probe_timeout, &now_rfc3339())
-        .await
-        .map_err(|e| stop(e.kind(), e.to_string()))?;
-    let (id, write) = match identity::check(bound, &seen, secret) {
-        identity::Check::Same => (bound.cloned().unwrap_or(seen), false),
-        identity::Check::Bind(id) | identity::Check::Pin(id) => (id, true),
-        identity::Check::Different { message } => {
-            return Err(stop(ErrorKind::ClusterMismatch, message));
-        }
-    };
-    let binding = bound.is_none();
-    let conflict = match ctx.vet_cluster(t, &id, binding).await? {
-        Vetted::Ours => None,
-        Vetted::Misplaced(why) => {
-            let message = format!(
-                "the admin kubeconfig Secret {secret} does not lead to this tenant's own cluster: {why}. Nothing is \
-                 deleted or counted as freed through it. Restore the Secret, or record an override to abandon the \
-                 volumes"
-            );
-            return Err(stop(ErrorKind::ClusterConflict, message));
-        }
-        Vetted::Conflict(why) => Some(why),
-    };
-    if write {
-        // Recorded even in conflict: the other parent's passes see it too.
-        ctx.write_record(
-            t,
-            &Update {
-                cluster: Some(id.clone()),
-                ..Default::default()
-            },
-        )
-        .await?;
-        info!(server = %id.server, binding, "tenant cluster bound at a release pass");
-    }
-    match conflict {
-        None => Ok(id),
-        Some(why) => Err(stop(ErrorKind::ClusterConflict, why)),
+    match binding::confirm(ctx, t, &tenant.api, &tenant.secret, bound).await? {
+        binding::Confirmed::Cluster(id) => Ok(id),
+        binding::Confirmed::Refused(reason, message) => Err(stop(reason, message)),
     }
 }

@@ -1,5 +1,7 @@
-//! Who the tenant cluster is, and whether the admin kubeconfig still leads
-//! there.
+//! Binding a tenant to its cluster: who the tenant cluster is, binding it
+//! at custody ([`bind`]), and whether the admin kubeconfig still leads there
+//! at each release pass ([`confirm`]). Every write of a binding is here; the
+//! decisions are the pure functions [`check`], [`placed`] and [`conflict`].
 //!
 //! The kubeconfig Secret lives in the tenant namespace, where anyone who may
 //! edit that namespace can rewrite it. Copied from another tenant, it once
@@ -26,10 +28,196 @@
 use std::time::Duration;
 
 use k8s_openapi::api::core::v1::Namespace;
-use kube::api::Api;
+use kube::api::{Api, DynamicObject};
+use kube::runtime::controller::Action;
+use tracing::{debug, info};
+
+use super::events::Reason;
+use super::{Context, ErrorKind, TenantRef, tenant};
+use crate::record::{Update, now_rfc3339};
 
 use super::tenant::{TenantAccessError, TenantApi, error_chain};
 use crate::record::ClusterIdentity;
+
+/// Binds the tenant to the cluster its admin kubeconfig reaches now,
+/// while nothing is at stake, so a release pass can tell when the Secret
+/// was later made to point elsewhere. A tenant whose kubeconfig or API is
+/// not there yet (Kamaji is still building it) is tried again with backoff.
+pub(crate) async fn bind(ctx: &Context, t: &TenantRef) -> Result<Action, kube::Error> {
+    let s = &ctx.settings;
+    let observed = match tenant::connect(
+        &ctx.client,
+        &ctx.profile,
+        &t.namespace,
+        &t.name,
+        s.request_timeout,
+    )
+    .await
+    {
+        Ok(api) => read_identity(&api, s.probe_timeout, &now_rfc3339()).await,
+        Err(e) => Err(e),
+    };
+    let observed = match observed {
+        Ok(id) => match vet(ctx, t, &id, true).await? {
+            Vetted::Ours => Ok((id, None)),
+            // Bound all the same: the other parent's passes must see this
+            // claim too. Neither acts through the cluster.
+            Vetted::Conflict(why) => Ok((id, Some(why))),
+            Vetted::Misplaced(why) => {
+                ctx.count_error(ErrorKind::ClusterConflict);
+                ctx.event(
+                    t,
+                    Reason::ClusterNotBound,
+                    format!("the admin kubeconfig does not lead to this tenant's own cluster: {why}; not bound, retried"),
+                )
+                .await;
+                Err(TenantAccessError::NotReady {
+                    server: id.server.clone(),
+                    message: why,
+                })
+            }
+        },
+        Err(e) => Err(e),
+    };
+    match observed {
+        Ok((id, conflict)) => {
+            write(ctx, t, &id).await?;
+            ctx.bind_succeeded(t);
+            match conflict {
+                None => {
+                    let note = format!(
+                        "tenant cluster bound: {}; every release pass checks that the admin kubeconfig still reaches it",
+                        id.describe()
+                    );
+                    ctx.event(t, Reason::ClusterBound, note).await;
+                }
+                Some(why) => {
+                    ctx.count_error(ErrorKind::ClusterConflict);
+                    ctx.event(t, Reason::ClusterConflict, why).await;
+                }
+            }
+            Ok(Action::await_change())
+        }
+        Err(e) => {
+            let attempts = ctx.bind_failed(t);
+            let delay = s.backoff(attempts);
+            debug!(error = %e, attempts, retry_in = ?delay, "tenant cluster not bound yet");
+            Ok(Action::requeue(delay))
+        }
+    }
+}
+
+/// Records the binding.
+async fn write(ctx: &Context, t: &TenantRef, id: &ClusterIdentity) -> Result<(), kube::Error> {
+    ctx.write_record(
+        t,
+        &Update {
+            cluster: Some(id.clone()),
+            ..Default::default()
+        },
+    )
+    .await
+}
+
+/// What [`vet`] concludes of a cluster for a tenant.
+#[derive(Clone, Debug, PartialEq, Eq)]
+pub(crate) enum Vetted {
+    Ours,
+    /// Not where the management side says this tenant's API server runs:
+    /// never bound.
+    Misplaced(String),
+    /// Another parent is bound to it too: neither acts through it.
+    Conflict(String),
+}
+
+/// Whether the cluster `seen` may be bound to (or, `binding` false, still
+/// acted on for) tenant `t`: when binding, the management side must record
+/// this tenant's control plane where the kubeconfig points ([`placed`]);
+/// always, no other parent may be bound to it ([`conflict`]).
+pub(crate) async fn vet(
+    ctx: &Context,
+    t: &TenantRef,
+    seen: &ClusterIdentity,
+    binding: bool,
+) -> Result<Vetted, kube::Error> {
+    if binding && let Some(spec) = &ctx.profile.control_plane {
+        let name = spec.name_of(&t.name);
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(ctx.client.clone(), &t.namespace, &spec.resource());
+        let cp = api.get_opt(&name).await?.map(|o| ControlPlane {
+            object: format!("{} {}/{name}", spec.kind, t.namespace),
+            endpoint: serde_json::to_value(&o)
+                .ok()
+                .and_then(|v| {
+                    v.pointer(&spec.endpoint)
+                        .and_then(|e| e.as_str())
+                        .map(str::to_string)
+                })
+                .filter(|e| !e.is_empty()),
+            service_host: spec.service_of(&t.namespace, &t.name),
+        });
+        if let Err(why) = placed(&seen.server, cp.as_ref()) {
+            return Ok(Vetted::Misplaced(why));
+        }
+    }
+    Ok(match conflict(&t.to_string(), seen, &ctx.bindings()) {
+        Some(why) => Vetted::Conflict(why),
+        None => Vetted::Ours,
+    })
+}
+
+/// What a release pass may act on: the bound cluster, or why not.
+pub(crate) enum Confirmed {
+    Cluster(ClusterIdentity),
+    /// Nothing may be deleted or counted as freed through this API.
+    Refused(ErrorKind, String),
+}
+
+/// At a release pass: checks that the tenant's API (`api`, reached through
+/// the admin kubeconfig Secret `secret`) is the cluster bound to the
+/// tenant, binding it first if none is (a tenant that never answered
+/// before its deletion). Recorded even in conflict: the other parent's
+/// passes see it too.
+pub(crate) async fn confirm(
+    ctx: &Context,
+    t: &TenantRef,
+    api: &tenant::TenantApi,
+    secret: &str,
+    bound: Option<&ClusterIdentity>,
+) -> Result<Confirmed, kube::Error> {
+    let seen = match read_identity(api, ctx.settings.probe_timeout, &now_rfc3339()).await {
+        Ok(seen) => seen,
+        Err(e) => return Ok(Confirmed::Refused(e.kind(), e.to_string())),
+    };
+    let (id, write_it) = match check(bound, &seen, secret) {
+        Check::Same => (bound.cloned().unwrap_or(seen), false),
+        Check::Bind(id) | Check::Pin(id) => (id, true),
+        Check::Different { message } => {
+            return Ok(Confirmed::Refused(ErrorKind::ClusterMismatch, message));
+        }
+    };
+    let binding = bound.is_none();
+    let conflict = match vet(ctx, t, &id, binding).await? {
+        Vetted::Ours => None,
+        Vetted::Misplaced(why) => {
+            let message = format!(
+                "the admin kubeconfig Secret {secret} does not lead to this tenant's own cluster: {why}. Nothing is \
+                 deleted or counted as freed through it. Restore the Secret, or record an override to abandon the \
+                 volumes"
+            );
+            return Ok(Confirmed::Refused(ErrorKind::ClusterConflict, message));
+        }
+        Vetted::Conflict(why) => Some(why),
+    };
+    if write_it {
+        write(ctx, t, &id).await?;
+        info!(server = %id.server, binding, "tenant cluster bound at a release pass");
+    }
+    Ok(match conflict {
+        None => Confirmed::Cluster(id),
+        Some(why) => Confirmed::Refused(ErrorKind::ClusterConflict, why),
+    })
+}
 
 /// Reads who the cluster behind `api` is, bounded by `timeout`.
 pub async fn read_identity(
