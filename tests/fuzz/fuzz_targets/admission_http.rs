@@ -14,9 +14,11 @@
 //! - an undecodable, oversized, truncated or non-JSON body (F7) is never
 //!   allowed (HTTP 200
 //!   when a uid was found, else the error status);
-//! - /validate's verdict equals `docs/design.md` §4's table computed here from the
-//!   stand-in's state; an allow of a dependent rests on a parent read made
-//!   for this request, and an allow "not in teardown" on a namespace read;
+//! - /validate's verdict is the one judge's (`Judge::admit`, the crate's
+//!   only copy of `docs/design.md` §4's rules) for the stand-in's state, and
+//!   the gate reads nothing the judge did not ask for; an allow of a
+//!   dependent rests on a parent read made for this request, an allow "not
+//!   in teardown" on a namespace read, an override on an access review;
 //!   any API error is a denial;
 //! - /mutate never denies a decodable parent write that has an object, and
 //!   its base64 JSON patch applies to the request's object.
@@ -37,13 +39,15 @@ use volume_gate::admission::request::Object as DynamicObject;
 use libfuzzer_sys::fuzz_target;
 use serde_json::{Value, json};
 use tower::ServiceExt;
-use volume_gate::admission::decide::{self, Change, Requester, Target, UpdateVerdict};
+use volume_gate::admission::decide::{Target, Verdict};
+use volume_gate::admission::judge::{self, Access, Admission, Judge, Read};
+use volume_gate::admission::request::ObjectMetaView;
 use volume_gate::admission::{request, review};
 use volume_gate::admission::{Gate, router};
 use volume_gate::args::DEFAULT_MAX_BODY_BYTES;
 use volume_gate::metrics::Metrics;
 use volume_gate::profile::Profile;
-use volume_gate::record::{Keys, Record};
+use volume_gate::record::Keys;
 use volume_gate::testing::{FakeApi, partial_metadata, status_body};
 
 #[derive(Debug, Clone, Default, Arbitrary)]
@@ -276,140 +280,145 @@ fn run(facts: &Facts, body: &[u8], endpoint: &str) {
     }
 }
 
-/// `docs/design.md` §4, from the stand-in's state.
+/// The one judge, as the gate holds it: the oracle's copy of every rule
+/// is the crate's own (`Judge::admit`), so this target checks that the HTTP
+/// layer and the gate's reads answer what the judge answers for the
+/// stand-in's state, and that every allow rests on the reads it needs.
+static JUDGE: LazyLock<Judge> = LazyLock::new(|| Judge::new(PROFILE.clone(), WORKER.to_string()));
+
+/// What the stand-in answers for `read`, as the gate's facts; a read the
+/// gate did not make (`made` is false: no URI could carry its name) failed.
+fn fact(facts: &Facts, read: &Read, made: bool, known: &mut judge::Facts) {
+    fn failed<T>(what: &str) -> Result<T, String> {
+        Err(format!("{what} not read (the fuzzer's stand-in)"))
+    }
+    match read {
+        Read::Parent { namespace, name } => {
+            let got = match (&facts.parent, made) {
+                (_, false) | (ParentState::Error, _) => failed("parent"),
+                (ParentState::Absent, _) => Ok(None),
+                (state, _) => {
+                    let (labels, deleting, in_custody) = match state {
+                        ParentState::Present { deleting, in_custody } => {
+                            (PROFILE.parent.match_labels.clone(), *deleting, *in_custody)
+                        }
+                        _ => (
+                            [("apps.cozystack.io/application.kind".to_string(), "Postgres".to_string())].into(),
+                            false,
+                            false,
+                        ),
+                    };
+                    Ok(Some(ObjectMetaView {
+                        namespace: namespace.clone(),
+                        name: name.clone(),
+                        labels,
+                        annotations: common::annotations(&facts.annotations, &KEYS, "", 0),
+                        finalizers: if in_custody { vec![PROFILE.custody_finalizer.clone()] } else { Vec::new() },
+                        deleting,
+                    }))
+                }
+            };
+            known.parent(namespace, name, got);
+        }
+        Read::Namespace { name } => {
+            let got = match (&facts.namespace, made) {
+                (_, false) | (NsState::Error, _) => failed("namespace"),
+                (NsState::Live, _) => Ok(false),
+                // A namespace that is gone counts as being deleted.
+                (NsState::Absent | NsState::Deleting, _) => Ok(true),
+            };
+            known.namespace(name, got);
+        }
+        Read::OverrideAccess { namespace, tenant } => {
+            let got = match (&facts.sar, made) {
+                (_, false) | (SarState::Error, _) => failed("access review"),
+                (SarState::Allowed, _) => Ok(Access { allowed: true, reason: String::new() }),
+                (SarState::Denied | SarState::AllowedAndDenied, _) => Ok(Access { allowed: false, reason: String::new() }),
+            };
+            known.access(namespace, tenant, got);
+        }
+    }
+}
+
+fn read_kind(read: &Read) -> &'static str {
+    match read {
+        Read::Parent { .. } => "parent",
+        Read::Namespace { .. } => "namespace",
+        Read::OverrideAccess { .. } => "sar",
+    }
+}
+
+/// The judge's answer for the stand-in's state at `now`, and the reads it
+/// asked for, by kind.
+fn judged(facts: &Facts, req: &request::Request, reads: &[&str], now: jiff::Timestamp) -> (Target, Verdict, Vec<&'static str>) {
+    let mut known = judge::Facts::default();
+    let mut asked = Vec::new();
+    for _ in 0..4 {
+        match JUDGE.admit(req, &known, now) {
+            Admission::Judged(target, verdict) => return (target, verdict, asked),
+            Admission::Need(need) => {
+                assert!(!need.is_empty(), "the judge asked for nothing");
+                for r in need {
+                    assert!(!known.has(&r), "the judge asked twice for {r:?}");
+                    let kind = read_kind(&r);
+                    let made = reads.iter().filter(|k| **k == kind).count() > asked.iter().filter(|k| **k == kind).count();
+                    asked.push(kind);
+                    fact(facts, &r, made, &mut known);
+                }
+            }
+        }
+    }
+    panic!("the judge asked for reads in more than 4 rounds: {asked:?}");
+}
+
+/// `/validate` answers what the judge answers for the stand-in's state,
+/// having read no more than the judge asked for; an allow rests on its
+/// reads.
 fn check_validate(
     facts: &Facts,
-    req: &AdmissionRequest<DynamicObject>,
+    req: &request::Request,
     allowed: bool,
     warnings: &[&str],
     reads: &[&str],
     now: jiff::Timestamp,
     out: &Value,
 ) {
-    let kind = request::group_kind(req);
-    let namespace = req.namespace.as_deref().unwrap_or("");
-    let record = Record::from_annotations(&KEYS, &common::annotations(&facts.annotations, &KEYS, "", 0));
-    // The answer `docs/design.md` §4 gives a dependent, from the stand-in's
-    // state; a parent that was not read (a name no URI can carry) is a refusal.
-    let dependent_expected = |target: &Target| -> bool {
-        if !reads.contains(&"parent") {
-            return false;
+    let (target, verdict, asked) = judged(facts, req, reads, now);
+    if verdict.allowed() != allowed {
+        // The server's clock may have crossed an override stamp's 300 s
+        // window after `now`: only then may the two answers differ.
+        let (_, later, _) = judged(facts, req, reads, jiff::Timestamp::now());
+        assert_eq!(
+            later.allowed(),
+            allowed,
+            "the gate answered allowed={allowed}, the judge {verdict:?} for {target:?} with {facts:?}: reads {reads:?}: {out}"
+        );
+    }
+    let mut made = reads.to_vec();
+    let mut wanted = asked.clone();
+    made.sort_unstable();
+    wanted.sort_unstable();
+    for kind in &made {
+        let (m, w) = (made.iter().filter(|k| *k == kind).count(), wanted.iter().filter(|k| *k == kind).count());
+        assert!(m <= w, "the gate read {kind} {m} times, the judge asked {w}: reads {reads:?}, asked {asked:?}");
+    }
+    if !allowed {
+        return;
+    }
+    if let Verdict::Allow { reason, .. } = &verdict {
+        // What any allow must rest on.
+        if !matches!(target, Target::Parent { .. } | Target::Unrelated) && !matches!(*reason, "platform-source-move") {
+            assert!(reads.contains(&"parent"), "{target:?} allowed ({reason}) without reading its parent: {reads:?}");
         }
-        match &facts.parent {
-            ParentState::Error => false,
-            ParentState::Absent | ParentState::NotParent => true,
-            ParentState::Present { .. } if record.is_done() => true,
-            ParentState::Present { deleting, .. } => match target {
-                Target::CsiRelease { .. } => false,
-                _ if *deleting => false,
-                _ => matches!(facts.namespace, NsState::Live) && reads.contains(&"namespace"),
-            },
-        }
-    };
-    // What any allow of a dependent must rest on.
-    let allow_rests_on_reads = || {
-        if !allowed {
-            return;
-        }
-        // The namespace may be read beside the parent, at once (the gate
-        // reads both ahead when the decision may need the namespace), so
-        // the parent need not be the first read, only a read.
-        assert!(reads.contains(&"parent"), "a dependent allowed without reading its parent: {reads:?}");
-        if matches!(facts.parent, ParentState::Absent | ParentState::NotParent) {
+        if *reason == "parent-absent" {
             assert!(!warnings.is_empty(), "an allow without a parent carries a warning: {out}");
         }
-        if matches!(facts.parent, ParentState::Present { .. }) && !record.is_done() {
+        if *reason == "not-in-teardown" {
             assert!(reads.contains(&"namespace"), "allowed 'not in teardown' without reading the namespace: {reads:?}");
         }
-    };
-    // A DELETECOLLECTION item has an empty request name: the object's own counts.
-    let name = request::request_name(req);
-    match req.operation {
-        Operation::Delete => {
-            if name.is_empty() {
-                assert!(!allowed, "a DELETE that names no object was allowed: {out}");
-                return;
-            }
-            let Some(old) = req.old_object.as_ref() else {
-                assert!(!allowed, "a DELETE without oldObject was allowed: {out}");
-                return;
-            };
-            // Every identity is judged and the strictest answer wins.
-            let labels = request::labels_of(Some(old));
-            let view = request::meta_view(old, namespace, name);
-            let ids = decide::identities(&PROFILE, &kind, name, &labels);
-            let release = decide::release_of(&PROFILE, namespace, &view.labels, &view.annotations);
-            let ids = decide::with_release_identity(ids, namespace, release);
-            let parent_ok = Record::from_annotations(&KEYS, &view.annotations).is_done()
-                || view.finalizers.contains(&PROFILE.custody_finalizer);
-            let dependents: Vec<&Target> = ids.iter().filter(|t| !matches!(t, Target::Parent { .. } | Target::Unrelated)).collect();
-            let is_parent = ids.iter().any(|t| matches!(t, Target::Parent { .. }));
-            if dependents.is_empty() {
-                let expected = !is_parent || parent_ok;
-                assert_eq!(allowed, expected, "DELETE as {ids:?}: {out}");
-                assert!(reads.is_empty(), "a parent or unrelated DELETE is judged from its own object: {reads:?}");
-            } else {
-                let expected = (!is_parent || parent_ok) && dependents.iter().all(|t| dependent_expected(t));
-                assert_eq!(allowed, expected, "DELETE as {ids:?} with {facts:?}: reads {reads:?}: {out}");
-                allow_rests_on_reads();
-            }
+        if *reason == "override-authorized" {
+            assert!(reads.contains(&"sar"), "an override judged without a SubjectAccessReview: {reads:?}");
         }
-        Operation::Update
-            if !decide::relabel_targets(
-                &PROFILE,
-                &kind,
-                name,
-                &request::labels_of(req.old_object.as_ref()),
-                &request::labels_of(req.object.as_ref()),
-            )
-            .is_empty() =>
-        {
-            // Each identity the relabel takes away is judged; the gate may
-            // also refuse for the parent guards or a release membership
-            // change, so an allow must be earned by every relabel target.
-            let targets = decide::relabel_targets(
-                &PROFILE,
-                &kind,
-                name,
-                &request::labels_of(req.old_object.as_ref()),
-                &request::labels_of(req.object.as_ref()),
-            );
-            let expected = targets.iter().all(&dependent_expected);
-            if allowed {
-                assert!(expected, "relabel as {targets:?} allowed with {facts:?}: reads {reads:?}: {out}");
-            }
-            if kind != PROFILE.parent_kind() && review_release_unchanged(req, namespace) {
-                assert_eq!(allowed, expected, "relabel as {targets:?} with {facts:?}: reads {reads:?}: {out}");
-            }
-            allow_rests_on_reads();
-        }
-        Operation::Create | Operation::Update if kind == PROFILE.parent_kind() => {
-            let Some(new) = req.object.as_ref() else {
-                assert!(!allowed, "a parent write without object was allowed: {out}");
-                return;
-            };
-            let new_view = request::meta_view(new, namespace, &req.name);
-            let old_view = req.old_object.as_ref().map(|o| request::meta_view(o, namespace, &req.name));
-            let username = req.user_info.username.as_deref().unwrap_or("");
-            let who = Requester { username, is_worker: !username.is_empty() && username == WORKER };
-            let change = Change { old: old_view.as_ref(), new: &new_view };
-            match decide::guard_update(&PROFILE, &KEYS, change, who, now) {
-                UpdateVerdict::Final(v) => {
-                    // The server's clock may have crossed a stamp's 300 s
-                    // window between the two calls: only then may they differ.
-                    if v.allowed() != allowed {
-                        let later = decide::guard_update(&PROFILE, &KEYS, change, who, jiff::Timestamp::now());
-                        assert!(later != UpdateVerdict::Final(v.clone()), "guard {v:?} but the server said allowed={allowed}: {out}");
-                    }
-                }
-                UpdateVerdict::NeedsOverridePermission { .. } => {
-                    let expected = matches!(facts.sar, SarState::Allowed);
-                    assert_eq!(allowed, expected, "override permission with {:?}: {out}", facts.sar);
-                    assert!(reads.contains(&"sar"), "an override judged without a SubjectAccessReview: {reads:?}");
-                }
-            }
-        }
-        _ => assert!(allowed, "{:?} of {kind} is not the gate's business: {out}", req.operation),
     }
 }
 
@@ -437,12 +446,4 @@ fn check_mutate(req: &AdmissionRequest<DynamicObject>, body: &[u8], allowed: boo
             panic!("the served patch does not apply: {e}\npatch: {}\nobject: {object}", String::from_utf8_lossy(&patch_bytes));
         }
     }
-}
-
-/// The object stays in the same parent release (or in none).
-fn review_release_unchanged(req: &AdmissionRequest<DynamicObject>, namespace: &str) -> bool {
-    let release = |o: Option<&DynamicObject>| {
-        o.map(|o| request::meta_view(o, namespace, "")).and_then(|v| decide::release_of(&PROFILE, namespace, &v.labels, &v.annotations))
-    };
-    release(req.old_object.as_ref()) == release(req.object.as_ref())
 }
