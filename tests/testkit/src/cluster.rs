@@ -271,10 +271,6 @@ impl ControlPlane {
             .expect("write SA kubeconfig");
         path
     }
-
-    pub async fn service_account_client(&self, namespace: &str, name: &str) -> kube::Client {
-        client_from(&self.service_account_kubeconfig(namespace, name).await).await
-    }
 }
 
 pub async fn client_from(kubeconfig: &Path) -> kube::Client {

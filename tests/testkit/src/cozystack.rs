@@ -163,24 +163,6 @@ pub const LINEAGE_WEBHOOK: Identity = Identity {
     source: "packages/system/lineage-controller-webhook/templates/sa.yaml",
 };
 
-/// Every platform identity above.
-pub const PLATFORM: [Identity; 14] = [
-    FLUX,
-    COZYSTACK_CONTROLLER,
-    COZYSTACK_API,
-    COZYSTACK_OPERATOR,
-    FLUX_SHARD_OPERATOR,
-    FLUX_PLUNGER,
-    MIGRATION_HOOK,
-    KAMAJI,
-    CAPI,
-    CAPI_KAMAJI,
-    CAPK,
-    KUBEVIRT,
-    CDI,
-    LINEAGE_WEBHOOK,
-];
-
 /// The labels of Flux's namespace: flux-aio's own
 /// (`internal/fluxinstall/manifests/fluxcd.yaml`, Namespace cozy-fluxcd),
 /// and `cozystack.io/system: "true"`, which the Package operator adds to
@@ -205,7 +187,10 @@ pub const SYSTEM_NAMESPACE_LABEL: &str = "cozystack.io/system";
 /// (`internal/fluxinstall/manifests/fluxcd.yaml`, container
 /// helm-controller, image `ghcr.io/fluxcd/helm-controller:v1.5.0`), in
 /// order, but its listening addresses, which the fixture picks on
-/// loopback. What the fixture changes, and why, is [`super::flux::FluxConfig`].
+/// loopback. What the fixture changes, and why, is [`super::flux::FluxConfig`];
+/// it builds v1.6.0, the closest version the Go module proxy serves
+/// (`tests/flux/go.mod`; v1.5.x answered 403), and `docs/census.md` says
+/// what differs.
 pub const HELM_CONTROLLER_ARGS: [&str; 8] = [
     "--watch-all-namespaces",
     "--log-level=info",
@@ -216,11 +201,6 @@ pub const HELM_CONTROLLER_ARGS: [&str; 8] = [
     "--requeue-dependency=30s",
     "--feature-gates=ExternalArtifact=true",
 ];
-
-/// The version of helm-controller Cozystack runs; the fixture builds the
-/// closest one the Go module proxy serves (`tests/flux/go.mod`: v1.6.0,
-/// v1.5.x answered 403). What differs is in `docs/census.md`.
-pub const HELM_CONTROLLER_VERSION: &str = "v1.5.0";
 
 /// Where the platform's chart artifacts are, and what they are named:
 /// Cozystack's PackageSource `cozystack.kubernetes-application` (variant

@@ -12,7 +12,7 @@ use kube::api::{Api, DeleteParams, DynamicObject, ObjectMeta, PostParams};
 use kube::core::{ApiResource, GroupVersionKind};
 use volume_gate::record::Keys;
 
-use super::cluster::{ControlPlane, client_from};
+use super::cluster::ControlPlane;
 use super::manifests;
 use super::process::Process;
 use super::wait::eventually;
@@ -438,13 +438,6 @@ impl Gate {
             .unwrap_or_default()
     }
 
-    pub async fn webhook_metrics(&self) -> String {
-        http_get(self.webhook_admin, "/metrics")
-            .await
-            .map(|(_, b)| b)
-            .unwrap_or_default()
-    }
-
     /// Removes the webhook configurations and stops both processes; returns
     /// once the API server no longer calls a webhook that is gone.
     pub async fn uninstall(mut self, cp: &ControlPlane) {
@@ -686,10 +679,6 @@ pub async fn wait_webhooks_active_within(cp: &ControlPlane, bound: Duration) {
         }
     })
     .await;
-}
-
-pub async fn client_for_kubeconfig(path: &std::path::Path) -> kube::Client {
-    client_from(path).await
 }
 
 /// A CA and a loopback serving certificate in `dir`, made by the binary's

@@ -1,6 +1,5 @@
 //! The test fixture: a real control plane, the gate installed from
 //! `manifests/`, the simulator, and Cozystack tenants.
-#![allow(dead_code)]
 
 pub mod certmanager;
 pub mod chart;
@@ -264,11 +263,15 @@ fn start_env(config: EnvConfig) -> Env {
 /// Serializes tests that disturb shared processes (killing the worker).
 pub fn serial() -> Serial {
     static LOCK: std::sync::Mutex<()> = std::sync::Mutex::new(());
-    Serial(LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner()))
+    Serial {
+        _turn: LOCK.lock().unwrap_or_else(|poisoned| poisoned.into_inner()),
+    }
 }
 
 /// A test's turn among those that disturb shared processes, held for the
 /// whole test. It is held across awaits by design: each test runs on a
 /// runtime of its own, so no task of the holder's runtime waits for it;
 /// tests of other runtimes block until it is dropped.
-pub struct Serial(std::sync::MutexGuard<'static, ()>);
+pub struct Serial {
+    _turn: std::sync::MutexGuard<'static, ()>,
+}

@@ -34,15 +34,12 @@ use super::gate::helmrelease_resource;
 use super::history::ParentHistory;
 use super::wait::eventually;
 
-// Re-exported where they were before the split; each test binary uses some.
-#[allow(unused_imports)]
+// Re-exported where they were before the split.
 pub use access::wait_authorized;
-#[allow(unused_imports)]
 pub use management::{
     InfraObjects, bare_parent, delete_unreleasable_disk, paper_parent, unreleasable_disk,
     wait_namespace_gone,
 };
-#[allow(unused_imports)]
 pub use parent::is_csi_release_refusal;
 pub use snapshot::{DRIVER, SNAPSHOT_GROUP, Taken, content_resource, snapshot_resource};
 

@@ -53,14 +53,6 @@ impl Tenant {
         Record::from_annotations(&crate::keys(), &p.metadata.annotations.unwrap_or_default())
     }
 
-    /// The parent's raw record annotations.
-    pub async fn volumes_annotation(&self) -> Option<String> {
-        self.parent()
-            .await
-            .and_then(|p| p.metadata.annotations)
-            .and_then(|a| a.get(&crate::keys().volumes).cloned())
-    }
-
     /// Deletes the Kubernetes application: the parent release.
     pub async fn delete_parent(&self) {
         self.hr_api()
