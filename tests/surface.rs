@@ -1075,6 +1075,16 @@ fn rows(w: &World) -> Vec<Row> {
             &["worker machines"],
         ),
         row(
+            "machine.delete",
+            delete(
+                Mallory,
+                capi("Machine", "machines"),
+                hn,
+                &format!("{hc}-md0-m1"),
+            ),
+            &["worker machines"],
+        ),
+        row(
             "machine.relabel",
             patch(
                 Mallory,
@@ -1290,10 +1300,33 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         .await
         .expect("delete the paper parent");
 
-    for row in rows(w) {
+    let rows = rows(w);
+    // A guarded kind is added in one place, the profile's `guarded` list:
+    // no rule of the gate names a kind. What proves it guarded is a row
+    // here, walked on the real API server with the shipped webhook
+    // configurations (what the API server sends is theirs to say).
+    let refused_deletes: BTreeSet<(String, String)> = rows
+        .iter()
+        .filter(|r| stated.get(r.id) == Some(&Answer::Refused))
+        .filter_map(|r| match &r.send {
+            Send::Delete { ar, .. } => Some((ar.group.clone(), ar.kind.clone())),
+            _ => None,
+        })
+        .collect();
+    let unproven: Vec<String> = volume_gate::profile::Profile::cozystack()
+        .guarded
+        .iter()
+        .filter(|g| !refused_deletes.contains(&(g.group.clone(), g.kind.clone())))
+        .map(|g| format!("{}/{} ({})", g.group, g.kind, g.role))
+        .collect();
+    for row in rows {
         walk.walk(row, &stated, &clients, w).await;
     }
     walk.finish(&table);
+    assert!(
+        unproven.is_empty(),
+        "guarded kinds of the profile with no row whose DELETE the table says is refused: {unproven:?}"
+    );
 }
 
 /// `csi.owner`: R-csi made a dependent of a ConfigMap that mallory then
