@@ -26,6 +26,7 @@ pub mod release;
 pub mod run;
 pub mod status;
 pub mod tenant;
+pub mod writes;
 
 use std::time::Duration;
 
