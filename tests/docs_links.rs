@@ -206,7 +206,7 @@ fn relative_links_in_the_readme_and_docs_reach_a_file_and_a_heading_there() {
                     ));
                     continue;
                 }
-                if anchor.is_empty() || !linked.extension().is_some_and(|e| e == "md") {
+                if anchor.is_empty() || linked.extension().is_none_or(|e| e != "md") {
                     continue;
                 }
                 let there = headings_of(&linked.display().to_string());
@@ -271,6 +271,17 @@ fn alert_rules(template: &str) -> Vec<(usize, String, Vec<String>)> {
     out
 }
 
+/// Whether `url` ends its address with `fragment` (`#anchor`, then the end
+/// of the value, a quote or a space; not a longer anchor).
+fn leads_to(url: &str, fragment: &str) -> bool {
+    url.match_indices(fragment).any(|(i, _)| {
+        url[i + fragment.len()..]
+            .chars()
+            .next()
+            .is_none_or(|c| !(c.is_alphanumeric() || c == '-' || c == '_'))
+    })
+}
+
 #[test]
 fn every_alert_has_a_runbook_section_and_a_runbook_url_to_it() {
     let runbook = headings_of(RUNBOOK);
@@ -293,7 +304,7 @@ fn every_alert_has_a_runbook_section_and_a_runbook_url_to_it() {
             None => missing.push(format!(
                 "{ALERTS}:{line}: alert {name}: no runbook_url annotation (it should end in {fragment}, the anchor of its section in {RUNBOOK})"
             )),
-            Some(url) if !url.contains(&fragment) => missing.push(format!(
+            Some(url) if !leads_to(url, &fragment) => missing.push(format!(
                 "{ALERTS}:{line}: alert {name}: `{url}` does not lead to {fragment}, the anchor of its section in {RUNBOOK}"
             )),
             Some(_) => {}
@@ -446,8 +457,8 @@ fn citations(text: &str) -> Vec<Citation> {
                 continue;
             }
             format!("docs/{stem}.md")
-        } else if rest.starts_with("README") {
-            let longer = rest["README".len()..]
+        } else if let Some(after) = rest.strip_prefix("README") {
+            let longer = after
                 .chars()
                 .next()
                 .is_some_and(|c| c.is_ascii_alphanumeric() || c == '_');
@@ -578,4 +589,19 @@ fn anchors_are_githubs() {
             "results-2",
         ]
     );
+}
+
+#[test]
+fn a_runbook_url_leads_to_its_anchor_and_not_a_longer_one() {
+    let url = "runbook_url: {{ $base }}#volumegateresidue";
+    assert!(leads_to(url, "#volumegateresidue"));
+    assert!(leads_to(
+        &format!("{url}\"  # quoted"),
+        "#volumegateresidue"
+    ));
+    assert!(!leads_to(url, "#volumegateresidu"));
+    assert!(!leads_to(
+        "runbook_url: {{ $base }}#volumegate-residue",
+        "#volumegateresidue"
+    ));
 }
