@@ -599,6 +599,13 @@ fn exported() -> BTreeSet<String> {
             outcome: "Released".into(),
         })
         .observe(1.0);
+    m.tenant_teardown_seconds
+        .get_or_create(&TeardownLabels {
+            tenant_namespace: "tenant-a".into(),
+            tenant: "kubernetes-a".into(),
+            phase: "Blocked".into(),
+        })
+        .set(60);
     m.count_error(volume_gate::worker::ErrorKind::ManagementApi.as_str());
     let text = m.encode();
     let mut names = BTreeSet::new();
