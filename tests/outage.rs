@@ -1,6 +1,6 @@
 //! What a gate outage refuses, and what it does not: the webhook
 //! configurations send the gate exactly the operations a refusal protects a
-//! volume from. With the gate up, 1,200 everyday operations reach it
+//! volume from. With the gate up, 1,300 everyday operations reach it
 //! zero times; with no replica answering, every everyday operation still
 //! succeeds and every guarded one is refused (failurePolicy Fail).
 
@@ -211,6 +211,23 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
     create(&client, &ns, &claim_resource(), json!({"apiVersion": "v1", "kind": "PersistentVolumeClaim",
         "metadata": {"name": "claim-daily", "labels": {"cluster.x-k8s.io/cluster-name": r}},
         "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": "sim-none", "resources": {"requests": {"storage": "1Gi"}}}})).await;
+    // A disk the worker kept (label `kept`), which the PV controller and
+    // the worker write to all the time; only its acknowledgement is sent.
+    let pv_resource = resource("", "v1", "PersistentVolume", "persistentvolumes");
+    let kept_pvs: Api<DynamicObject> = Api::all_with(client.clone(), &pv_resource);
+    let kept_pv = env.cp.unique("kept-daily");
+    kept_pvs
+        .create(
+            &PostParams::default(),
+            &serde_json::from_value(json!({"apiVersion": "v1", "kind": "PersistentVolume",
+                "metadata": {"name": kept_pv, "labels": {common::keys().kept: "true"}},
+                "spec": {"capacity": {"storage": "1Gi"}, "accessModes": ["ReadWriteOnce"],
+                    "persistentVolumeReclaimPolicy": "Retain", "storageClassName": "sim-none",
+                    "hostPath": {"path": "/nonexistent/kept-daily"}}}))
+            .unwrap(),
+        )
+        .await
+        .expect("create a kept PV");
     let disks = api(&client, &ns, &datavolume_resource());
     let claims = api(&client, &ns, &claim_resource());
     let system = api(&client, SYSTEM_NS, &hr());
@@ -218,10 +235,15 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
     let machines = api(&client, &ns, &machine_resource());
     let pp = PatchParams::default();
 
-    // With the gate up: 1,200 everyday operations, none sent to it.
+    // With the gate up: 1,300 everyday operations, none sent to it.
     let before = gate_requests().await;
     for i in 0..100 {
-        let ops: [(&Api<DynamicObject>, &str, Value); 12] = [
+        let ops: [(&Api<DynamicObject>, &str, Value); 13] = [
+            (
+                &kept_pvs,
+                &kept_pv,
+                json!({"metadata": {"annotations": {"example.com/checked": format!("{i}")}}}),
+            ),
             (
                 &system,
                 "cozy-cilium",
@@ -287,7 +309,7 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
     }
     let after = gate_requests().await;
     eprintln!(
-        "1200 everyday operations: {} admission requests reached the gate",
+        "1300 everyday operations: {} admission requests reached the gate",
         after - before
     );
     assert_eq!(after - before, 0, "everyday operations reached the gate");
@@ -334,6 +356,10 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
         ),
         ("tenant disk PVC: label", claims.patch("claim-daily", &pp, &merge(json!({"metadata": {"labels": {"app": "down"}}}))).await.map(drop)),
         ("tenant disk DataVolume: delete", disks.delete("disk-daily", &DeleteParams::default()).await.map(drop)),
+        (
+            "kept PV: annotation",
+            kept_pvs.patch(&kept_pv, &pp, &merge(json!({"metadata": {"annotations": {"example.com/checked": "down"}}}))).await.map(drop),
+        ),
         ("tenant parent: spec edit", releases.patch(&r, &pp, &merge(json!({"spec": {"values": {"replicas": 9}}}))).await.map(drop)),
         (
             "tenant parent: annotation",
@@ -414,6 +440,10 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
         (
             "parent: another chart",
             releases.patch(&r, &pp, &merge(json!({"spec": {"chartRef": {"name": "elsewhere"}}}))).await.map(drop),
+        ),
+        (
+            "kept PV: acknowledged",
+            kept_pvs.patch(&kept_pv, &pp, &annotate(&keys.kept_acknowledged, "kept on purpose")).await.map(drop),
         ),
         (
             "a release's status, not by helm-controller",
