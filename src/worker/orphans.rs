@@ -105,6 +105,8 @@ pub struct Inputs {
     /// Every object of the parent's kind (namespace, name), whatever its
     /// labels.
     pub parents: BTreeSet<TenantKey>,
+    /// The namespaces holding a parent by the profile's labels.
+    pub parent_namespaces: BTreeSet<String>,
     /// Infra objects carrying the infra labels; None: the kind is not
     /// served (or the profile has no infra layer).
     pub infra_objects: Option<Vec<DynamicObject>>,
@@ -493,8 +495,7 @@ pub fn report(profile: &Profile, inputs: &Inputs) -> Vec<Orphan> {
     }
 
     // 2. Kept PVs, and Released PVs whose claim was in a tenant namespace.
-    let mut tenant_namespaces: BTreeSet<String> =
-        inputs.parents.iter().map(|(ns, _)| ns.clone()).collect();
+    let mut tenant_namespaces: BTreeSet<String> = inputs.parent_namespaces.clone();
     tenant_namespaces.extend(objects.iter().filter_map(|o| o.metadata.namespace.clone()));
     tenant_namespaces.extend(
         inputs
@@ -810,23 +811,35 @@ pub async fn read(
     };
     let p = &profile.parent;
     let parent_resource = format!("{}.{}", p.plural, p.group);
-    let parents = list_served(
-        dynamic(client, &profile.parent_resource(), namespace),
-        &ListParams::default(),
-        &format!("the tenants' parent releases ({parent_resource})"),
-        &parent_resource,
-    )
-    .await?
-    .ok_or_else(|| {
-        format!(
-            "the cluster does not serve {parent_resource}/{}: without it no tenant can be told to exist, \
-             so nothing is reported (is this the management cluster?)",
-            p.version
-        )
-    })?
-    .into_iter()
-    .map(|o| (o.namespace().unwrap_or_default(), o.name_any()))
-    .collect();
+    let parents = match dynamic(client, &profile.parent_resource(), namespace)
+        .list_metadata(&ListParams::default())
+        .await
+    {
+        Ok(l) => l.items,
+        Err(kube::Error::Api(s)) if s.code == 404 => {
+            return Err(format!(
+                "the cluster does not serve {parent_resource}/{}: without it no tenant can be told to exist, \
+                 so nothing is reported (is this the management cluster?)",
+                p.version
+            ));
+        }
+        Err(e) => {
+            return Err(failed(
+                &format!("the tenants' parent releases ({parent_resource})"),
+                &parent_resource,
+                e,
+            ));
+        }
+    };
+    let parent_namespaces = parents
+        .iter()
+        .filter(|o| profile.is_parent(o.labels()))
+        .map(|o| o.namespace().unwrap_or_default())
+        .collect();
+    let parents = parents
+        .iter()
+        .map(|o| (o.namespace().unwrap_or_default(), o.name_any()))
+        .collect();
 
     let (infra_objects, claims, snapshots) = match &profile.infra {
         None => (None, Vec::new(), None),
@@ -893,6 +906,7 @@ pub async fn read(
     }
     let inputs = Inputs {
         parents,
+        parent_namespaces,
         infra_objects,
         claims,
         volumes,
@@ -1022,6 +1036,7 @@ mod tests {
     fn world() -> Inputs {
         Inputs {
             parents: BTreeSet::from([("tenant-a".into(), "kubernetes-live".into())]),
+            parent_namespaces: BTreeSet::from(["tenant-a".into()]),
             infra_objects: Some(vec![
                 dv("tenant-a", "pvc-g1", Some("kubernetes-gone")),
                 dv("tenant-a", "pvc-l1", Some("kubernetes-live")),
