@@ -26,6 +26,19 @@ enum Command {
     Certs(CertsCommand),
     /// Show every tenant and its release state.
     Status(volume_gate::worker::status::StatusArgs),
+    /// List the storage that tenants already gone left on the management
+    /// cluster (read-only: it only lists, and never writes).
+    ///
+    /// DataVolumes, their PVCs and PVs labelled for tenants whose parent
+    /// release no longer exists, the PVs volume-gate kept for such tenants,
+    /// Released PVs whose claim was in a tenant namespace, and the
+    /// VolumeSnapshotContents of those tenants; each with its size, age and
+    /// the commands that free it, which it prints and never runs. A tenant
+    /// whose parent exists is never listed. Uses your kubeconfig, or the
+    /// worker's identity when run in its Pod:
+    /// kubectl -n volume-gate exec deploy/volume-gate-worker --
+    /// /usr/local/bin/volume-gate orphans
+    Orphans(volume_gate::worker::orphans::OrphansArgs),
     /// Print the profile in effect (Cozystack's, or --profile checked) as JSON,
     /// a starting point for another platform's profile file.
     Profile(volume_gate::args::ProfileArgs),
@@ -72,6 +85,7 @@ fn main() -> ExitCode {
             Command::Status(args) => volume_gate::worker::status::run(args)
                 .await
                 .map_err(|e| e.to_string()),
+            Command::Orphans(args) => volume_gate::worker::orphans::run(args).await,
             Command::Profile(args) => {
                 volume_gate::profile::Profile::load_or_default(args.profile.path())
                     .map_err(|e| e.to_string())

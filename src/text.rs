@@ -43,6 +43,48 @@ pub fn listed<'a>(names: impl IntoIterator<Item = &'a String>, n: usize) -> Stri
     }
 }
 
+/// Rows as aligned columns, as `kubectl get` prints them: each cell padded
+/// to its column's widest, three spaces between columns, no trailing
+/// spaces. The first row is the header.
+pub fn columns(rows: &[Vec<String>]) -> String {
+    let n = rows.iter().map(Vec::len).max().unwrap_or(0);
+    let widths: Vec<usize> = (0..n)
+        .map(|c| {
+            rows.iter()
+                .filter_map(|r| r.get(c))
+                .map(|cell| cell.chars().count())
+                .max()
+                .unwrap_or(0)
+        })
+        .collect();
+    let mut out = String::new();
+    for row in rows {
+        let line: Vec<String> = row
+            .iter()
+            .enumerate()
+            .map(|(i, cell)| format!("{cell:<w$}", w = widths[i]))
+            .collect();
+        out.push_str(line.join("   ").trim_end());
+        out.push('\n');
+    }
+    out
+}
+
+/// `5m`, `3h`, `2d`, as kubectl prints ages: from `created` (RFC 3339)
+/// to `now`.
+pub fn age(created: Option<&str>, now: jiff::Timestamp) -> String {
+    let Some(t) = created.and_then(|c| c.parse::<jiff::Timestamp>().ok()) else {
+        return "<unknown>".into();
+    };
+    let secs = (now.as_second() - t.as_second()).max(0);
+    match secs {
+        s if s < 120 => format!("{s}s"),
+        s if s < 2 * 3600 => format!("{}m", s / 60),
+        s if s < 48 * 3600 => format!("{}h", s / 3600),
+        s => format!("{}d", s / 86400),
+    }
+}
+
 /// Messages are one human line, bounded.
 pub fn one_line(s: &str) -> String {
     shorten(
@@ -77,6 +119,33 @@ mod tests {
         let s = one_line(&long);
         assert!(s.len() <= 1024 + 3);
         assert!(s.ends_with("..."));
+    }
+
+    #[test]
+    fn columns_are_aligned_on_the_widest_cell_without_trailing_spaces() {
+        let rows: Vec<Vec<String>> = [
+            ["KIND", "NAME", "AGE"],
+            ["DataVolume", "é-1", ""],
+            ["PV", "pvc-123456", "3d"],
+        ]
+        .iter()
+        .map(|r| r.map(String::from).to_vec())
+        .collect();
+        let t = columns(&rows);
+        let lines: Vec<&str> = t.lines().collect();
+        assert_eq!(lines[0], "KIND         NAME         AGE");
+        assert_eq!(lines[1], "DataVolume   é-1");
+        assert_eq!(lines[2], "PV           pvc-123456   3d");
+    }
+
+    #[test]
+    fn ages_read_like_kubectl() {
+        let now: jiff::Timestamp = "2026-12-05T00:00:00Z".parse().unwrap();
+        assert_eq!(age(Some("2026-12-04T23:59:30Z"), now), "30s");
+        assert_eq!(age(Some("2026-12-04T23:00:00Z"), now), "60m");
+        assert_eq!(age(Some("2026-12-04T00:00:00Z"), now), "24h");
+        assert_eq!(age(Some("2026-12-01T00:00:00Z"), now), "4d");
+        assert_eq!(age(None, now), "<unknown>");
     }
 
     #[test]

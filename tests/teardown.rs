@@ -9,6 +9,7 @@
 
 use volume_gate_testkit as common;
 
+use std::collections::BTreeSet;
 use std::time::Duration;
 
 use common::cluster::repo_root;
@@ -691,6 +692,18 @@ async fn without_the_gate_the_incident_era_hook_leaks_both_layers() {
     assert_eq!(disks.len(), 4, "{disks:?}");
     let infra = t.infra_objects(None).await;
     assert_eq!(infra.datavolumes.len(), 4, "{infra:?}");
+    // A tenant that stays, in the same namespace, with a disk of its own:
+    // the report must never name it.
+    let live = Tenant::create(
+        env.cp,
+        TenantOptions::new(&env.cp.unique("live"))
+            .in_namespace(&t.namespace)
+            .light(),
+    )
+    .await;
+    live.with_held_claims(&["data"]).await;
+    let live_infra = live.infra_objects(None).await;
+    assert_eq!(live_infra.datavolumes.len(), 1, "{live_infra:?}");
 
     t.delete_parent().await;
     let runs = runs_once_gone(env, &t).await;
@@ -716,6 +729,180 @@ async fn without_the_gate_the_incident_era_hook_leaks_both_layers() {
         "every DataVolume, PVC and PV stayed in the management cluster"
     );
     assert!(!driver_deleted_a_datavolume(env, &t), "no DeleteVolume ran");
+
+    // What an operator installing volume-gate afterwards finds:
+    // `volume-gate orphans` lists exactly what leaked, and not the tenant
+    // that is still there.
+    orphans_lists_exactly_the_leak(env, &t, &infra, &live).await;
+}
+
+/// `(kind, name)` of each object in `infra`, as the report names them.
+fn leaked_objects(infra: &common::tenant::InfraObjects) -> BTreeSet<(String, String)> {
+    let of = |kind: &str, names: &[String]| {
+        names
+            .iter()
+            .map(|n| (kind.to_string(), n.clone()))
+            .collect::<Vec<_>>()
+    };
+    [
+        of("DataVolume", &infra.datavolumes),
+        of("PersistentVolumeClaim", &infra.claims),
+        of("PersistentVolume", &infra.volumes),
+    ]
+    .concat()
+    .into_iter()
+    .collect()
+}
+
+/// Runs the real `volume-gate orphans` with `kubeconfig`; its stdout.
+fn orphans(kubeconfig: &std::path::Path, args: &[&str]) -> String {
+    let out = std::process::Command::new(common::gate::binary())
+        .arg("orphans")
+        .args(args)
+        .env("KUBECONFIG", kubeconfig)
+        .output()
+        .expect("run volume-gate orphans");
+    assert!(
+        out.status.success(),
+        "volume-gate orphans {args:?}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).expect("UTF-8 output")
+}
+
+/// The report's rows as `(kind, name)`, and the tenants they name.
+fn rows(report: &serde_json::Value) -> (BTreeSet<(String, String)>, BTreeSet<String>) {
+    let orphans = report["orphans"].as_array().expect("orphans array");
+    let objects = orphans
+        .iter()
+        .map(|o| {
+            (
+                o["kind"].as_str().unwrap().to_string(),
+                o["name"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    let tenants = orphans
+        .iter()
+        .filter_map(|o| o["tenant"].as_str().map(str::to_string))
+        .collect();
+    (objects, tenants)
+}
+
+/// The report on the cluster the incident left, run as the worker's
+/// ServiceAccount with the shipped ClusterRole (what `kubectl exec` into the
+/// worker's Pod runs as): exactly `infra`, all of `t`, never `live`'s.
+async fn orphans_lists_exactly_the_leak(
+    env: &common::Env,
+    t: &Tenant,
+    infra: &common::tenant::InfraObjects,
+    live: &Tenant,
+) {
+    let leaked = leaked_objects(infra);
+    assert!(
+        !infra.claims.is_empty() && !infra.volumes.is_empty(),
+        "the leak has all three layers: {infra:?}"
+    );
+    // The worker's identity as shipped: its ServiceAccount, ClusterRole and
+    // binding from manifests/base (no worker runs in this binary's world).
+    let client = env.cp.management_client().await;
+    for doc in common::manifests::base_documents().iter().filter(|d| {
+        let name = d["metadata"]["name"].as_str().unwrap_or("");
+        match common::manifests::kind_of(d) {
+            "Namespace" => true,
+            "ServiceAccount" | "ClusterRole" | "ClusterRoleBinding" => {
+                name == common::gate::WORKER_SA
+            }
+            _ => false,
+        }
+    }) {
+        common::manifests::apply(&client, doc).await;
+    }
+    let worker = env
+        .cp
+        .service_account_kubeconfig(common::gate::NAMESPACE, common::gate::WORKER_SA)
+        .await;
+    let mine = format!("{}/{}", t.namespace, t.name);
+
+    let report: serde_json::Value =
+        serde_json::from_str(&orphans(&worker, &["-n", &t.namespace, "-o", "json"]))
+            .expect("the JSON report");
+    let (objects, tenants) = rows(&report);
+    assert_eq!(
+        objects, leaked,
+        "exactly the leaked DataVolumes, PVCs and PVs: {report:#}"
+    );
+    assert_eq!(tenants, BTreeSet::from([mine.clone()]), "{report:#}");
+    assert_eq!(report["skipped"], json!([]), "every kind is served here");
+
+    // Cluster-wide: what is listed of this namespace is the same, and no
+    // row names a tenant whose parent exists (earlier tests' leaks may be
+    // listed: their tenants are gone too).
+    let report: serde_json::Value =
+        serde_json::from_str(&orphans(&worker, &["-o", "json"])).expect("the JSON report");
+    let here: BTreeSet<(String, String)> = report["orphans"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .filter(|o| o["tenant"].as_str() == Some(mine.as_str()))
+        .map(|o| {
+            (
+                o["kind"].as_str().unwrap().to_string(),
+                o["name"].as_str().unwrap().to_string(),
+            )
+        })
+        .collect();
+    assert_eq!(here, leaked, "{report:#}");
+    let parents: Api<DynamicObject> =
+        Api::all_with(client.clone(), &common::gate::helmrelease_resource());
+    let existing: BTreeSet<String> = parents
+        .list_metadata(&kube::api::ListParams::default())
+        .await
+        .expect("list HelmReleases")
+        .items
+        .iter()
+        .map(|p| {
+            format!(
+                "{}/{}",
+                p.metadata.namespace.as_deref().unwrap_or(""),
+                p.metadata.name.as_deref().unwrap_or("")
+            )
+        })
+        .collect();
+    assert!(
+        existing.contains(&format!("{}/{}", live.namespace, live.name)),
+        "the live tenant's parent exists: {existing:?}"
+    );
+    let (objects, tenants) = rows(&report);
+    assert!(
+        tenants.is_disjoint(&existing),
+        "a tenant that exists is named: {:?}",
+        tenants.intersection(&existing).collect::<Vec<_>>()
+    );
+    let live_objects = leaked_objects(&live.infra_objects(None).await);
+    assert!(
+        objects.is_disjoint(&live_objects),
+        "the live tenant's disks are listed: {report:#}"
+    );
+
+    // The table, with the operator's own kubeconfig: a header and one row
+    // per leaked object, each naming the object.
+    let table = orphans(&env.cp.management.kubeconfig, &["-n", &t.namespace]);
+    let lines: Vec<&str> = table.lines().collect();
+    assert!(
+        lines[0].starts_with("KIND") && lines[0].contains("FREE WITH"),
+        "{table}"
+    );
+    assert_eq!(lines.len(), 1 + leaked.len(), "{table}");
+    for (kind, name) in &leaked {
+        assert!(
+            lines[1..].iter().any(|l| {
+                let cells: Vec<&str> = l.split_whitespace().collect();
+                cells.first() == Some(&kind.as_str()) && cells.get(2) == Some(&name.as_str())
+            }),
+            "no row for {kind} {name}:\n{table}"
+        );
+    }
 }
 
 /// Upstream's later answer, step 5 (`--wait=false`, no check): it deletes

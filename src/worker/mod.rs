@@ -13,7 +13,8 @@
 //! - [`custody`], [`identity`], [`tenant`]: the finalizer, the cluster binding,
 //!   the tenant API
 //! - [`events`], [`errors`]: the Event reasons and the error kinds, each once
-//! - [`status`]: the `status` command
+//! - [`status`]: the `status` command; [`orphans`]: the `orphans` command
+//!   (what tenants gone before the gate left on the management cluster)
 
 pub mod binding;
 pub mod context;
@@ -21,6 +22,7 @@ pub mod custody;
 pub mod errors;
 pub mod events;
 pub mod next;
+pub mod orphans;
 pub mod reconcile;
 pub mod release;
 pub mod run;

@@ -8,6 +8,7 @@ use serde::Serialize;
 use super::custody::list_parents;
 use crate::profile::Profile;
 use crate::record::{Keys, Record};
+use crate::text::{age, columns};
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct StatusArgs {
@@ -73,20 +74,6 @@ pub fn tenant_status(
     }
 }
 
-/// `5m`, `3h`, `2d`, as kubectl prints ages.
-pub fn age(created: Option<&str>, now: jiff::Timestamp) -> String {
-    let Some(t) = created.and_then(|c| c.parse::<jiff::Timestamp>().ok()) else {
-        return "<unknown>".into();
-    };
-    let secs = (now.as_second() - t.as_second()).max(0);
-    match secs {
-        s if s < 120 => format!("{s}s"),
-        s if s < 2 * 3600 => format!("{}m", s / 60),
-        s if s < 48 * 3600 => format!("{}h", s / 3600),
-        s => format!("{}d", s / 86400),
-    }
-}
-
 /// How long a tenant in teardown has waited since its deletion, until its
 /// release ends (`Released` or `Overridden`); `-` otherwise.
 pub fn waiting(r: &TenantStatus, now: jiff::Timestamp) -> String {
@@ -144,20 +131,7 @@ pub fn render_table(rows: &[TenantStatus], wide: bool, now: jiff::Timestamp) -> 
         }
         table.push(row);
     }
-    let widths: Vec<usize> = (0..table[0].len())
-        .map(|c| table.iter().map(|r| r[c].len()).max().unwrap_or(0))
-        .collect();
-    let mut out = String::new();
-    for row in &table {
-        let line: Vec<String> = row
-            .iter()
-            .enumerate()
-            .map(|(i, cell)| format!("{cell:<w$}", w = widths[i]))
-            .collect();
-        out.push_str(line.join("   ").trim_end());
-        out.push('\n');
-    }
-    out
+    columns(&table)
 }
 
 pub async fn run(args: StatusArgs) -> Result<(), String> {
@@ -240,15 +214,5 @@ mod tests {
             r.phase = ended.into();
             assert_eq!(waiting(&r, now), "-", "{ended}");
         }
-    }
-
-    #[test]
-    fn ages_read_like_kubectl() {
-        let now: jiff::Timestamp = "2026-12-05T00:00:00Z".parse().unwrap();
-        assert_eq!(age(Some("2026-12-04T23:59:30Z"), now), "30s");
-        assert_eq!(age(Some("2026-12-04T23:00:00Z"), now), "60m");
-        assert_eq!(age(Some("2026-12-04T00:00:00Z"), now), "24h");
-        assert_eq!(age(Some("2026-12-01T00:00:00Z"), now), "4d");
-        assert_eq!(age(None, now), "<unknown>");
     }
 }
