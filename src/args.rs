@@ -2,8 +2,10 @@
 //! both long-running roles share ([`CommonArgs`]), each role's own, and the
 //! one duration parser.
 
+use std::fmt;
 use std::net::SocketAddr;
 use std::path::PathBuf;
+use std::str::FromStr;
 use std::time::Duration;
 
 /// AdmissionReview bodies larger than this are refused, so it must exceed
@@ -35,20 +37,59 @@ impl ProfileArg {
 /// What the webhook and the worker both take (`runtime::Runtime`).
 #[derive(clap::Args, Debug, Clone)]
 pub struct CommonArgs {
-    /// Plain-HTTP address for /healthz, /readyz and /metrics.
-    #[arg(long, default_value = "0.0.0.0:8080", env = "VOLUME_GATE_ADMIN_LISTEN")]
-    pub admin_listen: SocketAddr,
+    /// Plain-HTTP address for /healthz, /readyz and /metrics: `:PORT` for
+    /// every address of the host (IPv6 and IPv4), or `IP:PORT`.
+    #[arg(long, default_value = ":8080", env = "VOLUME_GATE_ADMIN_LISTEN")]
+    pub admin_listen: ListenAddr,
     #[command(flatten)]
     pub profile: ProfileArg,
+}
+
+/// Where a server listens (`--listen`, `--admin-listen`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub enum ListenAddr {
+    /// `:PORT`: every address of the host, IPv6 and IPv4 alike (one
+    /// dual-stack socket; IPv4 only on a host without IPv6). A Pod's
+    /// addresses are whatever its cluster gives it, one family or both.
+    Every(u16),
+    /// `IP:PORT` (`[IPv6]:PORT`): that address only.
+    Addr(SocketAddr),
+}
+
+impl FromStr for ListenAddr {
+    type Err = String;
+
+    fn from_str(s: &str) -> Result<Self, String> {
+        let bad = || {
+            format!(
+                "{s:?} is not an address to listen on: use :PORT for every address \
+                 (IPv6 and IPv4), or IP:PORT ([IPv6]:PORT) for one"
+            )
+        };
+        match s.strip_prefix(':') {
+            Some(port) => port.parse().map(ListenAddr::Every).map_err(|_| bad()),
+            None => s.parse().map(ListenAddr::Addr).map_err(|_| bad()),
+        }
+    }
+}
+
+impl fmt::Display for ListenAddr {
+    fn fmt(&self, f: &mut fmt::Formatter<'_>) -> fmt::Result {
+        match self {
+            ListenAddr::Every(port) => write!(f, ":{port}"),
+            ListenAddr::Addr(addr) => addr.fmt(f),
+        }
+    }
 }
 
 #[derive(clap::Args, Debug, Clone)]
 pub struct WebhookArgs {
     #[command(flatten)]
     pub common: CommonArgs,
-    /// HTTPS address for admission reviews.
-    #[arg(long, default_value = "0.0.0.0:8443", env = "VOLUME_GATE_LISTEN")]
-    pub listen: SocketAddr,
+    /// HTTPS address for admission reviews: `:PORT` for every address of
+    /// the host (IPv6 and IPv4), or `IP:PORT`.
+    #[arg(long, default_value = ":8443", env = "VOLUME_GATE_LISTEN")]
+    pub listen: ListenAddr,
     /// Serving certificate (PEM); reloaded when it changes.
     #[arg(long, default_value = "/etc/volume-gate/tls/tls.crt")]
     pub tls_cert: PathBuf,
@@ -188,6 +229,38 @@ mod tests {
         assert!(parse_duration("ten").unwrap_err().contains("ten"));
         assert!(parse_duration("").is_err());
         assert!(parse_duration("5d").is_err(), "days are not a fixed length");
+    }
+
+    #[test]
+    fn listen_addresses_are_every_address_or_one() {
+        assert_eq!(":8443".parse(), Ok(ListenAddr::Every(8443)));
+        assert_eq!(":0".parse(), Ok(ListenAddr::Every(0)));
+        assert_eq!(
+            "127.0.0.1:8080".parse(),
+            Ok(ListenAddr::Addr("127.0.0.1:8080".parse().unwrap()))
+        );
+        assert_eq!(
+            "[::1]:8080".parse(),
+            Ok(ListenAddr::Addr("[::1]:8080".parse().unwrap()))
+        );
+        for bad in [
+            "8080",
+            ":",
+            ":http",
+            ":65536",
+            "localhost:8080",
+            "::1:8080",
+            "",
+        ] {
+            let e = bad.parse::<ListenAddr>().unwrap_err();
+            assert!(
+                e.contains(&format!("{bad:?}")) && e.contains(":PORT"),
+                "{e}"
+            );
+        }
+        for text in [":8443", "127.0.0.1:8080", "[::1]:8080"] {
+            assert_eq!(text.parse::<ListenAddr>().unwrap().to_string(), text);
+        }
     }
 
     #[test]

@@ -65,8 +65,37 @@ fn take_hooks(docs: &mut BTreeMap<Key, Value>) -> BTreeMap<Key, Value> {
         .collect()
 }
 
+/// Helm's standard labels of a release: on every object the chart renders
+/// (and its Pods), not in the kustomize base, which no release installs.
+/// The one difference [`assert_same`] forgives.
+const RELEASE_LABELS: [&str; 4] = [
+    "helm.sh/chart",
+    "app.kubernetes.io/instance",
+    "app.kubernetes.io/version",
+    "app.kubernetes.io/managed-by",
+];
+
+/// Where an object carries labels: its own, and its Pod template's.
+const LABEL_PATHS: [&str; 2] = ["/metadata/labels", "/spec/template/metadata/labels"];
+
+/// `doc` without [`RELEASE_LABELS`], each of which it must carry.
+fn without_release_labels(k: &Key, mut doc: Value) -> Value {
+    for path in LABEL_PATHS {
+        let Some(labels) = doc.pointer_mut(path).and_then(Value::as_object_mut) else {
+            continue;
+        };
+        for l in RELEASE_LABELS {
+            assert!(labels.remove(l).is_some(), "{k:?} {path} has no {l}");
+        }
+    }
+    doc
+}
+
 fn assert_same(chart: &BTreeMap<Key, Value>, kustomized: &BTreeMap<Key, Value>, what: &str) {
-    let mut chart = chart.clone();
+    let mut chart: BTreeMap<Key, Value> = chart
+        .iter()
+        .map(|(k, d)| (k.clone(), without_release_labels(k, d.clone())))
+        .collect();
     take_hooks(&mut chart);
     assert_eq!(
         chart.keys().collect::<Vec<_>>(),
@@ -118,6 +147,24 @@ fn helm_lint_passes_for_the_default_values_and_each_option() {
         assert!(out.status.success(), "helm lint {sets:?}:\n{text}");
         assert!(text.contains("0 chart(s) failed"), "{text}");
     }
+    // Every knob set at once.
+    let (_dir, file) = values_file(EVERY_KNOB);
+    let out = helm(&[
+        "lint",
+        CHART,
+        "--strict",
+        "--namespace",
+        "volume-gate",
+        "-f",
+        &file,
+    ]);
+    let text = format!(
+        "{}{}",
+        String::from_utf8_lossy(&out.stdout),
+        String::from_utf8_lossy(&out.stderr)
+    );
+    assert!(out.status.success(), "helm lint with every knob:\n{text}");
+    assert!(text.contains("0 chart(s) failed"), "{text}");
 }
 
 #[test]
@@ -246,7 +293,6 @@ fn values_reach_the_objects_and_every_argument_is_a_flag_the_binary_has() {
             "worker.infraAfter=5m",
             "worker.maxConcurrentReleases=8",
             "webhook.timeoutSeconds=10",
-            "webhook.minAvailable=2",
             "profile=name: acme",
         ],
     );
@@ -303,10 +349,6 @@ fn values_reach_the_objects_and_every_argument_is_a_flag_the_binary_has() {
             .as_str()
             .map(str::trim_end),
         Some("name: acme")
-    );
-    assert_eq!(
-        get(&docs, "PodDisruptionBudget", ns, "volume-gate-webhook")["spec"]["minAvailable"],
-        2
     );
     for kind in WEBHOOK_CONFIGURATIONS {
         for w in get(&docs, kind, "", "volume-gate")["webhooks"]
@@ -898,5 +940,548 @@ fn the_metric_name_reader_finds_names_and_skips_functions_labels_and_groupings()
     assert_eq!(
         n,
         BTreeSet::from(["volume_gate_x_bucket".to_string(), "kube_y".to_string()])
+    );
+}
+
+/// Every placement, label and argument knob of both roles, each role's
+/// values distinct so that one cannot reach the other's Pods unseen.
+const EVERY_KNOB: &str = r#"
+image:
+  registry: mirror.example.com:5000/ghcr
+imagePullSecrets:
+  - name: mirror-pull
+webhook:
+  replicas: 3
+  priorityClassName: gate-critical
+  nodeSelector:
+    node-role.kubernetes.io/control-plane: ""
+  tolerations:
+    - key: node-role.kubernetes.io/control-plane
+      operator: Exists
+      effect: NoSchedule
+  affinity:
+    nodeAffinity:
+      requiredDuringSchedulingIgnoredDuringExecution:
+        nodeSelectorTerms:
+          - matchExpressions:
+              - key: kubernetes.io/arch
+                operator: In
+                values: [amd64]
+  topologySpreadConstraints:
+    - maxSkew: 1
+      topologyKey: topology.kubernetes.io/zone
+      whenUnsatisfiable: ScheduleAnyway
+      labelSelector:
+        matchLabels:
+          app.kubernetes.io/name: volume-gate
+          app.kubernetes.io/component: webhook
+  podLabels:
+    team: storage
+    sidecar.istio.io/inject: "false"
+  podAnnotations:
+    example.com/owner: storage-team
+  extraArgs:
+    - --cert-reload-interval=10s
+  extraEnv:
+    - name: HTTPS_PROXY
+      value: http://proxy.example.com:3128
+worker:
+  replicas: 3
+  priorityClassName: worker-high
+  nodeSelector:
+    pool: system
+  tolerations:
+    - key: dedicated
+      operator: Equal
+      value: system
+      effect: NoExecute
+  affinity:
+    podAntiAffinity:
+      requiredDuringSchedulingIgnoredDuringExecution:
+        - topologyKey: kubernetes.io/hostname
+          labelSelector:
+            matchLabels:
+              app.kubernetes.io/name: volume-gate
+              app.kubernetes.io/component: worker
+  topologySpreadConstraints:
+    - maxSkew: 1
+      topologyKey: kubernetes.io/hostname
+      whenUnsatisfiable: DoNotSchedule
+      labelSelector:
+        matchLabels:
+          app.kubernetes.io/name: volume-gate
+          app.kubernetes.io/component: worker
+  podLabels:
+    team: platform
+  podAnnotations:
+    example.com/owner: platform-team
+  extraArgs:
+    - --retry-base=1m
+    - --lease-duration=20s
+  extraEnv:
+    - name: RUST_BACKTRACE
+      value: "1"
+    - name: NODE_NAME
+      valueFrom:
+        fieldRef:
+          fieldPath: spec.nodeName
+"#;
+
+/// `yaml` as a values file: the directory that holds it, and its path.
+fn values_file(yaml: &str) -> (tempfile::TempDir, String) {
+    let dir = tempfile::tempdir().unwrap();
+    let file = dir.path().join("values.yaml");
+    std::fs::write(&file, yaml).unwrap();
+    let path = file.to_str().unwrap().to_string();
+    (dir, path)
+}
+
+/// `helm template` with the values file `yaml`, then `sets`: the documents,
+/// or helm's error output.
+fn try_render(ns: &str, yaml: &str, sets: &[&str]) -> Result<BTreeMap<Key, Value>, String> {
+    let (_dir, file) = values_file(yaml);
+    let mut a = vec![
+        "template",
+        "volume-gate",
+        CHART,
+        "--namespace",
+        ns,
+        "-f",
+        &file,
+    ];
+    for s in sets {
+        a.extend(["--set", s]);
+    }
+    let out = helm(&a);
+    if !out.status.success() {
+        return Err(String::from_utf8_lossy(&out.stderr).into_owned());
+    }
+    let docs: Vec<Value> =
+        serde_saphyr::from_multiple(&String::from_utf8(out.stdout).unwrap()).expect("YAML");
+    Ok(docs
+        .into_iter()
+        .filter(|d| !d.is_null())
+        .map(|d| (common::chart::key(&d), d))
+        .collect())
+}
+
+fn render(ns: &str, yaml: &str, sets: &[&str]) -> BTreeMap<Key, Value> {
+    try_render(ns, yaml, sets).unwrap_or_else(|e| panic!("helm template: {e}"))
+}
+
+/// The Pod specs the chart renders: each role's, and the uninstall hook's.
+fn pod_specs(docs: &BTreeMap<Key, Value>, ns: &str) -> [(&'static str, Value); 3] {
+    let pod = |kind: &str, name: &str| get(docs, kind, ns, name)["spec"]["template"].clone();
+    [
+        ("webhook", pod("Deployment", "volume-gate-webhook")),
+        ("worker", pod("Deployment", "volume-gate-worker")),
+        ("uninstall", pod("Job", "volume-gate-uninstall")),
+    ]
+}
+
+/// The part of the values file `EVERY_KNOB` under `path` (`/worker/affinity`).
+fn knob(path: &str) -> Value {
+    let values: Value = serde_saphyr::from_str(EVERY_KNOB).unwrap();
+    values
+        .pointer(path)
+        .unwrap_or_else(|| panic!("{path} in EVERY_KNOB"))
+        .clone()
+}
+
+#[test]
+fn the_registry_override_and_pull_secrets_reach_every_pod() {
+    let ns = "volume-gate";
+    // Default: ghcr.io, no pull secret.
+    for (role, pod) in pod_specs(&template(ns, &[]), ns) {
+        let spec = &pod["spec"];
+        assert_eq!(
+            spec["containers"][0]["image"], "ghcr.io/cozystack/volume-gate:0.1.0",
+            "{role}"
+        );
+        assert!(spec["imagePullSecrets"].is_null(), "{role}: {spec}");
+    }
+    let docs = render(ns, EVERY_KNOB, &[]);
+    for (role, pod) in pod_specs(&docs, ns) {
+        let spec = &pod["spec"];
+        assert_eq!(
+            spec["containers"][0]["image"],
+            "mirror.example.com:5000/ghcr/cozystack/volume-gate:0.1.0",
+            "{role}"
+        );
+        assert_eq!(
+            spec["imagePullSecrets"],
+            json!([{"name": "mirror-pull"}]),
+            "{role}"
+        );
+    }
+    // An empty registry: the repository alone, pinned as before.
+    let digest = "sha256:0123456789abcdef0123456789abcdef0123456789abcdef0123456789abcdef";
+    let docs = template(
+        ns,
+        &[
+            "image.registry=",
+            "image.repository=volume-gate",
+            &format!("image.digest={digest}"),
+        ],
+    );
+    for (role, pod) in pod_specs(&docs, ns) {
+        assert_eq!(
+            pod["spec"]["containers"][0]["image"],
+            format!("volume-gate:0.1.0@{digest}"),
+            "{role}"
+        );
+    }
+}
+
+#[test]
+fn scheduling_values_reach_each_roles_pods_and_the_uninstall_hook_runs_where_the_worker_does() {
+    let ns = "volume-gate";
+    // Default: no priority, selector or toleration; replicas spread over
+    // nodes by a preferred anti-affinity on the role's own labels.
+    for (role, pod) in pod_specs(&template(ns, &[]), ns) {
+        let spec = &pod["spec"];
+        for k in [
+            "priorityClassName",
+            "nodeSelector",
+            "tolerations",
+            "topologySpreadConstraints",
+        ] {
+            assert!(spec[k].is_null(), "{role}: {k} by default: {}", spec[k]);
+        }
+        if role == "uninstall" {
+            assert!(spec["affinity"].is_null(), "one Pod: nothing to spread");
+            continue;
+        }
+        let term = &spec["affinity"]["podAntiAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"]
+            [0]["podAffinityTerm"];
+        assert_eq!(term["topologyKey"], "kubernetes.io/hostname", "{role}");
+        assert_eq!(
+            term["labelSelector"]["matchLabels"],
+            json!({"app.kubernetes.io/name": "volume-gate", "app.kubernetes.io/component": role}),
+            "{role}"
+        );
+    }
+    // Set: each role's own, the default affinity replaced; the hook as
+    // the worker, but for the spread.
+    let docs = render(ns, EVERY_KNOB, &[]);
+    for (role, pod) in pod_specs(&docs, ns) {
+        let spec = &pod["spec"];
+        let from = if role == "webhook" {
+            "webhook"
+        } else {
+            "worker"
+        };
+        for k in [
+            "priorityClassName",
+            "nodeSelector",
+            "tolerations",
+            "affinity",
+        ] {
+            assert_eq!(spec[k], knob(&format!("/{from}/{k}")), "{role}: {k}");
+        }
+        let spread = &spec["topologySpreadConstraints"];
+        if role == "uninstall" {
+            assert!(spread.is_null(), "the hook's one Pod is not spread");
+        } else {
+            assert_eq!(*spread, knob(&format!("/{role}/topologySpreadConstraints")));
+        }
+    }
+    // The worker's affinity alone replaces the worker's default (and is
+    // the hook's); the webhook keeps its own.
+    let docs = render(
+        ns,
+        "worker:\n  affinity:\n    nodeAffinity:\n      preferredDuringSchedulingIgnoredDuringExecution:\n        - weight: 1\n          preference:\n            matchExpressions: [{key: pool, operator: In, values: [system]}]\n",
+        &[],
+    );
+    let [(_, webhook), (_, worker), (_, hook)] = pod_specs(&docs, ns);
+    assert!(!webhook["spec"]["affinity"]["podAntiAffinity"].is_null());
+    for spec in [&worker["spec"], &hook["spec"]] {
+        assert!(spec["affinity"]["podAntiAffinity"].is_null(), "{spec}");
+        assert_eq!(
+            spec["affinity"]["nodeAffinity"]["preferredDuringSchedulingIgnoredDuringExecution"][0]
+                ["weight"],
+            1
+        );
+    }
+}
+
+#[test]
+fn pod_labels_and_annotations_reach_the_pods_and_a_selector_label_is_refused() {
+    let ns = "volume-gate";
+    let docs = render(ns, EVERY_KNOB, &["profile=name: acme"]);
+    for role in ["webhook", "worker"] {
+        let d = get(&docs, "Deployment", ns, &format!("volume-gate-{role}"));
+        let meta = &d["spec"]["template"]["metadata"];
+        for (k, v) in knob(&format!("/{role}/podLabels")).as_object().unwrap() {
+            assert_eq!(&meta["labels"][k], v, "{role}: podLabels {k}");
+        }
+        for (k, v) in knob(&format!("/{role}/podAnnotations"))
+            .as_object()
+            .unwrap()
+        {
+            assert_eq!(&meta["annotations"][k], v, "{role}: podAnnotations {k}");
+        }
+        // The chart's own annotation is kept beside them.
+        assert!(!meta["annotations"]["checksum/profile"].is_null(), "{role}");
+        // The selector is as it was, and still selects the Pods.
+        let selector = &d["spec"]["selector"]["matchLabels"];
+        assert_eq!(
+            *selector,
+            json!({"app.kubernetes.io/name": "volume-gate", "app.kubernetes.io/component": role})
+        );
+        for (k, v) in selector.as_object().unwrap() {
+            assert_eq!(
+                &meta["labels"][k], v,
+                "{role}: the selector selects its Pods"
+            );
+        }
+        // The Deployment's own labels are not the Pods'.
+        assert!(d["metadata"]["labels"]["team"].is_null(), "{role}");
+    }
+    // None by default.
+    let plain = template(ns, &[]);
+    let meta = &get(&plain, "Deployment", ns, "volume-gate-worker")["spec"]["template"]["metadata"];
+    assert!(meta["annotations"].is_null(), "{meta}");
+    // A key that would change what the selector matches is refused, naming it.
+    for (role, key) in [
+        ("webhook", "app.kubernetes.io/component"),
+        ("worker", "app.kubernetes.io/name"),
+    ] {
+        let err = try_render(
+            ns,
+            &format!("{role}:\n  podLabels:\n    {key}: other\n"),
+            &[],
+        )
+        .expect_err("refused");
+        for w in [
+            format!("{role}.podLabels"),
+            format!("{key:?}"),
+            "selector".into(),
+            "use another key".into(),
+        ] {
+            assert!(err.contains(&w), "{role} {key}: {w:?} not in {err}");
+        }
+    }
+}
+
+#[test]
+fn extra_args_and_env_are_appended_to_each_roles_container() {
+    let ns = "volume-gate";
+    let plain = template(ns, &[]);
+    let docs = render(ns, EVERY_KNOB, &[]);
+    for role in ["webhook", "worker"] {
+        let deployment = format!("volume-gate-{role}");
+        let before = container(&plain, ns, &deployment);
+        let after = container(&docs, ns, &deployment);
+        // The chart's arguments, then the extra ones, in order.
+        let extra: Vec<String> = knob(&format!("/{role}/extraArgs"))
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|a| a.as_str().unwrap().to_string())
+            .collect();
+        let (a, b) = (args(after), args(before));
+        assert_eq!(a[..b.len()], b[..], "{role}");
+        assert_eq!(a[b.len()..], extra[..], "{role}");
+        let env = after["env"].as_array().unwrap();
+        let base = before["env"].as_array().unwrap();
+        assert_eq!(env[..base.len()], base[..], "{role}");
+        assert_eq!(
+            Value::Array(env[base.len()..].to_vec()),
+            knob(&format!("/{role}/extraEnv")),
+            "{role}"
+        );
+    }
+    // The extra arguments are flags the binary has: the chart passes them
+    // through, `volume-gate <role> --help` must know them.
+    for (role, flag) in [
+        ("webhook", "--cert-reload-interval"),
+        ("worker", "--retry-base"),
+        ("worker", "--lease-duration"),
+    ] {
+        let help = Command::new(binary())
+            .args([role, "--help"])
+            .output()
+            .unwrap();
+        assert!(
+            String::from_utf8_lossy(&help.stdout).contains(flag),
+            "{role} {flag}"
+        );
+    }
+}
+
+#[test]
+fn every_object_carries_the_standard_labels_and_the_selectors_are_unchanged() {
+    let ns = "volume-gate";
+    let chart: Value =
+        serde_saphyr::from_str(&std::fs::read_to_string(format!("{CHART}/Chart.yaml")).unwrap())
+            .unwrap();
+    let version = chart["version"].as_str().unwrap();
+    let app_version = chart["appVersion"].as_str().unwrap();
+    let release = |component: Option<&str>| {
+        let mut l = json!({
+            "app.kubernetes.io/name": "volume-gate",
+            "helm.sh/chart": format!("volume-gate-{version}"),
+            "app.kubernetes.io/instance": "volume-gate",
+            "app.kubernetes.io/version": app_version,
+            "app.kubernetes.io/managed-by": "Helm",
+        });
+        if let Some(c) = component {
+            l["app.kubernetes.io/component"] = json!(c);
+        }
+        l
+    };
+    // Every object of both certificate modes, the profile and the hooks.
+    let mut all = template(ns, &["profile=name: acme"]);
+    all.extend(template(
+        ns,
+        &[
+            "certificates.mode=secret",
+            &format!("certificates.caBundle={CA}"),
+        ],
+    ));
+    assert!(all.len() >= 25, "{:?}", all.keys());
+    for (k, d) in &all {
+        let labels = d["metadata"]["labels"].as_object().unwrap();
+        let component = labels
+            .get("app.kubernetes.io/component")
+            .map(|c| c.as_str().unwrap());
+        assert_eq!(
+            d["metadata"]["labels"],
+            release(component),
+            "{k:?}: the standard labels, and no others"
+        );
+        if let Some(pod) = d.pointer("/spec/template/metadata/labels") {
+            assert_eq!(*pod, release(component), "{k:?}: its Pods' labels");
+        }
+    }
+    // The selectors are what releases before these labels had: a
+    // Deployment's selector cannot change on upgrade.
+    let selector = |c: &str| json!({"app.kubernetes.io/name": "volume-gate", "app.kubernetes.io/component": c});
+    for c in ["webhook", "worker"] {
+        let name = format!("volume-gate-{c}");
+        assert_eq!(
+            get(&all, "Deployment", ns, &name)["spec"]["selector"],
+            json!({"matchLabels": selector(c)})
+        );
+        assert_eq!(
+            get(&all, "PodDisruptionBudget", ns, &name)["spec"]["selector"],
+            json!({"matchLabels": selector(c)})
+        );
+    }
+    assert_eq!(
+        get(&all, "Service", ns, "volume-gate-webhook")["spec"]["selector"],
+        selector("webhook")
+    );
+    // As the kustomize base has them.
+    let base = without_namespace(kustomize("manifests"));
+    for (kind, name, path) in [
+        ("Deployment", "volume-gate-webhook", "/spec/selector"),
+        ("Deployment", "volume-gate-worker", "/spec/selector"),
+        ("Service", "volume-gate-webhook", "/spec/selector"),
+        (
+            "PodDisruptionBudget",
+            "volume-gate-webhook",
+            "/spec/selector",
+        ),
+        (
+            "PodDisruptionBudget",
+            "volume-gate-worker",
+            "/spec/selector",
+        ),
+    ] {
+        assert_eq!(
+            get(&all, kind, ns, name).pointer(path),
+            get(&base, kind, ns, name).pointer(path),
+            "{kind} {name}"
+        );
+    }
+}
+
+#[test]
+fn the_disruption_budget_evicts_one_pod_at_a_time_and_a_single_replica_has_none() {
+    let ns = "volume-gate";
+    let pdb = |docs: &BTreeMap<Key, Value>, role: &str| {
+        docs.get(&(
+            "PodDisruptionBudget".into(),
+            ns.into(),
+            format!("volume-gate-{role}"),
+        ))
+        .map(|d| d["spec"].clone())
+    };
+    let docs = template(ns, &[]);
+    for role in ["webhook", "worker"] {
+        assert_eq!(
+            pdb(&docs, role),
+            Some(json!({
+                "maxUnavailable": 1,
+                "selector": {"matchLabels": {
+                    "app.kubernetes.io/name": "volume-gate",
+                    "app.kubernetes.io/component": role,
+                }},
+            })),
+            "{role}: replicas 2"
+        );
+    }
+    let docs = template(ns, &["webhook.replicas=1"]);
+    assert_eq!(pdb(&docs, "webhook"), None, "one webhook replica");
+    assert!(pdb(&docs, "worker").is_some(), "the worker keeps its");
+    let docs = template(ns, &["worker.replicas=1"]);
+    assert_eq!(pdb(&docs, "worker"), None, "one worker replica");
+    assert!(pdb(&docs, "webhook").is_some());
+    // The old value names what replaced it.
+    let err = try_template(ns, &["webhook.minAvailable=1"]).expect_err("refused");
+    for w in [
+        "webhook.minAvailable",
+        "maxUnavailable: 1",
+        "remove the value",
+    ] {
+        assert!(err.contains(w), "{w:?} not in {err}");
+    }
+}
+
+#[test]
+fn the_values_schema_refuses_a_misspelled_or_mistyped_value_naming_it() {
+    let ns = "volume-gate";
+    for (sets, wanted) in [
+        (&["webhook.replica=3"][..], &["replica", "webhook"][..]),
+        (
+            &["worker.nodeSelecter.pool=system"],
+            &["nodeSelecter", "worker"],
+        ),
+        (
+            &["image.registery=mirror.example.com"],
+            &["registery", "image"],
+        ),
+        (&["imagePullSecret[0].name=x"], &["imagePullSecret"]),
+        (
+            &["monitoring.prometheusRule.blockedFor=30m"],
+            &["blockedFor"],
+        ),
+        (&["webhook.replicas=two"], &["replicas", "integer"]),
+        (&["worker.tolerations=none"], &["tolerations", "array"]),
+        (
+            &["monitoring.prometheusRule.certificateWarnDays=0"],
+            &["certificateWarnDays"],
+        ),
+    ] {
+        let err = try_template(ns, sets).expect_err("refused");
+        assert!(err.contains("schema"), "{sets:?}: not the schema: {err}");
+        for w in wanted {
+            assert!(err.contains(w), "{sets:?}: {w:?} not in {err}");
+        }
+    }
+    // Free-form maps take any key.
+    let docs = template(
+        ns,
+        &[
+            "worker.nodeSelector.any\\.key/x=y",
+            "webhook.podAnnotations.anything=z",
+            "webhook.resources.limits.cpu=1",
+        ],
+    );
+    assert_eq!(
+        get(&docs, "Deployment", ns, "volume-gate-worker")["spec"]["template"]["spec"]["nodeSelector"],
+        json!({"any.key/x": "y"})
     );
 }

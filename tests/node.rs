@@ -135,8 +135,13 @@ async fn the_chart_as_installed_runs_on_the_node_serves_admission_frees_a_tenant
         stop.clone(),
     ));
     let kubeconfig = cp.management.kubeconfig.to_str().unwrap().to_string();
+    // The same upgrade places both roles as the chart's scheduling values
+    // say (priorityClassName, nodeSelector, tolerations), on the node
+    // tainted meanwhile: the new Pods run only where all three let them.
+    let placement = Placement::prepare(cp, &client).await;
     let upgrade = {
         let (chart, kubeconfig, tag) = (chart.clone(), kubeconfig.clone(), tag.clone());
+        let values = placement.values.clone();
         tokio::task::spawn_blocking(move || {
             let tag = format!("image.tag={tag}");
             helm_ok(
@@ -152,6 +157,8 @@ async fn the_chart_as_installed_runs_on_the_node_serves_admission_frees_a_tenant
                     "--reuse-values",
                     "--set",
                     &tag,
+                    "-f",
+                    values.to_str().unwrap(),
                     "--wait",
                     "--timeout",
                     "4m",
@@ -159,15 +166,18 @@ async fn the_chart_as_installed_runs_on_the_node_serves_admission_frees_a_tenant
             )
         })
     };
-    upgrade.await.expect("helm upgrade");
-    let replicas = Api::<Deployment>::namespaced(client.clone(), NS)
-        .get("volume-gate-webhook")
-        .await
-        .expect("the webhook Deployment")
-        .spec
-        .replicas
-        .unwrap_or(1) as usize;
-    webhook_rolled_out(&pods, &next, replicas).await;
+    let notes = upgrade.await.expect("helm upgrade");
+    for component in ["webhook", "worker"] {
+        let replicas = Api::<Deployment>::namespaced(client.clone(), NS)
+            .get(&format!("volume-gate-{component}"))
+            .await
+            .unwrap_or_else(|e| panic!("the {component} Deployment: {e}"))
+            .spec
+            .replicas
+            .unwrap_or(1) as usize;
+        rolled_out(&pods, component, &next, replicas).await;
+        placement.check(&pods, component, replicas).await;
+    }
     stop.store(true, Ordering::SeqCst);
     let load = load.await.expect("load");
     println!(
@@ -183,6 +193,42 @@ async fn the_chart_as_installed_runs_on_the_node_serves_admission_frees_a_tenant
         load.failed.iter().take(3).collect::<Vec<_>>()
     );
     assert!(load.refused > 0, "the load ran");
+    placement.untaint();
+
+    // The chart's NOTES say how to see the state; run exactly what they
+    // print (`kubectl exec` into the worker, the CLI in the image): it
+    // lists the tenant the gate has in custody.
+    let status = notes
+        .lines()
+        .map(str::trim)
+        .find(|l| l.starts_with("kubectl ") && l.contains(" exec deploy/volume-gate-worker "))
+        .unwrap_or_else(|| panic!("the NOTES name the status command:\n{notes}"));
+    assert!(
+        notes.contains("docs/operations.md"),
+        "the NOTES name the runbook:\n{notes}"
+    );
+    let words: Vec<&str> = status.split_whitespace().skip(1).collect();
+    let out = cp
+        .kubectl(&cp.management.kubeconfig)
+        .args(&words)
+        .output()
+        .expect("kubectl exec");
+    let table = String::from_utf8_lossy(&out.stdout);
+    assert!(
+        out.status.success(),
+        "{status}: {table}{}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    let row = table
+        .lines()
+        .find(|l| {
+            l.split_whitespace()
+                .take(2)
+                .eq([u.namespace.as_str(), u.name.as_str()])
+        })
+        .unwrap_or_else(|| panic!("`{status}` lists {}/{}:\n{table}", u.namespace, u.name));
+    println!("{status}:\n{table}");
+    assert!(row.contains("NotStarted"), "{row}");
 
     // A tenant namespace deleted while its control plane and its CSI
     // controller run as Pods in it, as Kamaji and the tenant chart run
@@ -454,16 +500,17 @@ async fn dry_run_deletions(
     total
 }
 
-/// The chart's webhook Pods: exactly `replicas`, all running `image`,
+/// The chart's `component` Pods: exactly `replicas`, all running `image`,
 /// none terminating.
-async fn webhook_rolled_out(pods: &Api<Pod>, image: &str, replicas: usize) {
-    let selector = "app.kubernetes.io/name=volume-gate,app.kubernetes.io/component=webhook";
+async fn rolled_out(pods: &Api<Pod>, component: &str, image: &str, replicas: usize) {
+    let selector =
+        format!("app.kubernetes.io/name=volume-gate,app.kubernetes.io/component={component}");
     eventually(
-        "the webhook rolled out, the old Pods gone",
+        &format!("the {component} rolled out, the old Pods gone"),
         Duration::from_secs(180),
         || async {
             let list = pods
-                .list(&ListParams::default().labels(selector))
+                .list(&ListParams::default().labels(&selector))
                 .await
                 .map_err(|e| e.to_string())?;
             let seen: Vec<(Option<String>, String, bool)> = list
@@ -491,6 +538,138 @@ async fn webhook_rolled_out(pods: &Api<Pod>, image: &str, replicas: usize) {
         },
     )
     .await
+}
+
+/// The chart's scheduling values as the node test sets them: a
+/// PriorityClass it creates, a nodeSelector on the node's own hostname
+/// label, and a toleration of a NoSchedule taint it puts on the node.
+struct Placement {
+    cp: &'static common::cluster::ControlPlane,
+    values: std::path::PathBuf,
+    _dir: tempfile::TempDir,
+}
+
+const PRIORITY_CLASS: &str = "volume-gate-test-critical";
+const PRIORITY: i32 = 1_000_000;
+const TAINT: &str = "volume-gate.test/dedicated=gate:NoSchedule";
+
+impl Placement {
+    async fn prepare(cp: &'static common::cluster::ControlPlane, client: &kube::Client) -> Self {
+        use k8s_openapi::api::core::v1::Node;
+        use k8s_openapi::api::scheduling::v1::PriorityClass;
+        Api::<PriorityClass>::all(client.clone())
+            .create(
+                &Default::default(),
+                &PriorityClass {
+                    metadata: kube::api::ObjectMeta {
+                        name: Some(PRIORITY_CLASS.into()),
+                        ..Default::default()
+                    },
+                    value: Some(PRIORITY),
+                    ..Default::default()
+                },
+            )
+            .await
+            .expect("create the PriorityClass");
+        let node = Api::<Node>::all(client.clone())
+            .get(common::node::NODE)
+            .await
+            .expect("the node");
+        let hostname = node
+            .metadata
+            .labels
+            .unwrap_or_default()
+            .get("kubernetes.io/hostname")
+            .cloned()
+            .expect("the kubelet labels its node with its hostname");
+        let out = cp
+            .kubectl(&cp.management.kubeconfig)
+            .args(["taint", "node", common::node::NODE, TAINT])
+            .output()
+            .expect("kubectl taint");
+        assert!(
+            out.status.success(),
+            "taint the node: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+        let (key, rest) = TAINT.split_once('=').unwrap();
+        let (value, effect) = rest.split_once(':').unwrap();
+        let role = format!(
+            "  priorityClassName: {PRIORITY_CLASS}\n  nodeSelector:\n    kubernetes.io/hostname: {hostname}\n  \
+             tolerations:\n    - {{key: {key}, operator: Equal, value: {value}, effect: {effect}}}\n"
+        );
+        let dir = tempfile::tempdir().unwrap();
+        let values = dir.path().join("placement.yaml");
+        std::fs::write(&values, format!("webhook:\n{role}worker:\n{role}")).unwrap();
+        Placement {
+            cp,
+            values,
+            _dir: dir,
+        }
+    }
+
+    /// The `component`'s Pods are Running and Ready on the node, the
+    /// tainted one, with the priority the API server resolved from the
+    /// class (its Priority admission) and the values' selector and
+    /// toleration.
+    async fn check(&self, pods: &Api<Pod>, component: &str, replicas: usize) {
+        let (key, _) = TAINT.split_once('=').unwrap();
+        for pod in common::node::ready_on_the_node(pods, component, replicas).await {
+            let name = pod.metadata.name.clone().unwrap_or_default();
+            let spec = pod.spec.unwrap_or_default();
+            assert_eq!(
+                (spec.priority_class_name.as_deref(), spec.priority),
+                (Some(PRIORITY_CLASS), Some(PRIORITY)),
+                "{name}"
+            );
+            assert_eq!(
+                spec.node_selector
+                    .unwrap_or_default()
+                    .get("kubernetes.io/hostname")
+                    .map(String::as_str),
+                Some(common::node::NODE),
+                "{name}"
+            );
+            assert!(
+                spec.tolerations
+                    .unwrap_or_default()
+                    .iter()
+                    .any(|t| t.key.as_deref() == Some(key)),
+                "{name}"
+            );
+        }
+        // The node is still tainted: the toleration is what let them run.
+        let out = self
+            .cp
+            .kubectl(&self.cp.management.kubeconfig)
+            .args([
+                "get",
+                "node",
+                common::node::NODE,
+                "-o",
+                "jsonpath={.spec.taints[*].key}",
+            ])
+            .output()
+            .expect("kubectl get node");
+        let taints = String::from_utf8_lossy(&out.stdout);
+        assert!(taints.split_whitespace().any(|t| t == key), "{taints}");
+    }
+
+    /// Takes the taint off: the tenants' Pods to come do not tolerate it.
+    fn untaint(&self) {
+        let (key, _) = TAINT.split_once('=').unwrap();
+        let out = self
+            .cp
+            .kubectl(&self.cp.management.kubeconfig)
+            .args(["taint", "node", common::node::NODE, &format!("{key}-")])
+            .output()
+            .expect("kubectl taint");
+        assert!(
+            out.status.success(),
+            "untaint the node: {}",
+            String::from_utf8_lossy(&out.stderr)
+        );
+    }
 }
 
 /// Waits until no Pod matches `selector`.

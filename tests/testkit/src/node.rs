@@ -42,21 +42,23 @@ fn chart_image_values() -> Value {
     values["image"].clone()
 }
 
-/// The image repository the chart's values name.
+/// The image repository the chart's values name: `registry/repository`
+/// (the repository alone when the registry is empty).
 pub fn chart_image_repository() -> String {
-    chart_image_values()["repository"]
-        .as_str()
-        .expect("image.repository")
-        .to_string()
+    let image = chart_image_values();
+    let repository = image["repository"].as_str().expect("image.repository");
+    match image["registry"].as_str().unwrap_or("") {
+        "" => repository.to_string(),
+        registry => format!("{}/{repository}", registry.trim_end_matches('/')),
+    }
 }
 
-/// The image the chart's values name: `repository:tag`.
+/// The image the chart's values name: `registry/repository:tag`.
 pub fn chart_image() -> String {
-    let image = chart_image_values();
     format!(
         "{}:{}",
-        image["repository"].as_str().expect("image.repository"),
-        image["tag"].as_str().expect("image.tag")
+        chart_image_repository(),
+        chart_image_values()["tag"].as_str().expect("image.tag")
     )
 }
 
