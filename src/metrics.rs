@@ -30,6 +30,16 @@ pub struct PhaseLabels {
     pub phase: String,
 }
 
+/// One tenant in teardown: bounded by the tenants being deleted, never
+/// every tenant.
+#[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
+pub struct TeardownLabels {
+    pub tenant_namespace: String,
+    pub tenant: String,
+    /// NotStarted, Releasing, Blocked
+    pub phase: String,
+}
+
 #[derive(Clone, Debug, Hash, PartialEq, Eq, EncodeLabelSet)]
 pub struct ErrorLabels {
     pub error: String,
@@ -51,6 +61,10 @@ pub struct Metrics {
     pub phase_seconds: Family<OutcomeLabels, Histogram>,
     pub volumes_freed: Counter,
     pub residue_volumes: Gauge,
+    pub residue_acknowledged_volumes: Gauge,
+    pub tenant_teardown_seconds: Family<TeardownLabels, Gauge>,
+    pub worker_leader: Gauge,
+    pub certificate_expiry: Gauge,
     pub reconcile_errors: Family<ErrorLabels, Counter>,
     pub slot_wait_seconds: Histogram,
     pub turns_yielded: Counter,
@@ -74,6 +88,10 @@ impl Metrics {
             phase_seconds,
             volumes_freed: Counter::default(),
             residue_volumes: Gauge::default(),
+            residue_acknowledged_volumes: Gauge::default(),
+            tenant_teardown_seconds: Family::default(),
+            worker_leader: Gauge::default(),
+            certificate_expiry: Gauge::default(),
             reconcile_errors: Family::default(),
             // 0.1s to ~1.8h.
             slot_wait_seconds: Histogram::new(exponential_buckets(0.1, 2.0, 17)),
@@ -112,8 +130,29 @@ impl Metrics {
         );
         registry.register(
             "residue_volumes",
-            "Volumes left on storage by Blocked or Overridden tenants and Retain PVs",
+            "Volumes left on storage that nobody acknowledged: those of Blocked or Overridden \
+             tenants, and the management side's kept PVs without kept-acknowledged",
             m.residue_volumes.clone(),
+        );
+        registry.register(
+            "residue_acknowledged_volumes",
+            "Kept PVs on the management side an operator acknowledged (kept-acknowledged, stamped)",
+            m.residue_acknowledged_volumes.clone(),
+        );
+        registry.register(
+            "tenant_teardown_seconds",
+            "Seconds since each tenant in teardown was deleted, by its phase (only tenants being torn down)",
+            m.tenant_teardown_seconds.clone(),
+        );
+        registry.register(
+            "worker_leader",
+            "1 while this worker replica holds the Lease and runs the controller, else 0",
+            m.worker_leader.clone(),
+        );
+        registry.register(
+            "certificate_expiry_timestamp_seconds",
+            "When the webhook's serving certificate expires (notAfter, Unix seconds); 0 before one is loaded",
+            m.certificate_expiry.clone(),
         );
         registry.register(
             "reconcile_errors",

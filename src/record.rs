@@ -114,6 +114,12 @@ pub struct Keys {
     pub kept_volume: String,
     pub kept_reclaim_was: String,
     pub kept_at: String,
+    /// On a kept PV: an operator's acknowledgement that it stays on storage
+    /// on purpose (free text), and the mutating webhook's stamps of who
+    /// wrote it and when. Acknowledged kept disks no longer alert.
+    pub kept_acknowledged: String,
+    pub kept_acknowledged_by: String,
+    pub kept_acknowledged_at: String,
 }
 
 impl Keys {
@@ -134,6 +140,9 @@ impl Keys {
             kept_volume: k("kept-volume"),
             kept_reclaim_was: k("kept-reclaim-was"),
             kept_at: k("kept-at"),
+            kept_acknowledged: k("kept-acknowledged"),
+            kept_acknowledged_by: k("kept-acknowledged-by"),
+            kept_acknowledged_at: k("kept-acknowledged-at"),
         }
     }
 

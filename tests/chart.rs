@@ -746,9 +746,28 @@ fn every_alert_and_panel_names_only_metrics_the_binary_exports() {
             "VolumeGateTenantBlocked",
             "VolumeGateResidue",
             "VolumeGateWebhookUnavailable",
+            "VolumeGateWorkerDown",
+            "VolumeGateNoLeader",
+            "VolumeGateCertificateExpiring",
             "VolumeGateReconcileErrors"
         ]
     );
+    // Each alert points at its runbook: a section of docs/operations.md
+    // named as the alert (that the section exists is tests/docs_links.rs').
+    for r in rule["spec"]["groups"][0]["rules"].as_array().unwrap() {
+        let alert = r["alert"].as_str().unwrap();
+        assert_eq!(
+            r["annotations"]["runbook_url"].as_str(),
+            Some(
+                format!(
+                    "https://github.com/cozystack/volume-gate/blob/main/docs/operations.md#{}",
+                    alert.to_lowercase()
+                )
+                .as_str()
+            ),
+            "{alert}"
+        );
+    }
     let dashboard: Value = serde_json::from_str(
         get(&docs, "ConfigMap", ns, "volume-gate-dashboard")["data"]["volume-gate.json"]
             .as_str()
@@ -808,6 +827,59 @@ fn every_alert_and_panel_names_only_metrics_the_binary_exports() {
             .keys()
             .any(|k| matches!(k.0.as_str(), "PrometheusRule" | "PodMonitor")
                 || k.2 == "volume-gate-dashboard")
+    );
+}
+
+/// An alert on a missing series fires at once where nothing scrapes: the
+/// `absent()` parts are rendered only with the PodMonitor, or when the
+/// operator says something else scrapes; the thresholds are the values'.
+#[test]
+fn absent_series_alert_only_where_something_scrapes_and_thresholds_are_the_values() {
+    let ns = "volume-gate";
+    let exprs = |set: &[&str]| -> BTreeMap<String, String> {
+        let mut values = vec!["monitoring.prometheusRule.enabled=true"];
+        values.extend_from_slice(set);
+        let docs = template(ns, &values);
+        get(&docs, "PrometheusRule", ns, "volume-gate")["spec"]["groups"][0]["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["alert"].as_str().unwrap().to_string(),
+                    r["expr"].as_str().unwrap().to_string(),
+                )
+            })
+            .collect()
+    };
+    let unscraped = exprs(&[]);
+    assert!(
+        unscraped.values().all(|e| !e.contains("absent(")),
+        "{unscraped:#?}"
+    );
+    for scraped in [
+        exprs(&["monitoring.podMonitor.enabled=true"]),
+        exprs(&["monitoring.prometheusRule.scrapedElsewhere=true"]),
+    ] {
+        for alert in ["VolumeGateWebhookUnavailable", "VolumeGateWorkerDown"] {
+            assert!(
+                scraped[alert].contains("absent("),
+                "{alert}: {}",
+                scraped[alert]
+            );
+        }
+    }
+    let tuned = exprs(&[
+        "monitoring.prometheusRule.blockedAfterMinutes=45",
+        "monitoring.prometheusRule.certificateWarnDays=7",
+    ]);
+    assert!(
+        tuned["VolumeGateTenantBlocked"].contains("> 2700"),
+        "{tuned:#?}"
+    );
+    assert!(
+        tuned["VolumeGateCertificateExpiring"].contains("< 604800"),
+        "{tuned:#?}"
     );
 }
 

@@ -159,6 +159,60 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
         tried.load(Ordering::SeqCst)
     );
     assert_ne!(b.record().await.phase, Some(Phase::Released));
+
+    // Break-glass (docs/operations.md, "Break-glass: stop the gate
+    // refusing"), during the held teardown: the validating configuration
+    // deleted, the API server stops asking the gate, and the worker keeps
+    // custody and the record; `helm upgrade --reuse-values` puts it back.
+    let before = b.record().await;
+    let csi_api: Api<DynamicObject> =
+        Api::namespaced_with(client.clone(), &b.namespace, &helmrelease_resource());
+    let csi = common::profile().csi_release_name(&b.name);
+    let dry = DeleteParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    Api::<DynamicObject>::all_with(
+        client.clone(),
+        &webhook_configuration(WEBHOOK_CONFIGURATIONS[0].0, WEBHOOK_CONFIGURATIONS[0].1),
+    )
+    .delete("volume-gate", &DeleteParams::default())
+    .await
+    .expect("delete the validating webhook configuration");
+    common::wait::eventually(
+        "the API server to stop asking the gate",
+        Duration::from_secs(30),
+        || async {
+            csi_api
+                .delete(&csi, &dry)
+                .await
+                .map(|_| ())
+                .map_err(|e| e.to_string())
+        },
+    )
+    .await;
+    b.assert_in_custody().await;
+    let during = b.record().await;
+    assert_eq!(
+        (during.phase, during.inventory.map(|i| i.total)),
+        (before.phase, before.inventory.map(|i| i.total)),
+        "the record is intact"
+    );
+    let mut restore = upgrade.clone();
+    restore.push("--reuse-values");
+    helm_local("upgrade", NS, kubeconfig, &base, &restore);
+    common::wait::eventually(
+        "the gate to refuse again",
+        Duration::from_secs(30),
+        || async {
+            match csi_api.delete(&csi, &dry).await {
+                Err(e) if common::tenant::is_csi_release_refusal(&e.to_string(), &b.name) => Ok(()),
+                other => Err(format!("{:?}", other.map(|_| ()))),
+            }
+        },
+    )
+    .await;
+    b.assert_in_custody().await;
     b.set_driver(&env.sim, true).await;
     released_with_no_volume_left(env, &b).await;
 

@@ -5,6 +5,7 @@ use volume_gate_testkit as common;
 
 use std::time::Duration;
 
+use common::exposition;
 use common::tenant::{STORAGE_CLASS, Tenant, TenantOptions};
 use k8s_openapi::api::core::v1::{PersistentVolumeClaim, Pod};
 use kube::api::{Api, DeleteParams};
@@ -13,6 +14,41 @@ use volume_gate::record::Phase;
 
 fn env() -> &'static common::Env {
     common::gated()
+}
+
+const TEARDOWN: &str = "volume_gate_tenant_teardown_seconds";
+
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn the_processes_say_who_leads_and_when_the_serving_certificate_expires() {
+    let env = env();
+    // One worker, leading: the Lease is its.
+    let text = env.worker_metrics().await;
+    assert_eq!(
+        exposition::value(&text, "volume_gate_worker_leader", &[]),
+        Some(1.0),
+        "{text}"
+    );
+    // The webhook's certificate, as the file it serves says (read here
+    // with x509-parser, not the webhook's code).
+    let pem = std::fs::read(env.gate_certs().join("tls.crt")).expect("the served certificate");
+    let (_, pem) = x509_parser::pem::parse_x509_pem(&pem).expect("PEM");
+    let cert = pem.parse_x509().expect("X.509");
+    let not_after = cert.validity().not_after.timestamp() as f64;
+    let text = env.webhook_metrics().await;
+    assert_eq!(
+        exposition::value(
+            &text,
+            "volume_gate_certificate_expiry_timestamp_seconds",
+            &[]
+        ),
+        Some(not_after),
+        "{text}"
+    );
+    // The webhook does not lead anything: its leader gauge stays 0.
+    assert_eq!(
+        exposition::value(&text, "volume_gate_worker_leader", &[]),
+        Some(0.0)
+    );
 }
 
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
@@ -224,6 +260,7 @@ async fn a_silent_tenant_api_blocks_loudly_and_an_authorized_override_finishes_t
     ))
     .await;
 
+    let deleted = std::time::Instant::now();
     t.delete_parent().await;
     let record = t.wait_phase(Phase::Blocked, Duration::from_secs(60)).await;
     let message = record.message.unwrap_or_default();
@@ -231,6 +268,33 @@ async fn a_silent_tenant_api_blocks_loudly_and_an_authorized_override_finishes_t
         message.contains("did not answer /readyz within 3s"),
         "{message}"
     );
+    // The worker names the tenant, its phase and how long it has waited
+    // (the series VolumeGateTenantBlocked reads); it stays Blocked until
+    // the override below, so this cannot be missed.
+    let this = [
+        ("tenant_namespace", t.namespace.as_str()),
+        ("tenant", t.name.as_str()),
+    ];
+    common::wait::eventually(
+        "the tenant's teardown series, Blocked",
+        Duration::from_secs(30),
+        || async {
+            let text = env.worker_metrics().await;
+            let blocked = [this[0], this[1], ("phase", "Blocked")];
+            match exposition::value(&text, TEARDOWN, &blocked) {
+                Some(waited)
+                    if waited >= 0.0 && waited <= deleted.elapsed().as_secs_f64() + 1.0 =>
+                {
+                    Ok(())
+                }
+                other => Err(format!(
+                    "{other:?} in {:?}",
+                    exposition::samples(&text, TEARDOWN)
+                )),
+            }
+        },
+    )
+    .await;
     t.wait_event("Warning", "Blocked", |note| note.contains("/readyz"))
         .await;
     // Nothing wedged silently: the CSI release is still held, and says why.
@@ -279,6 +343,28 @@ async fn a_silent_tenant_api_blocks_loudly_and_an_authorized_override_finishes_t
     t.wait_parent_gone(Duration::from_secs(120)).await;
     // The override abandoned the disk, by decision: it is still on storage.
     assert_eq!(env.sim.volumes_of(&t.namespace, &t.name).len(), 1);
+    // Its teardown over, the tenant has no series: the cardinality is the
+    // tenants being torn down, not every tenant there was.
+    common::wait::eventually(
+        "the tenant's teardown series gone",
+        Duration::from_secs(30),
+        || async {
+            let text = env.worker_metrics().await;
+            let left: Vec<_> = exposition::samples(&text, TEARDOWN)
+                .into_iter()
+                .filter(|s| {
+                    this.iter()
+                        .all(|(k, v)| s.labels.get(*k).map(String::as_str) == Some(*v))
+                })
+                .collect();
+            if left.is_empty() {
+                Ok(())
+            } else {
+                Err(format!("{left:?}"))
+            }
+        },
+    )
+    .await;
     drop(silent);
 }
 

@@ -8,7 +8,11 @@ use volume_gate_testkit as common;
 
 use std::time::{Duration, Instant};
 
+use common::exposition;
 use common::tenant::{RETAIN_STORAGE_CLASS, STORAGE_CLASS, Tenant};
+use k8s_openapi::api::core::v1::PersistentVolume;
+use kube::api::{Api, ListParams, Patch, PatchParams};
+use serde_json::json;
 use volume_gate::record::Phase;
 
 fn env() -> &'static common::Env {
@@ -126,6 +130,7 @@ async fn a_retain_disk_survives_the_deletion_of_its_tenants_namespace_and_the_de
             .is_some_and(|v| v.contains(&kept.pv)),
         "{annotations:?}"
     );
+    acknowledge_the_kept_disk(env, &pv).await;
     eprintln!(
         "namespace road: inventoried and Blocked {:.1}s after the namespace deletion; the kept PV Released {:.1}s after the override",
         inventoried_after.as_secs_f64(),
@@ -161,4 +166,139 @@ async fn a_retain_volume_turned_delete_in_the_tenant_is_let_go_and_freed() {
         env.sim.volumes_of(&t.namespace, &t.name).is_empty(),
         "the disk was freed"
     );
+}
+
+/// A kept disk stays on storage on purpose, and an operator says so
+/// (`docs/operations.md`, "Acknowledging a kept disk"): the mutating webhook
+/// stamps who and when from the request, a stamp written by hand is
+/// replaced by its writer, and the worker counts the disk as acknowledged
+/// (no longer residue) until the acknowledgement is withdrawn.
+async fn acknowledge_the_kept_disk(env: &common::Env, pv: &str) {
+    let keys = common::keys();
+    let admin = env.cp.management_client().await;
+    for doc in [
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+            "metadata": {"name": "kept-disk-annotators"},
+            "rules": [{"apiGroups": [""], "resources": ["persistentvolumes"], "verbs": ["get", "patch"]}]}),
+        json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+            "metadata": {"name": "kept-disk-annotators"},
+            "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": "kept-disk-annotators"},
+            "subjects": [{"apiGroup": "rbac.authorization.k8s.io", "kind": "Group", "name": "storage-admins"}]}),
+    ] {
+        common::manifests::apply(&admin, &doc).await;
+    }
+    common::tenant::wait_authorized(
+        &admin,
+        "storage-admins",
+        "",
+        "",
+        "persistentvolumes",
+        "patch",
+    )
+    .await;
+    let as_user = |user: &'static str| async move {
+        Api::<PersistentVolume>::all(env.cp.client_as(user, &["storage-admins"]).await)
+    };
+    let annotate = |api: Api<PersistentVolume>, annotations: serde_json::Value| async move {
+        api.patch(
+            pv,
+            &PatchParams::default(),
+            &Patch::Merge(json!({"metadata": {"annotations": annotations}})),
+        )
+        .await
+        .expect("annotate the kept PV")
+        .metadata
+        .annotations
+        .unwrap_or_default()
+    };
+
+    // Unacknowledged, it is residue.
+    assert_counted(env, pv, false).await;
+    let a = annotate(
+        as_user("alice").await,
+        json!({keys.kept_acknowledged.as_str(): "tenant data archived off-site (ticket 7)"}),
+    )
+    .await;
+    assert_eq!(
+        a.get(&keys.kept_acknowledged_by).map(String::as_str),
+        Some("alice")
+    );
+    let at: jiff::Timestamp = a[&keys.kept_acknowledged_at]
+        .parse()
+        .expect("an RFC 3339 time");
+    assert!(
+        (jiff::Timestamp::now() - at).get_seconds().abs() < 120,
+        "{at}"
+    );
+    assert_counted(env, pv, true).await;
+
+    // A stamp cannot be written by hand: the writer's own name replaces it.
+    let a = annotate(
+        as_user("bob").await,
+        json!({keys.kept_acknowledged_by.as_str(): "the-storage-team-lead"}),
+    )
+    .await;
+    assert_eq!(
+        a.get(&keys.kept_acknowledged_by).map(String::as_str),
+        Some("bob")
+    );
+
+    // Withdrawn, the stamps go and it is residue again.
+    let a = annotate(
+        as_user("alice").await,
+        json!({keys.kept_acknowledged.as_str(): null}),
+    )
+    .await;
+    assert!(
+        !a.contains_key(&keys.kept_acknowledged_by) && !a.contains_key(&keys.kept_acknowledged_at),
+        "{a:?}"
+    );
+    assert_counted(env, pv, false).await;
+}
+
+/// Waits until the worker's acknowledged-residue gauge is the number of
+/// kept PVs the API server holds with a stamped acknowledgement (other
+/// tests of this binary keep disks too), with `pv` among them or not.
+async fn assert_counted(env: &common::Env, pv: &str, acknowledged: bool) {
+    let keys = common::keys();
+    let admin = env.cp.management_client().await;
+    common::wait::eventually(
+        "the worker's count of acknowledged kept disks",
+        Duration::from_secs(60),
+        || {
+            let (admin, keys) = (admin.clone(), keys.clone());
+            async move {
+                let kept = Api::<PersistentVolume>::all(admin)
+                    .list(&ListParams::default().labels(&format!("{}=true", keys.kept)))
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .items;
+                let stamped: Vec<String> = kept
+                    .iter()
+                    .filter(|p| {
+                        let a = p.metadata.annotations.clone().unwrap_or_default();
+                        a.contains_key(&keys.kept_acknowledged)
+                            && a.contains_key(&keys.kept_acknowledged_by)
+                    })
+                    .filter_map(|p| p.metadata.name.clone())
+                    .collect();
+                if stamped.contains(&pv.to_string()) != acknowledged {
+                    return Err(format!("{pv} acknowledged: {stamped:?}"));
+                }
+                let text = env.worker_metrics().await;
+                let gauge =
+                    exposition::value(&text, "volume_gate_residue_acknowledged_volumes", &[]);
+                let residue = exposition::value(&text, "volume_gate_residue_volumes", &[]);
+                if gauge != Some(stamped.len() as f64) {
+                    return Err(format!("gauge {gauge:?}, stamped {stamped:?}"));
+                }
+                // Unacknowledged, the disk is residue: the gauge counts it.
+                if !acknowledged && residue.is_none_or(|r| r < 1.0) {
+                    return Err(format!("residue {residue:?}"));
+                }
+                Ok(())
+            }
+        },
+    )
+    .await;
 }

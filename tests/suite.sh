@@ -47,7 +47,7 @@ fi
 # control plane, seconds in all. They run before anything else and the
 # suite says at once whether they passed, so a broken rule is known in a
 # minute, not after the long binaries; every binary still runs either way.
-first=("volume_gate (lib)" "volume-gate (bin)" docs_map webhook_https tls_reload chart network shipping harness_units)
+first=("volume_gate (lib)" "volume-gate (bin)" docs_map docs_links webhook_https tls_reload chart network shipping harness_units)
 # Then the longest binaries first (seconds each, measured alone on 2 cores),
 # so the last to start are short; binaries not named here run after these,
 # by name.

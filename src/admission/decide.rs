@@ -29,6 +29,10 @@ pub enum Target {
     /// would hide it from the phase when the tenant API cannot answer, and
     /// is held until done.
     InfraDisk { tenant: String },
+    /// A disk the worker kept on the management side for a tenant (its PV,
+    /// labelled `kept`), whose acknowledgement the mutating webhook stamps;
+    /// `tenant` is its `kept-for`.
+    KeptDisk { tenant: String },
     /// Nothing the gate protects.
     Unrelated,
 }
@@ -41,7 +45,8 @@ impl Target {
             | Target::Child { tenant }
             | Target::Guarded { tenant, .. }
             | Target::ReleaseObject { tenant, .. }
-            | Target::InfraDisk { tenant } => Some(tenant),
+            | Target::InfraDisk { tenant }
+            | Target::KeptDisk { tenant } => Some(tenant),
             Target::Unrelated => None,
         }
     }
@@ -55,6 +60,7 @@ impl Target {
             Target::Guarded { .. } => "guarded",
             Target::ReleaseObject { .. } => "release-object",
             Target::InfraDisk { .. } => "infra-disk",
+            Target::KeptDisk { .. } => "kept-disk",
             Target::Unrelated => "unrelated",
         }
     }
@@ -806,7 +812,9 @@ pub fn decide_dependent_delete(
         }
         Target::Child { .. } => Verdict::allow("not-in-teardown"),
         Target::Guarded { .. } | Target::ReleaseObject { .. } => Verdict::allow("not-in-teardown"),
-        Target::Parent { .. } | Target::Unrelated => Verdict::allow("unrelated"),
+        Target::Parent { .. } | Target::KeptDisk { .. } | Target::Unrelated => {
+            Verdict::allow("unrelated")
+        }
     }
 }
 
@@ -879,9 +887,11 @@ pub fn strictest(verdicts: Vec<Verdict>) -> Verdict {
     }
 }
 
+mod acknowledge;
 pub mod flux;
 mod update;
 pub use crate::admission::request::ObjectMetaView;
+pub use acknowledge::acknowledge;
 pub use update::{
     Change, Mutation, Requester, UpdateVerdict, guard_update, mutate, override_refused,
     to_json_patch,

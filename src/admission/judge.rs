@@ -294,7 +294,8 @@ impl Judge {
                     self.dependent(facts, &target, subject, namespace, tenant, true)
                 }
                 Target::InfraDisk { .. } => Ok(Verdict::allow("frees-the-disk")),
-                Target::Unrelated => Ok(Verdict::allow("unrelated")),
+                // Only the mutating webhook sees kept disks (`mutate`).
+                Target::KeptDisk { .. } | Target::Unrelated => Ok(Verdict::allow("unrelated")),
             };
             match verdict {
                 Ok(v) => judged.push((target, v)),
@@ -740,9 +741,13 @@ impl Judge {
     ) -> (Target, Verdict, Option<json_patch::Patch>) {
         let kind = request::group_kind(req);
         let namespace = req.namespace.as_deref().unwrap_or("");
-        if !matches!(req.operation, Operation::Create | Operation::Update)
-            || kind != self.profile.parent_kind()
-        {
+        if !matches!(req.operation, Operation::Create | Operation::Update) {
+            return (Target::Unrelated, Verdict::allow("unrelated"), None);
+        }
+        if kind == GroupKind::new("", "PersistentVolume") {
+            return self.acknowledge(req, now);
+        }
+        if kind != self.profile.parent_kind() {
             return (Target::Unrelated, Verdict::allow("unrelated"), None);
         }
         let Some(new) = req.object.as_ref() else {
@@ -771,6 +776,49 @@ impl Judge {
             "unchanged"
         } else {
             "mutated"
+        };
+        let patch = decide::to_json_patch(&self.profile, &self.keys, &mutations);
+        (target, Verdict::allow(reason), Some(patch))
+    }
+}
+
+impl Judge {
+    /// A PersistentVolume's write, for the stamps of a kept disk's
+    /// acknowledgement (`decide::acknowledge`).
+    fn acknowledge(
+        &self,
+        req: &request::Request,
+        now: jiff::Timestamp,
+    ) -> (Target, Verdict, Option<json_patch::Patch>) {
+        let name = request::request_name(req);
+        let Some(new) = req.object.as_ref() else {
+            return (
+                Target::Unrelated,
+                cannot_judge(format!("PersistentVolume {name} carries no object")),
+                None,
+            );
+        };
+        let new_view = request::meta_view(new, "", name);
+        let old_view = req
+            .old_object
+            .as_ref()
+            .map(|o| request::meta_view(o, "", name));
+        let target = Target::KeptDisk {
+            tenant: new_view
+                .annotations
+                .get(&self.keys.kept_for)
+                .cloned()
+                .unwrap_or_default(),
+        };
+        let change = Change {
+            old: old_view.as_ref(),
+            new: &new_view,
+        };
+        let mutations = decide::acknowledge(&self.keys, change, self.requester(req), now);
+        let reason = if mutations.is_empty() {
+            "unchanged"
+        } else {
+            "acknowledgement-stamped"
         };
         let patch = decide::to_json_patch(&self.profile, &self.keys, &mutations);
         (target, Verdict::allow(reason), Some(patch))

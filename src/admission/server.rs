@@ -255,6 +255,7 @@ pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
     ));
     let certs = crate::tls::CertReloader::load(&args.tls_cert, &args.tls_key)?;
     certs.spawn_reload(args.cert_reload_interval, rt.shutdown.clone());
+    publish_expiry(&certs, &rt.metrics, args.cert_reload_interval, &rt.shutdown);
     let tls_config = crate::tls::server_config(certs);
     let listener = crate::runtime::listen(args.listen).await?;
     info!(
@@ -276,4 +277,29 @@ pub async fn run(args: WebhookArgs) -> Result<(), WebhookError> {
     .await;
     rt.finish().await;
     served.map_err(WebhookError::Serve)
+}
+
+/// Keeps `volume_gate_certificate_expiry_timestamp_seconds` at the expiry of
+/// the certificate being served, read again at the reload's own pace so a
+/// renewal shows within one interval.
+fn publish_expiry(
+    certs: &Arc<crate::tls::CertReloader>,
+    metrics: &Arc<crate::metrics::Metrics>,
+    every: Duration,
+    shutdown: &CancellationToken,
+) {
+    let (certs, metrics, shutdown) = (certs.clone(), metrics.clone(), shutdown.clone());
+    tokio::spawn(async move {
+        let mut ticks = tokio::time::interval(every.max(Duration::from_secs(1)));
+        ticks.set_missed_tick_behavior(tokio::time::MissedTickBehavior::Delay);
+        loop {
+            metrics
+                .certificate_expiry
+                .set(certs.not_after().unwrap_or_default());
+            tokio::select! {
+                () = shutdown.cancelled() => return,
+                _ = ticks.tick() => {}
+            }
+        }
+    });
 }

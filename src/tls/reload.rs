@@ -123,6 +123,11 @@ impl CertReloader {
         self.generation.load(Ordering::Acquire)
     }
 
+    /// When the certificate new handshakes are given expires (Unix seconds).
+    pub fn not_after(&self) -> Option<i64> {
+        leaf_not_after(&self.current_leaf_der()).map(|t| t.as_second())
+    }
+
     /// DER of the end-entity certificate new handshakes are given.
     pub fn current_leaf_der(&self) -> Vec<u8> {
         self.current()

@@ -6,7 +6,7 @@
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex};
 
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Namespace, PersistentVolume};
 use kube::ResourceExt;
 use kube::api::{ApiResource, DynamicObject};
 use kube::core::PartialObjectMeta;
@@ -18,7 +18,7 @@ use tokio::time::Instant;
 
 use super::next::Task;
 use super::{ErrorKind, Settings, TenantRef, next};
-use crate::metrics::{Metrics, OutcomeLabels, PhaseLabels};
+use crate::metrics::{Metrics, OutcomeLabels, PhaseLabels, TeardownLabels};
 use crate::profile::Profile;
 use crate::record::{Keys, Phase, Record};
 
@@ -64,6 +64,10 @@ pub struct Context {
     pub(crate) parent_resource: ApiResource,
     pub(crate) parents: Store<ParentMeta>,
     namespaces: Store<PartialObjectMeta<Namespace>>,
+    /// The management side's kept PVs (label `kept: "true"`), for residue.
+    kept: Store<PartialObjectMeta<PersistentVolume>>,
+    /// The tenants in teardown the last gauge refresh exported.
+    teardown_series: Mutex<Vec<TeardownLabels>>,
     pub(crate) slots: Arc<Semaphore>,
     /// Passes waiting for a slot now (`release::Turn`).
     pub(crate) waiting_for_slot: Arc<std::sync::atomic::AtomicUsize>,
@@ -83,6 +87,7 @@ pub struct Parts {
     pub identity: String,
     pub parents: Store<ParentMeta>,
     pub namespaces: Store<PartialObjectMeta<Namespace>>,
+    pub kept: Store<PartialObjectMeta<PersistentVolume>>,
     pub trigger: tokio::sync::mpsc::UnboundedSender<ObjectRef<ParentMeta>>,
 }
 
@@ -102,6 +107,8 @@ impl Context {
             settings: p.settings,
             parents: p.parents,
             namespaces: p.namespaces,
+            kept: p.kept,
+            teardown_series: Mutex::default(),
             slots: Arc::new(Semaphore::new(p.max_concurrent.max(1))),
             waiting_for_slot: Arc::default(),
             tenants: Mutex::new(HashMap::new()),
@@ -315,12 +322,16 @@ impl Context {
             .is_some_and(|n| n.metadata.deletion_timestamp.is_some())
     }
 
-    /// Recounts tenants by phase. Only the phase annotation is parsed, and
-    /// an inventory only for the few Blocked or Overridden tenants: this runs
+    /// Recounts tenants by phase, the residue, and how long each tenant in
+    /// teardown has waited. Only the phase annotation is parsed, and an
+    /// inventory only for the few Blocked or Overridden tenants: this runs
     /// over every parent, so it must stay cheap with thousands of them.
     fn refresh_phase_gauge(&self) {
+        let now = jiff::Timestamp::now();
+        let (kept, kept_left, acknowledged) = self.kept_residue();
         let mut counts: HashMap<&'static str, i64> = HashMap::new();
         let mut residue = 0i64;
+        let mut teardown = Vec::new();
         for p in self.parents.state() {
             let annotations = p.annotations();
             let phase = annotations
@@ -329,10 +340,29 @@ impl Context {
             *counts
                 .entry(phase.map_or("NotStarted", Phase::as_str))
                 .or_default() += 1;
+            let namespace = p.namespace().unwrap_or_default();
             if matches!(phase, Some(Phase::Blocked | Phase::Overridden)) {
-                residue += Record::from_annotations(&self.keys, annotations)
+                // Its disks kept on the management side are counted below,
+                // one by one, acknowledged or not.
+                let left = Record::from_annotations(&self.keys, annotations)
                     .inventory
                     .map_or(0, |i| i.left() as i64);
+                let kept_here = kept
+                    .get(&format!("{namespace}/{}", p.name_any()))
+                    .copied()
+                    .unwrap_or(0);
+                residue += (left - kept_here).max(0);
+            }
+            if let Some(since) = self.teardown_since(&p, &namespace)
+                && !matches!(phase, Some(Phase::Released | Phase::Overridden))
+            {
+                let labels = TeardownLabels {
+                    tenant_namespace: namespace,
+                    tenant: p.name_any(),
+                    phase: phase.map_or("NotStarted", Phase::as_str).into(),
+                };
+                let waited = now.duration_since(since).as_secs().max(0);
+                teardown.push((labels, waited));
             }
         }
         for phase in [
@@ -349,6 +379,59 @@ impl Context {
                 })
                 .set(*counts.get(phase).unwrap_or(&0));
         }
-        self.metrics.residue_volumes.set(residue);
+        self.metrics.residue_volumes.set(residue + kept_left);
+        self.metrics.residue_acknowledged_volumes.set(acknowledged);
+        // The new series first, then the ones no longer true removed: a
+        // scrape in between sees a tenant twice at most, never not at all.
+        let mut exported = self.teardown_series.lock().expect("lock");
+        for (labels, waited) in &teardown {
+            self.metrics
+                .tenant_teardown_seconds
+                .get_or_create(labels)
+                .set(*waited);
+        }
+        let now_exported: Vec<TeardownLabels> = teardown.into_iter().map(|(l, _)| l).collect();
+        for gone in exported.iter().filter(|l| !now_exported.contains(l)) {
+            self.metrics.tenant_teardown_seconds.remove(gone);
+        }
+        *exported = now_exported;
+    }
+
+    /// Since when `p` has been in teardown: its own deletion or its
+    /// namespace's, the earlier; none when neither is being deleted.
+    fn teardown_since(&self, p: &ParentMeta, namespace: &str) -> Option<jiff::Timestamp> {
+        let own = p.metadata.deletion_timestamp.as_ref().map(|t| t.0);
+        let of_namespace = self
+            .namespaces
+            .get(&ObjectRef::new(namespace))
+            .and_then(|n| n.metadata.deletion_timestamp.as_ref().map(|t| t.0));
+        match (own, of_namespace) {
+            (Some(a), Some(b)) => Some(a.min(b)),
+            (a, b) => a.or(b),
+        }
+    }
+
+    /// The management side's kept PVs: how many each tenant has (by
+    /// `kept-for`), and how many are not acknowledged and acknowledged. A
+    /// kept disk is acknowledged when it carries `kept-acknowledged` and the
+    /// mutating webhook's stamp of who wrote it.
+    fn kept_residue(&self) -> (HashMap<String, i64>, i64, i64) {
+        let (mut of_tenant, mut left, mut acknowledged) = (HashMap::new(), 0, 0);
+        for pv in self.kept.state() {
+            let a = pv.annotations();
+            if let Some(tenant) = a.get(&self.keys.kept_for) {
+                *of_tenant.entry(tenant.clone()).or_default() += 1;
+            }
+            let stamped = a
+                .get(&self.keys.kept_acknowledged)
+                .is_some_and(|v| !v.trim().is_empty())
+                && a.contains_key(&self.keys.kept_acknowledged_by);
+            if stamped {
+                acknowledged += 1;
+            } else {
+                left += 1;
+            }
+        }
+        (of_tenant, left, acknowledged)
     }
 }

@@ -1,6 +1,7 @@
 //! The Events the worker publishes on a parent release: each reason once,
-//! with its type. Operators and alerts match on these names (README,
-//! "Events"), so they are a contract, not free text.
+//! with its type. Operators and alerts match on these names, each with its
+//! runbook section (`docs/operations.md`, "Events"): a contract, not free
+//! text.
 
 use kube::runtime::events::EventType;
 

@@ -381,6 +381,7 @@ mod tests {
             client: api.client(),
             parents: Writer::<ParentMeta>::new(profile.parent_resource()).as_reader(),
             namespaces: Writer::<PartialObjectMeta<Namespace>>::new(()).as_reader(),
+            kept: Writer::new(()).as_reader(),
             profile,
             metrics: Metrics::new(),
             settings,

@@ -5,7 +5,7 @@ use std::sync::Arc;
 use std::time::Duration;
 
 use futures::StreamExt;
-use k8s_openapi::api::core::v1::Namespace;
+use k8s_openapi::api::core::v1::{Namespace, PersistentVolume};
 use kube::ResourceExt;
 use kube::api::Api;
 use kube::core::PartialObjectMeta;
@@ -20,6 +20,7 @@ use super::{Context, Settings, WorkerError, reconcile};
 use crate::args::WorkerArgs;
 use crate::metrics::Metrics;
 use crate::profile::Profile;
+use crate::record::Keys;
 use crate::runtime::Runtime;
 
 /// What the controller is built from.
@@ -65,6 +66,9 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
         .await
         .map_err(|e| lease_err(e.to_string()))?;
     let (mut leader, lease_task) = manager.watch().await;
+    // Registered at 0 by every replica, so "no leader" is a series of
+    // zeros that can be alerted on, not an absence.
+    rt.metrics.worker_leader.set(0);
     info!(identity = %identity, lease = %format!("{}/{}", args.lease_namespace, args.lease_name), "waiting to lead");
     let leading = tokio::select! {
         _ = shutdown.cancelled() => false,
@@ -77,6 +81,7 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
         return Ok(());
     }
     info!(identity = %identity, "leading: starting the controller");
+    rt.metrics.worker_leader.set(1);
 
     let lost = CancellationToken::new();
     // This task holds a clone of the leadership receiver; it is aborted
@@ -116,6 +121,7 @@ pub async fn run(args: WorkerArgs) -> Result<(), WorkerError> {
         identity: identity.clone(),
     };
     run_controller(base, args.namespace.clone(), stop).await;
+    rt.metrics.worker_leader.set(0);
 
     // Every receiver gone: the lease manager releases the Lease, so the next
     // worker leads at once instead of after the lease duration.
@@ -173,6 +179,28 @@ async fn run_controller(base: Base, namespace: Option<String>, stop: Cancellatio
         watcher(ns_api, watcher::Config::default()).default_backoff(),
     )
     .touched_objects();
+    // The kept PVs, for the residue gauge: label-selected, metadata only.
+    let kept_api: Api<PartialObjectMeta<PersistentVolume>> = Api::all(client.clone());
+    let kept_writer = reflector::store::Writer::<PartialObjectMeta<PersistentVolume>>::new(());
+    let kept = kept_writer.as_reader();
+    let kept_stream = reflector::reflector(
+        kept_writer,
+        watcher(
+            kept_api,
+            watcher::Config::default().labels(&format!(
+                "{}=true",
+                Keys::new(&profile.annotation_prefix).kept
+            )),
+        )
+        .default_backoff(),
+    );
+    {
+        let stop = stop.clone();
+        tokio::spawn(async move {
+            let drained = kept_stream.for_each(|_| futures::future::ready(()));
+            tokio::select! { _ = stop.cancelled() => {}, () = drained => {} }
+        });
+    }
     let (trigger, triggered) = tokio::sync::mpsc::unbounded_channel();
 
     let ctx = Arc::new(Context::new(Parts {
@@ -184,6 +212,7 @@ async fn run_controller(base: Base, namespace: Option<String>, stop: Cancellatio
         identity,
         parents: parents.clone(),
         namespaces,
+        kept,
         trigger,
     }));
 

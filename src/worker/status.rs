@@ -34,6 +34,8 @@ pub struct TenantStatus {
     pub volumes_total: Option<usize>,
     pub volumes_left: Option<usize>,
     pub created: Option<String>,
+    /// When the tenant's deletion was asked for.
+    pub deleted: Option<String>,
     pub released_at: Option<String>,
     pub override_by: Option<String>,
     pub message: Option<String>,
@@ -60,6 +62,11 @@ pub fn tenant_status(
             .creation_timestamp
             .as_ref()
             .map(|t| t.0.to_string()),
+        deleted: p
+            .meta()
+            .deletion_timestamp
+            .as_ref()
+            .map(|t| t.0.to_string()),
         released_at: record.released_at.clone(),
         override_by: record.override_.as_ref().and_then(|o| o.by.clone()),
         message: record.message.clone(),
@@ -80,6 +87,16 @@ pub fn age(created: Option<&str>, now: jiff::Timestamp) -> String {
     }
 }
 
+/// How long a tenant in teardown has waited since its deletion, until its
+/// release ends (`Released` or `Overridden`); `-` otherwise.
+pub fn waiting(r: &TenantStatus, now: jiff::Timestamp) -> String {
+    let ended = matches!(r.phase.as_str(), "Released" | "Overridden");
+    match &r.deleted {
+        Some(d) if !ended => age(Some(d), now),
+        _ => "-".into(),
+    }
+}
+
 /// The table, columns padded like `kubectl get`.
 pub fn render_table(rows: &[TenantStatus], wide: bool, now: jiff::Timestamp) -> String {
     let mut table: Vec<Vec<String>> = vec![
@@ -88,6 +105,7 @@ pub fn render_table(rows: &[TenantStatus], wide: bool, now: jiff::Timestamp) -> 
             "NAME",
             "PHASE",
             "VOLUMES LEFT",
+            "WAITING",
             "AGE",
             "OVERRIDE BY",
         ]
@@ -112,6 +130,7 @@ pub fn render_table(rows: &[TenantStatus], wide: bool, now: jiff::Timestamp) -> 
             r.name.clone(),
             phase,
             left,
+            waiting(r, now),
             age(r.created.as_deref(), now),
             r.override_by.clone().unwrap_or_else(|| "-".into()),
         ];
@@ -184,6 +203,7 @@ mod tests {
             volumes_total: Some(10),
             volumes_left: Some(3),
             created: Some("2026-12-02T09:00:00Z".into()),
+            deleted: None,
             released_at: None,
             override_by: None,
             message: Some("3/10".into()),
@@ -200,6 +220,26 @@ mod tests {
             lines[1].contains("Blocked") && lines[1].contains("3/10") && lines[1].contains("90m"),
             "{t}"
         );
+    }
+
+    #[test]
+    fn waiting_counts_from_the_deletion_until_the_release_ends() {
+        let now: jiff::Timestamp = "2026-12-02T10:30:00Z".parse().unwrap();
+        let mut blocked = row("Blocked");
+        assert_eq!(waiting(&blocked, now), "-", "not being deleted");
+        blocked.deleting = true;
+        blocked.deleted = Some("2026-12-02T10:00:00Z".into());
+        assert_eq!(waiting(&blocked, now), "30m");
+        let t = render_table(std::slice::from_ref(&blocked), false, now);
+        let header: Vec<&str> = t.lines().next().unwrap().split_whitespace().collect();
+        assert!(header.contains(&"WAITING"), "{t}");
+        // A tenant's age is not how long it has waited.
+        assert!(t.lines().nth(1).unwrap().contains("90m"), "{t}");
+        for ended in ["Released", "Overridden"] {
+            let mut r = blocked.clone();
+            r.phase = ended.into();
+            assert_eq!(waiting(&r, now), "-", "{ended}");
+        }
     }
 
     #[test]

@@ -212,7 +212,9 @@ pub enum Mutation {
     AddFinalizer { create_list: bool },
     /// Stamp who recorded the override and when.
     Stamp { by: String, at: String },
-    /// Remove the stamps of a withdrawn override.
+    /// Stamp who acknowledged a kept disk and when (`acknowledge`).
+    StampAcknowledged { by: String, at: String },
+    /// Remove the stamps of a withdrawn override or acknowledgement.
     Unstamp { keys: Vec<String> },
     /// Put back annotations of the gate's (the record, the override and its
     /// stamps) that a writer replacing the object whole dropped, creating
@@ -358,6 +360,18 @@ pub fn to_json_patch(profile: &Profile, keys: &Keys, mutations: &[Mutation]) -> 
                 }));
                 ops.push(PatchOperation::Add(AddOperation {
                     path: annotation_path(&keys.override_at),
+                    value: json!(at),
+                }));
+            }
+            Mutation::StampAcknowledged { by, at } => {
+                // The acknowledgement exists, so the map does too; `add`
+                // replaces a stamp written by hand.
+                ops.push(PatchOperation::Add(AddOperation {
+                    path: annotation_path(&keys.kept_acknowledged_by),
+                    value: json!(by),
+                }));
+                ops.push(PatchOperation::Add(AddOperation {
+                    path: annotation_path(&keys.kept_acknowledged_at),
                     value: json!(at),
                 }));
             }

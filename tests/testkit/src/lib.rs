@@ -6,6 +6,7 @@ pub mod chart;
 pub mod cluster;
 pub mod cozystack;
 pub mod editor;
+pub mod exposition;
 pub mod flux;
 pub mod gate;
 pub mod history;
@@ -41,6 +42,42 @@ pub struct Env {
     pub sim: sim::Simulator,
     /// What it was started with.
     pub config: EnvConfig,
+}
+
+impl Env {
+    /// What the gate's processes read, taken under its lock (which is not
+    /// held across an await).
+    fn with_gate<R>(&self, f: impl FnOnce(&gate::Gate) -> R) -> R {
+        f(&self
+            .gate
+            .as_ref()
+            .expect("a gated environment")
+            .lock()
+            .unwrap())
+    }
+
+    /// The worker's /metrics now; empty while it does not answer.
+    pub async fn worker_metrics(&self) -> String {
+        let port = self.with_gate(|g| g.worker_admin);
+        gate::http_get(port, "/metrics")
+            .await
+            .map(|(_, b)| b)
+            .unwrap_or_default()
+    }
+
+    /// The webhook's /metrics now; empty while it does not answer.
+    pub async fn webhook_metrics(&self) -> String {
+        let port = self.with_gate(|g| g.webhook_admin);
+        gate::http_get(port, "/metrics")
+            .await
+            .map(|(_, b)| b)
+            .unwrap_or_default()
+    }
+
+    /// The directory of the webhook's serving certificate.
+    pub fn gate_certs(&self) -> std::path::PathBuf {
+        self.with_gate(|g| g.certs.clone())
+    }
 }
 
 /// What a test binary's shared environment is: whether the gate runs (and

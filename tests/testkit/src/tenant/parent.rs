@@ -69,6 +69,21 @@ impl Tenant {
             .await
     }
 
+    /// Asserts the parent is there and carries the custody finalizer.
+    pub async fn assert_in_custody(&self) {
+        let finalizers = self
+            .parent()
+            .await
+            .expect("the parent is there")
+            .metadata
+            .finalizers
+            .unwrap_or_default();
+        assert!(
+            finalizers.contains(&crate::profile().custody_finalizer),
+            "in custody: {finalizers:?}"
+        );
+    }
+
     /// Asserts the parent is there and carries no custody finalizer (custody
     /// handed back).
     pub async fn assert_out_of_custody(&self) {
