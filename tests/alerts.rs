@@ -312,12 +312,14 @@ fn an_absolute_timestamp_is_reanchored_to_the_compressed_clock_and_other_values_
     // Scrapes 2s apart of a certificate that expires at 1000 (wall), each
     // standing for 60s of rule time from start 100.
     let rounds = vec![
-        round(100.5, vec![(t.clone(), Ok("exp 1000\nd 7\n"))]),
-        round(102.5, vec![(t, Ok("exp 1000\nd 9\n"))]),
+        round(100.5, vec![(t.clone(), Ok("exp 1000\nd 7\nnone 0\n"))]),
+        round(102.5, vec![(t, Ok("exp 1000\nd 9\nnone 0\n"))]),
     ];
-    let s = Series::from_rounds(&rounds, 60, &["exp"]).unwrap();
+    let s = Series::from_rounds(&rounds, 60, &["exp", "none"]).unwrap();
     // value - time() is the real remaining time at each scrape: 899.5 and 897.5.
     assert_eq!(points_of(&s, "exp", &[]), [V(999.5), V(1057.5)]);
+    // 0, the gauge's "no certificate yet" (the worker's), is no time.
+    assert_eq!(points_of(&s, "none", &[]), [V(0.0), V(0.0)]);
     assert_eq!(points_of(&s, "d", &[]), [V(7.0), V(9.0)]);
     assert_eq!(s.eval_time(3), "180s");
 }
@@ -493,7 +495,7 @@ impl Scraper {
             let rounds = self.rounds.lock().unwrap();
             let n = rounds.len();
             let found = (next.get()..n).find(|&i| holds(&rounds, i));
-            next.set(n);
+            next.set(n.max(next.get()));
             drop(rounds);
             async move { found.ok_or(format!("not in rounds {from}..{n}")) }
         })
@@ -509,6 +511,11 @@ impl Scraper {
             |_, _| true,
         )
         .await;
+    }
+
+    /// How many rounds have been taken.
+    fn len(&self) -> usize {
+        self.rounds.lock().unwrap().len()
     }
 
     /// Stops scraping; the rounds taken.
@@ -893,11 +900,12 @@ async fn no_worker_holding_the_lease_fires_no_leader_and_the_holder_letting_go_s
         .terminate_worker(Duration::from_secs(10))
         .expect("the worker stops on SIGTERM");
     let holder = ForeignHolder::take(env).await;
+    let restarted = scraper.len();
     gate().start_worker();
     let pending = scraper
         .wait_round(
             "a running worker that does not lead",
-            0,
+            restarted,
             Duration::from_secs(60),
             |r, i| leader(&r[i]) == Some(0.0),
         )
@@ -954,7 +962,7 @@ async fn a_stopped_worker_fires_worker_down_and_starting_it_silences_it() {
     let down = scraper
         .wait_round(
             "the worker's scrape failing",
-            0,
+            scraper.len(),
             Duration::from_secs(30),
             |r, i| !up(&r[i]),
         )

@@ -25,7 +25,8 @@
 //! values (a duration stays the real duration it measured) except those named
 //! as absolute Unix timestamps, which are re-anchored to the compressed
 //! clock: `value - scrape wall time + start + i * interval`, so that
-//! `value - time()` in a rule is the real remaining time at that scrape.
+//! `value - time()` in a rule is the real remaining time at that scrape (a
+//! 0, such a gauge's "none yet", is no time and is kept).
 
 use std::collections::{BTreeMap, BTreeSet};
 use std::path::{Path, PathBuf};
@@ -285,7 +286,8 @@ impl Series {
                         labels.insert(k, v);
                     }
                     labels.extend(target.iter().map(|(k, v)| (k.clone(), v.clone())));
-                    let value = if timestamps.contains(&s.name.as_str()) {
+                    // 0 is such a gauge's "none yet", not a time: kept.
+                    let value = if timestamps.contains(&s.name.as_str()) && s.value != 0.0 {
                         s.value - round.wall + now
                     } else {
                         s.value
