@@ -13,6 +13,7 @@ pub mod history;
 pub mod manifests;
 pub mod node;
 pub mod process;
+pub mod prometheus;
 pub mod scratch;
 pub mod secret_volume;
 pub mod sim;
