@@ -418,6 +418,18 @@ fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
         "{}{}",
         p.parent.visible_annotation_prefix, p.annotation_prefix
     ));
+    // A kept disk's label and its acknowledgement, which the mutating
+    // webhook stamps (the record's keys under the profile's prefix).
+    let keys = volume_gate::record::Keys::new(&p.annotation_prefix);
+    profile_names.extend(
+        [
+            &keys.kept,
+            &keys.kept_acknowledged,
+            &keys.kept_acknowledged_by,
+            &keys.kept_acknowledged_at,
+        ]
+        .map(String::clone),
+    );
     // Kubernetes' own: whose DELETEs of a tenant's disks wait for the phase.
     profile_names.push(volume_gate::admission::gate::NAMESPACE_CONTROLLER.to_string());
     // Flux's own field names, which the gate judges (decide::flux).
