@@ -129,7 +129,7 @@ fn the_rendered_rules_pass_promtool_check_in_each_monitoring_shape() {
             .sum();
         assert_eq!(
             rules_in_file,
-            ALERTS.len(),
+            common::chart::ALERTS.len(),
             "{shape}: every rule is an alert"
         );
         assert!(
@@ -139,7 +139,7 @@ fn the_rendered_rules_pass_promtool_check_in_each_monitoring_shape() {
         let names = alert_names(&rule);
         let mut got: Vec<&str> = names.iter().map(|(n, _)| n.as_str()).collect();
         got.sort_unstable();
-        let mut want = ALERTS.to_vec();
+        let mut want = common::chart::ALERTS.to_vec();
         want.sort_unstable();
         assert_eq!(got, want, "{shape}: the alerts");
         // absent() fires on a series nobody scrapes: only where something
@@ -153,17 +153,6 @@ fn the_rendered_rules_pass_promtool_check_in_each_monitoring_shape() {
         assert_eq!(absent, want_absent, "{shape}: the alerts using absent()");
     }
 }
-
-/// Every alert the chart renders, in each shape.
-const ALERTS: &[&str] = &[
-    "VolumeGateTenantBlocked",
-    "VolumeGateResidue",
-    "VolumeGateWebhookUnavailable",
-    "VolumeGateWorkerDown",
-    "VolumeGateNoLeader",
-    "VolumeGateCertificateExpiring",
-    "VolumeGateReconcileErrors",
-];
 
 /// The alerts with an `absent()` part where something scrapes (in name
 /// order, as [`alert_names`] lists them).
@@ -759,17 +748,13 @@ fn cert_left(round: &Round) -> Option<f64> {
 /// generate --reuse-ca` into the files the webhook serves (it reloads
 /// them without a restart), valid `days`.
 fn renew_certificate(certs: &Path, days: u32) {
-    let out = std::process::Command::new(common::gate::binary())
-        .args(["certs", "generate", "--reuse-ca", "--san", "127.0.0.1"])
-        .arg(format!("--days={days}"))
-        .arg("--out")
-        .arg(certs)
-        .output()
-        .expect("run volume-gate certs generate");
-    assert!(
-        out.status.success(),
-        "certs generate --reuse-ca: {}",
-        String::from_utf8_lossy(&out.stderr)
+    common::process::run_ok(
+        std::process::Command::new(common::gate::binary())
+            .args(["certs", "generate", "--reuse-ca", "--san", "127.0.0.1"])
+            .arg(format!("--days={days}"))
+            .arg("--out")
+            .arg(certs),
+        "volume-gate certs generate --reuse-ca",
     );
 }
 

@@ -133,38 +133,29 @@ fn helm_lint_passes_for_the_default_values_and_each_option() {
             "webhook.replicas=3",
         ],
     ];
-    for sets in variants {
+    // Each option by --set, and every knob at once from a values file.
+    let (_dir, file) = values_file(EVERY_KNOB);
+    let runs = variants
+        .iter()
+        .map(|sets| {
+            (
+                format!("{sets:?}"),
+                sets.iter().flat_map(|s| ["--set", s]).collect(),
+            )
+        })
+        .chain([("every knob".to_string(), vec!["-f", file.as_str()])]);
+    for (what, args) in runs {
         let mut a = vec!["lint", CHART, "--strict", "--namespace", "volume-gate"];
-        for s in sets {
-            a.extend(["--set", s]);
-        }
+        a.extend::<Vec<&str>>(args);
         let out = helm(&a);
         let text = format!(
             "{}{}",
             String::from_utf8_lossy(&out.stdout),
             String::from_utf8_lossy(&out.stderr)
         );
-        assert!(out.status.success(), "helm lint {sets:?}:\n{text}");
+        assert!(out.status.success(), "helm lint {what}:\n{text}");
         assert!(text.contains("0 chart(s) failed"), "{text}");
     }
-    // Every knob set at once.
-    let (_dir, file) = values_file(EVERY_KNOB);
-    let out = helm(&[
-        "lint",
-        CHART,
-        "--strict",
-        "--namespace",
-        "volume-gate",
-        "-f",
-        &file,
-    ]);
-    let text = format!(
-        "{}{}",
-        String::from_utf8_lossy(&out.stdout),
-        String::from_utf8_lossy(&out.stderr)
-    );
-    assert!(out.status.success(), "helm lint with every knob:\n{text}");
-    assert!(text.contains("0 chart(s) failed"), "{text}");
 }
 
 #[test]
@@ -789,18 +780,7 @@ fn every_alert_and_panel_names_only_metrics_the_binary_exports() {
             r["alert"].as_str().unwrap()
         })
         .collect();
-    assert_eq!(
-        alerts,
-        [
-            "VolumeGateTenantBlocked",
-            "VolumeGateResidue",
-            "VolumeGateWebhookUnavailable",
-            "VolumeGateWorkerDown",
-            "VolumeGateNoLeader",
-            "VolumeGateCertificateExpiring",
-            "VolumeGateReconcileErrors"
-        ]
-    );
+    assert_eq!(alerts, common::chart::ALERTS);
     // Each alert points at its runbook: a section of docs/operations.md
     // named as the alert (that the section exists is tests/docs_links.rs').
     for r in rule["spec"]["groups"][0]["rules"].as_array().unwrap() {
@@ -879,16 +859,20 @@ fn every_alert_and_panel_names_only_metrics_the_binary_exports() {
     );
 }
 
-/// An alert on a missing series fires at once where nothing scrapes: the
-/// `absent()` parts are rendered only with the PodMonitor, or when the
-/// operator says something else scrapes; the thresholds are the values'.
+/// The alerts' thresholds are the values' (where `absent()` is rendered is
+/// `tests/alerts.rs`', on promtool).
 #[test]
-fn absent_series_alert_only_where_something_scrapes_and_thresholds_are_the_values() {
+fn alert_thresholds_are_the_values() {
     let ns = "volume-gate";
-    let exprs = |set: &[&str]| -> BTreeMap<String, String> {
-        let mut values = vec!["monitoring.prometheusRule.enabled=true"];
-        values.extend_from_slice(set);
-        let docs = template(ns, &values);
+    let docs = template(
+        ns,
+        &[
+            "monitoring.prometheusRule.enabled=true",
+            "monitoring.prometheusRule.blockedAfterMinutes=45",
+            "monitoring.prometheusRule.certificateWarnDays=7",
+        ],
+    );
+    let exprs: BTreeMap<String, String> =
         get(&docs, "PrometheusRule", ns, "volume-gate")["spec"]["groups"][0]["rules"]
             .as_array()
             .unwrap()
@@ -899,36 +883,14 @@ fn absent_series_alert_only_where_something_scrapes_and_thresholds_are_the_value
                     r["expr"].as_str().unwrap().to_string(),
                 )
             })
-            .collect()
-    };
-    let unscraped = exprs(&[]);
+            .collect();
     assert!(
-        unscraped.values().all(|e| !e.contains("absent(")),
-        "{unscraped:#?}"
-    );
-    for scraped in [
-        exprs(&["monitoring.podMonitor.enabled=true"]),
-        exprs(&["monitoring.prometheusRule.scrapedElsewhere=true"]),
-    ] {
-        for alert in ["VolumeGateWebhookUnavailable", "VolumeGateWorkerDown"] {
-            assert!(
-                scraped[alert].contains("absent("),
-                "{alert}: {}",
-                scraped[alert]
-            );
-        }
-    }
-    let tuned = exprs(&[
-        "monitoring.prometheusRule.blockedAfterMinutes=45",
-        "monitoring.prometheusRule.certificateWarnDays=7",
-    ]);
-    assert!(
-        tuned["VolumeGateTenantBlocked"].contains("> 2700"),
-        "{tuned:#?}"
+        exprs["VolumeGateTenantBlocked"].contains("> 2700"),
+        "{exprs:#?}"
     );
     assert!(
-        tuned["VolumeGateCertificateExpiring"].contains("< 604800"),
-        "{tuned:#?}"
+        exprs["VolumeGateCertificateExpiring"].contains("< 604800"),
+        "{exprs:#?}"
     );
 }
 

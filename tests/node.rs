@@ -582,15 +582,14 @@ impl Placement {
             .get("kubernetes.io/hostname")
             .cloned()
             .expect("the kubelet labels its node with its hostname");
-        let out = cp
-            .kubectl(&cp.management.kubeconfig)
-            .args(["taint", "node", common::node::NODE, TAINT])
-            .output()
-            .expect("kubectl taint");
-        assert!(
-            out.status.success(),
-            "taint the node: {}",
-            String::from_utf8_lossy(&out.stderr)
+        common::process::run_ok(
+            cp.kubectl(&cp.management.kubeconfig).args([
+                "taint",
+                "node",
+                common::node::NODE,
+                TAINT,
+            ]),
+            "taint the node",
         );
         let (key, rest) = TAINT.split_once('=').unwrap();
         let (value, effect) = rest.split_once(':').unwrap();
@@ -658,16 +657,14 @@ impl Placement {
     /// Takes the taint off: the tenants' Pods to come do not tolerate it.
     fn untaint(&self) {
         let (key, _) = TAINT.split_once('=').unwrap();
-        let out = self
-            .cp
-            .kubectl(&self.cp.management.kubeconfig)
-            .args(["taint", "node", common::node::NODE, &format!("{key}-")])
-            .output()
-            .expect("kubectl taint");
-        assert!(
-            out.status.success(),
-            "untaint the node: {}",
-            String::from_utf8_lossy(&out.stderr)
+        common::process::run_ok(
+            self.cp.kubectl(&self.cp.management.kubeconfig).args([
+                "taint",
+                "node",
+                common::node::NODE,
+                &format!("{key}-"),
+            ]),
+            "untaint the node",
         );
     }
 }

@@ -756,18 +756,13 @@ fn leaked_objects(infra: &common::tenant::InfraObjects) -> BTreeSet<(String, Str
 
 /// Runs the real `volume-gate orphans` with `kubeconfig`; its stdout.
 fn orphans(kubeconfig: &std::path::Path, args: &[&str]) -> String {
-    let out = std::process::Command::new(common::gate::binary())
-        .arg("orphans")
-        .args(args)
-        .env("KUBECONFIG", kubeconfig)
-        .output()
-        .expect("run volume-gate orphans");
-    assert!(
-        out.status.success(),
-        "volume-gate orphans {args:?}: {}",
-        String::from_utf8_lossy(&out.stderr)
-    );
-    String::from_utf8(out.stdout).expect("UTF-8 output")
+    common::process::run_ok(
+        std::process::Command::new(common::gate::binary())
+            .arg("orphans")
+            .args(args)
+            .env("KUBECONFIG", kubeconfig),
+        &format!("volume-gate orphans {args:?}"),
+    )
 }
 
 /// The report's rows as `(kind, name)`, and the tenants they name.

@@ -772,12 +772,23 @@ impl Judge {
             new: &new_view,
         };
         let mutations = decide::mutate(&self.profile, &self.keys, change, self.requester(req), now);
+        self.patched(target, &mutations, "mutated")
+    }
+
+    /// The answer of the mutating webhook: allowed, with the patch of
+    /// `mutations` (empty: "unchanged").
+    fn patched(
+        &self,
+        target: Target,
+        mutations: &[decide::Mutation],
+        reason: &'static str,
+    ) -> (Target, Verdict, Option<json_patch::Patch>) {
         let reason = if mutations.is_empty() {
             "unchanged"
         } else {
-            "mutated"
+            reason
         };
-        let patch = decide::to_json_patch(&self.profile, &self.keys, &mutations);
+        let patch = decide::to_json_patch(&self.profile, &self.keys, mutations);
         (target, Verdict::allow(reason), Some(patch))
     }
 }
@@ -815,13 +826,7 @@ impl Judge {
             new: &new_view,
         };
         let mutations = decide::acknowledge(&self.keys, change, self.requester(req), now);
-        let reason = if mutations.is_empty() {
-            "unchanged"
-        } else {
-            "acknowledgement-stamped"
-        };
-        let patch = decide::to_json_patch(&self.profile, &self.keys, &mutations);
-        (target, Verdict::allow(reason), Some(patch))
+        self.patched(target, &mutations, "acknowledgement-stamped")
     }
 }
 

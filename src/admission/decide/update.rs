@@ -331,6 +331,18 @@ pub fn mutate(
     out
 }
 
+/// The two `add` operations of a stamp: who, and when.
+fn stamps(by_key: &str, by: &str, at_key: &str, at: &str) -> [json_patch::PatchOperation; 2] {
+    use json_patch::jsonptr::PointerBuf;
+    use json_patch::{AddOperation, PatchOperation};
+    [(by_key, by), (at_key, at)].map(|(key, value)| {
+        PatchOperation::Add(AddOperation {
+            path: PointerBuf::from_tokens(["metadata", "annotations", key]),
+            value: serde_json::Value::String(value.to_string()),
+        })
+    })
+}
+
 /// Renders mutations as RFC 6902 operations.
 pub fn to_json_patch(profile: &Profile, keys: &Keys, mutations: &[Mutation]) -> json_patch::Patch {
     use json_patch::jsonptr::PointerBuf;
@@ -352,29 +364,17 @@ pub fn to_json_patch(profile: &Profile, keys: &Keys, mutations: &[Mutation]) -> 
                     value: Value::String(profile.custody_finalizer.clone()),
                 }))
             }
+            // The stamped annotation exists, so the map does too; `add`
+            // replaces a stamp written by hand.
             Mutation::Stamp { by, at } => {
-                // The override annotation exists, so the map does too.
-                ops.push(PatchOperation::Add(AddOperation {
-                    path: annotation_path(&keys.override_by),
-                    value: json!(by),
-                }));
-                ops.push(PatchOperation::Add(AddOperation {
-                    path: annotation_path(&keys.override_at),
-                    value: json!(at),
-                }));
+                ops.extend(stamps(&keys.override_by, by, &keys.override_at, at))
             }
-            Mutation::StampAcknowledged { by, at } => {
-                // The acknowledgement exists, so the map does too; `add`
-                // replaces a stamp written by hand.
-                ops.push(PatchOperation::Add(AddOperation {
-                    path: annotation_path(&keys.kept_acknowledged_by),
-                    value: json!(by),
-                }));
-                ops.push(PatchOperation::Add(AddOperation {
-                    path: annotation_path(&keys.kept_acknowledged_at),
-                    value: json!(at),
-                }));
-            }
+            Mutation::StampAcknowledged { by, at } => ops.extend(stamps(
+                &keys.kept_acknowledged_by,
+                by,
+                &keys.kept_acknowledged_at,
+                at,
+            )),
             Mutation::Unstamp { keys } => {
                 for k in keys {
                     ops.push(PatchOperation::Remove(RemoveOperation {

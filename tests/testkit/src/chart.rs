@@ -190,6 +190,18 @@ pub fn webhook_configuration(kind: &str, plural: &str) -> kube::core::ApiResourc
 }
 
 /// Both webhook configuration resources, `(kind, resource)`.
+/// Every alert the chart's PrometheusRule renders, in its order (whatever
+/// scrapes it: the shapes differ only in their expressions).
+pub const ALERTS: [&str; 7] = [
+    "VolumeGateTenantBlocked",
+    "VolumeGateResidue",
+    "VolumeGateWebhookUnavailable",
+    "VolumeGateWorkerDown",
+    "VolumeGateNoLeader",
+    "VolumeGateCertificateExpiring",
+    "VolumeGateReconcileErrors",
+];
+
 pub const WEBHOOK_CONFIGURATIONS: [(&str, &str); 2] = [
     (
         "ValidatingWebhookConfiguration",

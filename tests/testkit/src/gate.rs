@@ -684,15 +684,11 @@ pub async fn wait_webhooks_active_within(cp: &ControlPlane, bound: Duration) {
 /// A CA and a loopback serving certificate in `dir`, made by the binary's
 /// own `certs generate`; returns the base64 CA bundle.
 pub fn generate_certs(dir: &std::path::Path) -> String {
-    let out = Command::new(binary())
-        .args(["certs", "generate", "--san", "127.0.0.1", "--out"])
-        .arg(dir)
-        .output()
-        .expect("run volume-gate certs generate");
-    assert!(
-        out.status.success(),
-        "certs generate: {}",
-        String::from_utf8_lossy(&out.stderr)
+    crate::process::run_ok(
+        Command::new(binary())
+            .args(["certs", "generate", "--san", "127.0.0.1", "--out"])
+            .arg(dir),
+        "volume-gate certs generate",
     );
     std::fs::read_to_string(dir.join("ca-bundle.b64"))
         .expect("ca-bundle.b64")

@@ -58,26 +58,26 @@ impl Env {
 
     /// The worker's /metrics now; empty while it does not answer.
     pub async fn worker_metrics(&self) -> String {
-        let port = self.with_gate(|g| g.worker_admin);
-        gate::http_get(port, "/metrics")
-            .await
-            .map(|(_, b)| b)
-            .unwrap_or_default()
+        metrics_on(self.with_gate(|g| g.worker_admin)).await
     }
 
     /// The webhook's /metrics now; empty while it does not answer.
     pub async fn webhook_metrics(&self) -> String {
-        let port = self.with_gate(|g| g.webhook_admin);
-        gate::http_get(port, "/metrics")
-            .await
-            .map(|(_, b)| b)
-            .unwrap_or_default()
+        metrics_on(self.with_gate(|g| g.webhook_admin)).await
     }
 
     /// The directory of the webhook's serving certificate.
     pub fn gate_certs(&self) -> std::path::PathBuf {
         self.with_gate(|g| g.certs.clone())
     }
+}
+
+/// /metrics on the admin `port`; empty while nothing answers there.
+async fn metrics_on(port: u16) -> String {
+    gate::http_get(port, "/metrics")
+        .await
+        .map(|(_, b)| b)
+        .unwrap_or_default()
 }
 
 /// What a test binary's shared environment is: whether the gate runs (and

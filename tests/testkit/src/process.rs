@@ -141,6 +141,18 @@ impl Drop for Process {
 /// (`docs/benchmarks-scale.md`, "50 light tenants on 2 cores"). It changes
 /// no behaviour: a Go program with one P still serves concurrently. The
 /// product's own processes (Rust) are not Go programs.
+/// Runs `cmd` to its end and returns its stdout; fails the test naming
+/// `what` and the program's stderr when it does not succeed.
+pub fn run_ok(cmd: &mut Command, what: &str) -> String {
+    let out = cmd.output().unwrap_or_else(|e| panic!("run {what}: {e}"));
+    assert!(
+        out.status.success(),
+        "{what}: {}",
+        String::from_utf8_lossy(&out.stderr)
+    );
+    String::from_utf8(out.stdout).unwrap_or_else(|e| panic!("{what}: output not UTF-8: {e}"))
+}
+
 pub fn go_program(cmd: &mut Command) -> &mut Command {
     cmd.env("GOMAXPROCS", "1")
 }

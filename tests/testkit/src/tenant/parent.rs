@@ -71,22 +71,16 @@ impl Tenant {
 
     /// Asserts the parent is there and carries the custody finalizer.
     pub async fn assert_in_custody(&self) {
-        let finalizers = self
-            .parent()
-            .await
-            .expect("the parent is there")
-            .metadata
-            .finalizers
-            .unwrap_or_default();
-        assert!(
-            finalizers.contains(&crate::profile().custody_finalizer),
-            "in custody: {finalizers:?}"
-        );
+        self.assert_custody(true).await;
     }
 
     /// Asserts the parent is there and carries no custody finalizer (custody
     /// handed back).
     pub async fn assert_out_of_custody(&self) {
+        self.assert_custody(false).await;
+    }
+
+    async fn assert_custody(&self, held: bool) {
         let finalizers = self
             .parent()
             .await
@@ -94,9 +88,10 @@ impl Tenant {
             .metadata
             .finalizers
             .unwrap_or_default();
-        assert!(
-            !finalizers.contains(&crate::profile().custody_finalizer),
-            "custody handed back: {finalizers:?}"
+        assert_eq!(
+            finalizers.contains(&crate::profile().custody_finalizer),
+            held,
+            "custody held: {finalizers:?}"
         );
     }
 
