@@ -5,8 +5,9 @@
 //! stored them.
 //!
 //! What Prometheus stores, and so what the converter writes (Prometheus
-//! 3.16.0, `scrape/scrape.go`; prometheus-operator's
-//! `pkg/prometheus/promcfg.go`, `generatePodMonitorConfig`):
+//! 3.16.0, `scrape/scrape.go`; prometheus-operator v0.93.0's
+//! `pkg/prometheus/promcfg.go`, `generatePodMonitorConfig`: the namespace,
+//! container, pod, job and endpoint relabelings):
 //! - each scraped sample under its target's labels: a PodMonitor target has
 //!   `namespace`, `container`, `pod`, `job` (`<namespace>/<PodMonitor name>`),
 //!   `endpoint` (the port's name) and `instance` (the address scraped); a
