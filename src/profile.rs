@@ -164,6 +164,11 @@ impl Writers {
                     .into(),
             );
         }
+        self.validate_names()
+    }
+
+    /// Every name a username, on a platform with or without releases.
+    fn validate_names(&self) -> Result<(), String> {
         match self
             .all()
             .find(|u| u.trim().is_empty() || u.trim() != u.as_str())
@@ -198,10 +203,48 @@ pub struct GuardedSpec {
     /// webhooks keep immutable, where a label can be removed first).
     #[serde(default, skip_serializing_if = "Option::is_none")]
     pub field: Option<String>,
+    /// A field of the parent, as a JSON pointer, that names the guarded
+    /// object (`{apiGroup, kind, name}`, Cluster API's v1beta2 reference,
+    /// or `{apiVersion, kind, name}`, its v1beta1 one): Cluster API's
+    /// `spec.controlPlaneRef` and `spec.infrastructureRef`, which its
+    /// cluster controller follows to delete them. The object is the
+    /// tenant's because the parent names it, whatever the object's own
+    /// labels, owners or name say (a namespace's editor writes those).
+    #[serde(default, rename = "ref", skip_serializing_if = "Option::is_none")]
+    pub reference: Option<String>,
 }
 
 /// Cluster API's `spec.clusterName`, the one field a guarded entry may name.
 pub const CLUSTER_NAME_FIELD: &str = "/spec/clusterName";
+
+/// The fields of a parent a guarded entry may follow by `ref`: Cluster
+/// API's references to the control plane and the infrastructure cluster,
+/// which its cluster controller deletes, in that order, after the machines
+/// (`core/reconcilers/cluster/cluster_controller.go`, `reconcileDelete`,
+/// v1.14.2). The gate reads only these fields of a request's spec.
+pub const REFERENCE_FIELDS: [&str; 2] = ["/spec/controlPlaneRef", "/spec/infrastructureRef"];
+
+/// Flux's HelmRelease: the kind of a tenant's child releases and its CSI
+/// release (their rules, `decide::flux`, are helm-controller's), and of
+/// Cozystack's parents.
+pub fn flux_release_kind() -> GroupKind {
+    GroupKind::new("helm.toolkit.fluxcd.io", "HelmRelease")
+}
+
+/// Where a parent's field names another object: `(group, kind, name)`
+/// from a Cluster API reference, v1beta2 (`apiGroup`) or v1beta1
+/// (`apiVersion`). `None` when the field is absent or incomplete.
+pub fn reference_at(object: &serde_json::Value, pointer: &str) -> Option<(String, String, String)> {
+    let r = object.pointer(pointer)?;
+    let text = |k: &str| r.get(k).and_then(serde_json::Value::as_str);
+    let group = match (text("apiGroup"), text("apiVersion")) {
+        (Some(g), _) => g.to_string(),
+        (None, Some(v)) => v.rsplit_once('/').map_or("", |(g, _)| g).to_string(),
+        (None, None) => return None,
+    };
+    let (kind, name) = (text("kind")?, text("name")?);
+    (!kind.is_empty() && !name.is_empty()).then(|| (group, kind.to_string(), name.to_string()))
+}
 
 /// How an object is known as part of a parent release: what Helm deletes on
 /// uninstall. Helm's ownership annotations name the release and its
@@ -366,13 +409,16 @@ pub struct ControlPlaneSpec {
     pub plural: String,
     /// Its name, `{tenant}` standing for the parent's name.
     pub name: String,
-    /// A JSON pointer to its `host:port` endpoint in the object (Kamaji:
-    /// `/status/controlPlaneEndpoint`).
+    /// A JSON pointer to its endpoint in the object: a `host:port` string
+    /// (Kamaji: `/status/controlPlaneEndpoint`) or a `{host, port}` object
+    /// (Cluster API: the Cluster's `/spec/controlPlaneEndpoint`).
     pub endpoint: String,
     /// The in-cluster name of the Service in front of it, `{tenant}` and
     /// `{namespace}` standing for the parent's (Kamaji's `super-admin.svc`
-    /// kubeconfig uses it).
-    pub service: String,
+    /// kubeconfig uses it); none where the kubeconfig names the endpoint
+    /// itself (Cluster API's).
+    #[serde(default, skip_serializing_if = "Option::is_none")]
+    pub service: Option<String>,
 }
 
 impl ControlPlaneSpec {
@@ -385,8 +431,45 @@ impl ControlPlaneSpec {
             plural: "tenantcontrolplanes".into(),
             name: TENANT_PLACEHOLDER.into(),
             endpoint: "/status/controlPlaneEndpoint".into(),
-            service: format!("{TENANT_PLACEHOLDER}.{NAMESPACE_PLACEHOLDER}.svc"),
+            service: Some(format!("{TENANT_PLACEHOLDER}.{NAMESPACE_PLACEHOLDER}.svc")),
         }
+    }
+
+    /// Cluster API's own record: the Cluster's `spec.controlPlaneEndpoint`,
+    /// which the infrastructure provider sets and Cluster API's webhook
+    /// keeps from changing once set (`internal/webhooks/cluster.go`,
+    /// v1.14.2).
+    pub fn cluster_api() -> Self {
+        Self {
+            group: "cluster.x-k8s.io".into(),
+            version: "v1beta2".into(),
+            kind: "Cluster".into(),
+            plural: "clusters".into(),
+            name: TENANT_PLACEHOLDER.into(),
+            endpoint: "/spec/controlPlaneEndpoint".into(),
+            service: None,
+        }
+    }
+
+    /// The endpoint the object records, as `host:port`: a string as it
+    /// is, a `{host, port}` object joined (an IPv6 host bracketed); none
+    /// while it is empty.
+    pub fn endpoint_in(&self, object: &serde_json::Value) -> Option<String> {
+        let e = object.pointer(&self.endpoint)?;
+        let joined = match e {
+            serde_json::Value::String(s) => s.clone(),
+            serde_json::Value::Object(o) => {
+                let host = o.get("host").and_then(serde_json::Value::as_str)?;
+                let port = o.get("port").and_then(serde_json::Value::as_u64)?;
+                if host.contains(':') && !host.starts_with('[') {
+                    format!("[{host}]:{port}")
+                } else {
+                    format!("{host}:{port}")
+                }
+            }
+            _ => return None,
+        };
+        (!joined.is_empty() && !joined.starts_with(':')).then_some(joined)
     }
 
     pub fn resource(&self) -> kube::api::ApiResource {
@@ -400,10 +483,11 @@ impl ControlPlaneSpec {
         self.name.replace(TENANT_PLACEHOLDER, tenant)
     }
 
-    pub fn service_of(&self, namespace: &str, tenant: &str) -> String {
-        self.service
-            .replace(TENANT_PLACEHOLDER, tenant)
-            .replace(NAMESPACE_PLACEHOLDER, namespace)
+    pub fn service_of(&self, namespace: &str, tenant: &str) -> Option<String> {
+        self.service.as_ref().map(|s| {
+            s.replace(TENANT_PLACEHOLDER, tenant)
+                .replace(NAMESPACE_PLACEHOLDER, namespace)
+        })
     }
 
     fn validate(&self) -> Result<(), String> {
@@ -411,10 +495,13 @@ impl ControlPlaneSpec {
             return Err("controlPlane needs group, version, kind and plural".into());
         }
         if self.name.matches(TENANT_PLACEHOLDER).count() != 1
-            || !self.service.contains(TENANT_PLACEHOLDER)
+            || self
+                .service
+                .as_ref()
+                .is_some_and(|s| !s.contains(TENANT_PLACEHOLDER))
         {
             return Err(format!(
-                "controlPlane.name must contain {TENANT_PLACEHOLDER} once and controlPlane.service at least once"
+                "controlPlane.name must contain {TENANT_PLACEHOLDER} once, and controlPlane.service, if set, at least once"
             ));
         }
         if !self.endpoint.starts_with('/') {
@@ -429,6 +516,11 @@ impl ControlPlaneSpec {
 
 pub const NAMESPACE_PLACEHOLDER: &str = "{namespace}";
 
+/// A guarded entry's kind that, with `ref`, stands for any kind of its
+/// group: the parent's reference names the kind (Cluster API's control
+/// plane and infrastructure providers each have their own).
+pub const ANY_KIND: &str = "*";
+
 #[derive(Clone, Debug, PartialEq, Serialize, Deserialize)]
 #[serde(rename_all = "camelCase", deny_unknown_fields, default)]
 pub struct Profile {
@@ -439,15 +531,22 @@ pub struct Profile {
     /// The custody finalizer on every parent.
     pub custody_finalizer: String,
     pub parent: ParentSpec,
-    /// Label on each child release whose value is the parent's name.
-    pub child_label: String,
-    /// Name pattern of the CSI driver release.
-    pub csi_release: String,
+    /// Label on each child release (a Flux HelmRelease) whose value is the
+    /// parent's name; none on a platform whose tenants have no child
+    /// releases so labelled (a child that installs into the tenant with its
+    /// kubeconfig Secret is known by that, `spec.kubeConfig`, either way).
+    pub child_label: Option<String>,
+    /// Name pattern of the CSI driver's release (a Flux HelmRelease in the
+    /// parent's namespace); none where the driver is not installed by one
+    /// (inside the tenant, held by holding its machines, or a
+    /// management-side Deployment named in `guarded`).
+    pub csi_release: Option<String>,
     pub kubeconfig: KubeconfigSpec,
     pub guarded: Vec<GuardedSpec>,
     /// Objects of a parent release are guarded during teardown: the CSI
     /// controller's identity (its ServiceAccount and RBAC) goes with it.
-    pub release: ReleaseSpec,
+    /// None where the parent is no Helm release (a Cluster API Cluster).
+    pub release: Option<ReleaseSpec>,
     pub override_permission: OverridePermission,
     /// The infra layer behind tenant volumes; `null` on a platform whose
     /// tenant volumes have none (the phase then reads the tenant API only).
@@ -461,6 +560,11 @@ pub struct Profile {
 }
 
 pub const TENANT_PLACEHOLDER: &str = "{tenant}";
+
+/// The label that opts a Cluster API `Cluster` into volume-gate's custody
+/// under [`Profile::cluster_api`]: the operator sets it (`"true"`); once
+/// the Cluster is in custody, removing it is refused like any parent label.
+pub const CLUSTER_API_OPT_IN: &str = "volumes.cozystack.io/protected";
 
 impl Default for Profile {
     fn default() -> Self {
@@ -493,6 +597,7 @@ impl Profile {
                     name: name.map(str::to_string),
                     label: label.map(str::to_string),
                     field: None,
+                    reference: None,
                 }
             };
         let by_cluster_name = |kind: &str| GuardedSpec {
@@ -502,6 +607,7 @@ impl Profile {
             name: None,
             label: None,
             field: Some(CLUSTER_NAME_FIELD.into()),
+            reference: None,
         };
         const CAPI_LABEL: &str = "cluster.x-k8s.io/cluster-name";
         const KCSI: &str = "{tenant}-kcsi";
@@ -529,8 +635,8 @@ impl Profile {
                 reconcile_request_annotation: flux_reconcile_request(),
                 visible_annotation_prefix: cozystack_visible_prefix(),
             },
-            child_label: "cozystack.io/target-cluster-name".into(),
-            csi_release: "{tenant}-csi".into(),
+            child_label: Some("cozystack.io/target-cluster-name".into()),
+            csi_release: Some("{tenant}-csi".into()),
             kubeconfig: KubeconfigSpec {
                 secret_name: "{tenant}-admin-kubeconfig".into(),
                 keys: vec!["super-admin.svc".into(), "super-admin.conf".into()],
@@ -620,7 +726,7 @@ impl Profile {
                     None,
                 ),
             ],
-            release: ReleaseSpec {
+            release: Some(ReleaseSpec {
                 name_annotation: "meta.helm.sh/release-name".into(),
                 namespace_annotation: "meta.helm.sh/release-namespace".into(),
                 name_label: "helm.toolkit.fluxcd.io/name".into(),
@@ -628,7 +734,7 @@ impl Profile {
                 // The pre-delete hook's ServiceAccount, Role and RoleBinding,
                 // and its Job.
                 hooks: vec!["{tenant}-cleanup".into(), "{tenant}-pre-cleanup".into()],
-            },
+            }),
             override_permission: OverridePermission {
                 group: "volumes.cozystack.io".into(),
                 resource: "tenants".into(),
@@ -637,6 +743,109 @@ impl Profile {
             infra: Some(InfraSpec::cozystack()),
             control_plane: Some(ControlPlaneSpec::kamaji()),
             writers: Writers::cozystack(),
+        }
+    }
+
+    /// A plain Cluster API platform (`docs/cluster-api.md`): a parent is a
+    /// `Cluster` the operator opts in with the label
+    /// [`CLUSTER_API_OPT_IN`]; its machines (by `spec.clusterName` and
+    /// Cluster API's cluster-name label), the control plane and
+    /// infrastructure objects its references name, and its kubeconfig
+    /// Secret are held until its volumes are released. Every name is
+    /// Cluster API's own (v1.14.2): the kubeconfig Secret `<cluster>-kubeconfig`
+    /// with the key `value` (`util/secret/consts.go`, `secret.go`), the
+    /// label `cluster.x-k8s.io/cluster-name` (`api/core/v1beta2/common_types.go`).
+    /// Where the platform's CSI controller runs management-side or is
+    /// installed by a Flux HelmRelease, the operator's profile file names
+    /// it (`guarded`, `csiRelease`); by default the driver runs inside the
+    /// cluster, on the machines held here.
+    pub fn cluster_api() -> Self {
+        let by = |role: &str, group: &str, kind: &str| GuardedSpec {
+            role: role.to_string(),
+            group: group.to_string(),
+            kind: kind.to_string(),
+            name: None,
+            label: None,
+            field: None,
+            reference: None,
+        };
+        const MACHINES: &str =
+            "the cluster's machines, which run the CSI driver and the Pods that hold its volumes";
+        let mut guarded = Vec::new();
+        for kind in ["MachineDeployment", "MachineSet", "Machine", "MachinePool"] {
+            guarded.push(GuardedSpec {
+                field: Some(CLUSTER_NAME_FIELD.into()),
+                ..by(MACHINES, "cluster.x-k8s.io", kind)
+            });
+            guarded.push(GuardedSpec {
+                label: Some("cluster.x-k8s.io/cluster-name".into()),
+                ..by(MACHINES, "cluster.x-k8s.io", kind)
+            });
+        }
+        guarded.push(GuardedSpec {
+            reference: Some(REFERENCE_FIELDS[0].into()),
+            ..by(
+                "the cluster's control plane, whose API server the release phase works through",
+                "controlplane.cluster.x-k8s.io",
+                ANY_KIND,
+            )
+        });
+        guarded.push(GuardedSpec {
+            reference: Some(REFERENCE_FIELDS[1].into()),
+            ..by(
+                "the cluster's infrastructure, which its machines and control plane run on",
+                "infrastructure.cluster.x-k8s.io",
+                ANY_KIND,
+            )
+        });
+        guarded.push(GuardedSpec {
+            name: Some("{tenant}-kubeconfig".into()),
+            ..by(
+                "the cluster's kubeconfig, which the release phase needs",
+                "",
+                "Secret",
+            )
+        });
+        Self {
+            name: "cluster-api".into(),
+            parent: ParentSpec {
+                group: "cluster.x-k8s.io".into(),
+                version: "v1beta2".into(),
+                kind: "Cluster".into(),
+                plural: "clusters".into(),
+                match_labels: BTreeMap::from([(CLUSTER_API_OPT_IN.into(), "true".into())]),
+                name_prefix: String::new(),
+                // Cluster API reconciles a Cluster on every write to it:
+                // the record's own write retries the deletion it refused.
+                reconcile_request_annotation: String::new(),
+                visible_annotation_prefix: String::new(),
+            },
+            child_label: None,
+            csi_release: None,
+            kubeconfig: KubeconfigSpec {
+                secret_name: "{tenant}-kubeconfig".into(),
+                keys: vec!["value".into()],
+            },
+            guarded,
+            release: None,
+            infra: None,
+            control_plane: Some(ControlPlaneSpec::cluster_api()),
+            writers: Writers {
+                release_controllers: Vec::new(),
+                parent_sources: Vec::new(),
+                parent_replacers: Vec::new(),
+            },
+            ..Self::cozystack()
+        }
+    }
+
+    /// The built-in profile of this name (`--profile-name`): `cozystack`
+    /// or `cluster-api`.
+    pub fn builtin(name: &str) -> Option<Self> {
+        match name {
+            "cozystack" => Some(Self::cozystack()),
+            "cluster-api" => Some(Self::cluster_api()),
+            _ => None,
         }
     }
 
@@ -674,11 +883,43 @@ impl Profile {
         )
     }
 
+    /// A profile file: the fields it names over a built-in profile's, the
+    /// one its `base` names (`cozystack` when it names none).
     pub fn from_yaml(text: &str) -> Result<Self, ProfileError> {
-        let profile: Profile = serde_saphyr::from_str(text).map_err(|e| ProfileError::Parse {
+        let parse = |message: String| ProfileError::Parse {
             path: "<inline>".into(),
-            message: e.to_string(),
-        })?;
+            message,
+        };
+        let mut file: serde_json::Value =
+            serde_saphyr::from_str(text).map_err(|e| parse(e.to_string()))?;
+        let fields = match &mut file {
+            serde_json::Value::Object(fields) => fields,
+            serde_json::Value::Null => &mut serde_json::Map::new(),
+            other => {
+                return Err(parse(format!(
+                    "a profile is a mapping of fields, not {other}"
+                )));
+            }
+        };
+        let base = match fields.remove("base") {
+            None => Self::cozystack(),
+            Some(serde_json::Value::String(name)) => Self::builtin(&name).ok_or_else(|| {
+                parse(format!(
+                    "base {name:?} is no built-in profile: use \"cozystack\" or \"cluster-api\""
+                ))
+            })?,
+            Some(other) => {
+                return Err(parse(format!("base must be a profile's name, not {other}")));
+            }
+        };
+        let serde_json::Value::Object(mut merged) =
+            serde_json::to_value(&base).expect("a profile serializes")
+        else {
+            unreachable!("a profile serializes to an object")
+        };
+        merged.extend(std::mem::take(fields));
+        let profile: Profile = serde_json::from_value(serde_json::Value::Object(merged))
+            .map_err(|e| parse(e.to_string()))?;
         profile
             .validate()
             .map_err(|message| ProfileError::Invalid {
@@ -713,13 +954,16 @@ impl Profile {
         {
             return Err("parent needs group, version, kind and plural".into());
         }
-        if self.child_label.is_empty() {
-            return Err("childLabel is empty".into());
+        if self.child_label.as_ref().is_some_and(String::is_empty) {
+            return Err(
+                "childLabel is empty: name the label, or leave it out (childLabel: null)".into(),
+            );
         }
-        if self.csi_release.matches(TENANT_PLACEHOLDER).count() != 1 {
+        if let Some(csi) = &self.csi_release
+            && csi.matches(TENANT_PLACEHOLDER).count() != 1
+        {
             return Err(format!(
-                "csiRelease {:?} must contain {TENANT_PLACEHOLDER} exactly once",
-                self.csi_release
+                "csiRelease {csi:?} must contain {TENANT_PLACEHOLDER} exactly once"
             ));
         }
         if !self.kubeconfig.secret_name.contains(TENANT_PLACEHOLDER)
@@ -730,17 +974,32 @@ impl Profile {
             );
         }
         for (i, g) in self.guarded.iter().enumerate() {
-            match (&g.name, &g.label, &g.field) {
-                (Some(n), None, None) if n.matches(TENANT_PLACEHOLDER).count() == 1 => {}
-                (None, Some(l), None) if !l.is_empty() => {}
-                (None, None, Some(f)) if f == CLUSTER_NAME_FIELD => {}
+            match (&g.name, &g.label, &g.field, &g.reference) {
+                (Some(n), None, None, None) if n.matches(TENANT_PLACEHOLDER).count() == 1 => {}
+                (None, Some(l), None, None) if !l.is_empty() => {}
+                (None, None, Some(f), None) if f == CLUSTER_NAME_FIELD => {}
+                (None, None, None, Some(r)) if REFERENCE_FIELDS.contains(&r.as_str()) => {}
                 _ => {
                     return Err(format!(
                         "guarded[{i}] ({}) needs exactly one of `name` (containing {TENANT_PLACEHOLDER} once), \
-                         `label`, or `field` ({CLUSTER_NAME_FIELD}, the one field the gate reads)",
-                        g.kind
+                         `label`, `field` ({CLUSTER_NAME_FIELD}, the one field the gate reads), or `ref` (the \
+                         parent's field that names the object: one of {})",
+                        g.kind,
+                        REFERENCE_FIELDS.join(", ")
                     ));
                 }
+            }
+            if g.kind == ANY_KIND && g.reference.is_none() {
+                return Err(format!(
+                    "guarded[{i}]: kind {ANY_KIND:?} stands for the kind a parent's reference names, so it needs `ref`"
+                ));
+            }
+            if g.reference.is_some()
+                && (g.kind.is_empty() || g.kind == self.parent.kind && g.group == self.parent.group)
+            {
+                return Err(format!(
+                    "guarded[{i}]: an entry by `ref` names the kind the parent's reference may name, not the parent's own"
+                ));
             }
         }
         if let Some(infra) = &self.infra {
@@ -749,8 +1008,12 @@ impl Profile {
         if let Some(cp) = &self.control_plane {
             cp.validate()?;
         }
-        self.writers.validate()?;
-        for (i, h) in self.release.hooks.iter().enumerate() {
+        if self.has_releases() {
+            self.writers.validate()?;
+        } else {
+            self.writers.validate_names()?;
+        }
+        for (i, h) in self.release.iter().flat_map(|r| r.hooks.iter()).enumerate() {
             if h.matches(TENANT_PLACEHOLDER).count() != 1 {
                 return Err(format!(
                     "release.hooks[{i}] {h:?} must contain {TENANT_PLACEHOLDER} exactly once"
@@ -763,9 +1026,51 @@ impl Profile {
     /// Whether `name` is one of release `tenant`'s teardown hook objects.
     pub fn is_release_hook(&self, name: &str, tenant: &str) -> bool {
         self.release
-            .hooks
             .iter()
+            .flat_map(|r| r.hooks.iter())
             .any(|h| h.replace(TENANT_PLACEHOLDER, tenant) == name)
+    }
+
+    /// Whether the platform has Flux releases of a tenant to judge: parents
+    /// that are HelmReleases (Cozystack's), a CSI release or child releases.
+    pub fn has_releases(&self) -> bool {
+        self.parent_kind() == flux_release_kind()
+            || self.csi_release.is_some()
+            || self.child_label.is_some()
+    }
+
+    /// The guarded entries that follow a reference of the parent to an
+    /// object of `kind` (an entry's kind `*`: any kind of its group, the
+    /// reference naming the kind).
+    pub fn referenced<'a>(&'a self, kind: &'a GroupKind) -> impl Iterator<Item = &'a GuardedSpec> {
+        self.guarded.iter().filter(move |g| {
+            g.reference.is_some()
+                && g.group == kind.group
+                && (g.kind == kind.kind || g.kind == ANY_KIND)
+        })
+    }
+
+    /// The tenants among `parents` (name and spec, as listed) whose
+    /// reference, by a guarded entry, names object `name` of `kind`, with
+    /// that entry's role.
+    pub fn referrers(
+        &self,
+        kind: &GroupKind,
+        name: &str,
+        parents: &[(String, serde_json::Value)],
+    ) -> Vec<(String, String)> {
+        let mut out = Vec::new();
+        for g in self.referenced(kind) {
+            let pointer = g.reference.as_deref().unwrap_or_default();
+            for (parent, object) in parents {
+                let named = reference_at(object, pointer)
+                    .is_some_and(|(gr, k, n)| gr == kind.group && k == kind.kind && n == name);
+                if named && !out.iter().any(|(p, _)| p == parent) {
+                    out.push((parent.clone(), g.role.clone()));
+                }
+            }
+        }
+        out
     }
 
     pub fn parent_kind(&self) -> GroupKind {
@@ -790,8 +1095,10 @@ impl Profile {
             .join(",")
     }
 
-    pub fn csi_release_name(&self, tenant: &str) -> String {
-        self.csi_release.replace(TENANT_PLACEHOLDER, tenant)
+    pub fn csi_release_name(&self, tenant: &str) -> Option<String> {
+        self.csi_release
+            .as_ref()
+            .map(|c| c.replace(TENANT_PLACEHOLDER, tenant))
     }
 
     pub fn kubeconfig_secret_name(&self, tenant: &str) -> String {
@@ -835,8 +1142,8 @@ mod tests {
     fn a_partial_file_overrides_only_what_it_names() {
         let p = Profile::from_yaml("name: acme\nchildLabel: acme.io/cluster\n").unwrap();
         assert_eq!(p.name, "acme");
-        assert_eq!(p.child_label, "acme.io/cluster");
-        assert_eq!(p.csi_release, "{tenant}-csi");
+        assert_eq!(p.child_label.as_deref(), Some("acme.io/cluster"));
+        assert_eq!(p.csi_release.as_deref(), Some("{tenant}-csi"));
     }
 
     #[test]
@@ -910,5 +1217,89 @@ mod tests {
         );
         assert!(!p.is_parent(&labels));
         assert!(!p.is_parent(&BTreeMap::new()));
+    }
+
+    #[test]
+    fn the_cluster_api_profile_is_valid_and_a_file_takes_it_as_its_base() {
+        Profile::cluster_api().validate().unwrap();
+        assert_eq!(
+            Profile::from_yaml("base: cluster-api\n").unwrap(),
+            Profile::cluster_api()
+        );
+        // A CSI release needs the identity that alone writes its status.
+        let csi = "base: cluster-api\ncsiRelease: \"{tenant}-csi\"\n";
+        let err = Profile::from_yaml(csi).unwrap_err().to_string();
+        assert!(err.contains("releaseControllers"), "{err}");
+        let flux = "writers: {releaseControllers: [\"system:serviceaccount:flux-system:helm-controller\"]}\n";
+        let p = Profile::from_yaml(&format!("{csi}{flux}")).unwrap();
+        assert_eq!(p.csi_release_name("c1").as_deref(), Some("c1-csi"));
+        assert_eq!(p.parent.kind, "Cluster");
+        assert!(p.has_releases());
+        assert!(!Profile::cluster_api().has_releases());
+        let err = Profile::from_yaml("base: capi\n").unwrap_err().to_string();
+        assert!(err.contains("cluster-api"), "{err}");
+    }
+
+    #[test]
+    fn a_reference_entry_follows_only_the_fields_the_gate_reads() {
+        let y =
+            "base: cluster-api\nguarded:\n- {role: x, group: g.io, kind: K, ref: /spec/anything}\n";
+        let err = Profile::from_yaml(y).unwrap_err().to_string();
+        assert!(err.contains("/spec/controlPlaneRef"), "{err}");
+        let y = "guarded:\n- {role: x, group: g.io, kind: \"*\", name: \"{tenant}\"}\n";
+        let err = Profile::from_yaml(y).unwrap_err().to_string();
+        assert!(err.contains("needs `ref`"), "{err}");
+    }
+
+    #[test]
+    fn references_are_read_in_both_cluster_api_versions() {
+        let v1beta2 = serde_json::json!({"spec": {"controlPlaneRef":
+            {"apiGroup": "controlplane.cluster.x-k8s.io", "kind": "KamajiControlPlane", "name": "a"}}});
+        let v1beta1 = serde_json::json!({"spec": {"controlPlaneRef":
+            {"apiVersion": "controlplane.cluster.x-k8s.io/v1alpha1", "kind": "KamajiControlPlane", "name": "a"}}});
+        let want = Some((
+            "controlplane.cluster.x-k8s.io".to_string(),
+            "KamajiControlPlane".to_string(),
+            "a".to_string(),
+        ));
+        assert_eq!(reference_at(&v1beta2, "/spec/controlPlaneRef"), want);
+        assert_eq!(reference_at(&v1beta1, "/spec/controlPlaneRef"), want);
+        assert_eq!(reference_at(&v1beta1, "/spec/infrastructureRef"), None);
+        let p = Profile::cluster_api();
+        let kind = GroupKind::new("controlplane.cluster.x-k8s.io", "KamajiControlPlane");
+        let parents = vec![
+            ("c1".to_string(), v1beta2),
+            ("c2".to_string(), serde_json::json!({})),
+        ];
+        assert_eq!(
+            p.referrers(&kind, "a", &parents),
+            vec![(
+                "c1".to_string(),
+                p.guarded
+                    .iter()
+                    .find(|g| g.reference.is_some())
+                    .unwrap()
+                    .role
+                    .clone()
+            )]
+        );
+        assert!(p.referrers(&kind, "b", &parents).is_empty());
+    }
+
+    #[test]
+    fn an_endpoint_is_a_string_or_cluster_api_s_host_and_port() {
+        let kamaji = ControlPlaneSpec::kamaji();
+        let capi = ControlPlaneSpec::cluster_api();
+        let o = serde_json::json!({"status": {"controlPlaneEndpoint": "10.0.0.1:6443"},
+            "spec": {"controlPlaneEndpoint": {"host": "127.0.0.1", "port": 36443}}});
+        assert_eq!(kamaji.endpoint_in(&o).as_deref(), Some("10.0.0.1:6443"));
+        assert_eq!(capi.endpoint_in(&o).as_deref(), Some("127.0.0.1:36443"));
+        let v6 =
+            serde_json::json!({"spec": {"controlPlaneEndpoint": {"host": "::1", "port": 6443}}});
+        assert_eq!(capi.endpoint_in(&v6).as_deref(), Some("[::1]:6443"));
+        // Not set yet: Cluster API's zero value.
+        let unset = serde_json::json!({"spec": {"controlPlaneEndpoint": {"host": "", "port": 0}}});
+        assert_eq!(capi.endpoint_in(&unset), None);
+        assert_eq!(capi.service_of("ns", "c1"), None);
     }
 }

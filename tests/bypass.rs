@@ -91,7 +91,9 @@ async fn a_parents_kind_label_added_to_the_csi_release_is_refused_and_its_delete
     let m = mallory(&t).await;
     let hrs: Api<DynamicObject> =
         Api::namespaced_with(m, &t.namespace, &common::gate::helmrelease_resource());
-    let csi = common::profile().csi_release_name(&t.name);
+    let csi = common::profile()
+        .csi_release_name(&t.name)
+        .expect("Cozystack has a CSI release");
     let patch = labels_patch(json!({PARENT_KIND: "Kubernetes"}));
     assert_refused(
         "kind label on the CSI release",
@@ -109,7 +111,9 @@ async fn a_parents_kind_label_added_to_the_csi_release_is_refused_and_its_delete
     let ns = format!("{}-born", t.namespace);
     env.cp.namespace(&ns).await;
     let r = "kubernetes-born";
-    let csi = common::profile().csi_release_name(r);
+    let csi = common::profile()
+        .csi_release_name(r)
+        .expect("Cozystack has a CSI release");
     let api: Api<DynamicObject> = Api::namespaced_with(
         t.management.clone(),
         &ns,
@@ -468,7 +472,9 @@ async fn every_guarded_object_under_any_pair_of_identity_labels_is_reviewed_in_t
                     "helm.toolkit.fluxcd.io/v2",
                     "HelmRelease",
                     ns,
-                    &common::profile().csi_release_name(&r),
+                    &common::profile()
+                        .csi_release_name(&r)
+                        .expect("Cozystack has a CSI release"),
                     &l,
                     hr_body.clone(),
                 ),

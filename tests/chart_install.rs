@@ -101,7 +101,9 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
         let (stop, tried, let_through) = (stop.clone(), tried.clone(), let_through.clone());
         let api: Api<DynamicObject> =
             Api::namespaced_with(client.clone(), &b.namespace, &helmrelease_resource());
-        let csi = common::profile().csi_release_name(&b.name);
+        let csi = common::profile()
+            .csi_release_name(&b.name)
+            .expect("Cozystack has a CSI release");
         tokio::spawn(async move {
             // Paced, so the upgrade is not starved on a small machine.
             let mut tick = tokio::time::interval(Duration::from_millis(50));
@@ -167,7 +169,9 @@ async fn helm_installs_upgrades_during_a_teardown_and_uninstalls_the_gate() {
     let before = b.record().await;
     let csi_api: Api<DynamicObject> =
         Api::namespaced_with(client.clone(), &b.namespace, &helmrelease_resource());
-    let csi = common::profile().csi_release_name(&b.name);
+    let csi = common::profile()
+        .csi_release_name(&b.name)
+        .expect("Cozystack has a CSI release");
     let dry = DeleteParams {
         dry_run: true,
         ..Default::default()

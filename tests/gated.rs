@@ -113,7 +113,11 @@ async fn a_refused_csi_release_delete_reaches_the_client_with_its_message() {
     );
     assert!(
         t.hr_api()
-            .get_opt(&common::profile().csi_release_name(&t.name))
+            .get_opt(
+                &common::profile()
+                    .csi_release_name(&t.name)
+                    .expect("Cozystack has a CSI release")
+            )
             .await
             .unwrap()
             .is_some()
@@ -301,7 +305,9 @@ async fn a_silent_tenant_api_blocks_loudly_and_an_authorized_override_finishes_t
     let err = t
         .hr_api()
         .delete(
-            &common::profile().csi_release_name(&t.name),
+            &common::profile()
+                .csi_release_name(&t.name)
+                .expect("Cozystack has a CSI release"),
             &DeleteParams::default(),
         )
         .await
@@ -528,7 +534,9 @@ async fn a_delete_collection_is_judged_object_by_object() {
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("collection")).await;
     t.wait_custody().await;
-    let csi = common::profile().csi_release_name(&t.name);
+    let csi = common::profile()
+        .csi_release_name(&t.name)
+        .expect("Cozystack has a CSI release");
     let dry = DeleteParams {
         dry_run: true,
         ..Default::default()

@@ -192,7 +192,7 @@ async fn a_namespace_of_50_tenants_deleted_under_webhook_traffic_frees_every_vol
                     let in_teardown = teardown_begun.load(Ordering::SeqCst);
                     let sent = Instant::now();
                     let result = match op {
-                        Op::DeleteCsi => hrs.delete(&common::profile().csi_release_name(r), &dry_delete).await.map(|_| ()),
+                        Op::DeleteCsi => hrs.delete(&common::profile().csi_release_name(r).expect("Cozystack has a CSI release"), &dry_delete).await.map(|_| ()),
                         Op::DeleteChild => hrs.delete(&format!("{r}-cilium"), &dry_delete).await.map(|_| ()),
                         Op::UpdateParent => {
                             let patch = serde_json::json!({"metadata": {"annotations": {"load.volume-gate.test/touched": k.to_string()}}});

@@ -464,7 +464,9 @@ async fn dry_run_deletions(
     workers: usize,
     stop: Arc<AtomicBool>,
 ) -> Load {
-    let release = common::profile().csi_release_name(&name);
+    let release = common::profile()
+        .csi_release_name(&name)
+        .expect("Cozystack has a CSI release");
     let mut tasks = Vec::new();
     for _ in 0..workers {
         let (api, release, stop) = (api.clone(), release.clone(), stop.clone());

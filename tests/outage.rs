@@ -111,7 +111,9 @@ async fn tenant_in_teardown(client: &kube::Client, ns: &str, r: &str) {
         ns,
         &hr(),
         hr_body(
-            common::profile().csi_release_name(r),
+            common::profile()
+                .csi_release_name(r)
+                .expect("Cozystack has a CSI release"),
             json!({"cozystack.io/target-cluster-name": r}),
         ),
     )
@@ -400,9 +402,9 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
         .collect();
     let leaving = |ar: &ApiResource| api(&client, ns2, ar);
     let guarded: Vec<(&str, Result<(), kube::Error>)> = vec![
-        ("CSI release: delete", releases.delete(&profile.csi_release_name(&r), &DeleteParams::default()).await.map(drop)),
+        ("CSI release: delete", releases.delete(&profile.csi_release_name(&r).expect("Cozystack has a CSI release"), &DeleteParams::default()).await.map(drop)),
         ("child in teardown: delete", leaving(&hr()).delete(&format!("{r2}-coredns"), &DeleteParams::default()).await.map(drop)),
-        ("CSI release in teardown: delete", leaving(&hr()).delete(&profile.csi_release_name(r2), &DeleteParams::default()).await.map(drop)),
+        ("CSI release in teardown: delete", leaving(&hr()).delete(&profile.csi_release_name(r2).expect("Cozystack has a CSI release"), &DeleteParams::default()).await.map(drop)),
         ("KamajiControlPlane: delete", leaving(&kcp_resource()).delete(r2, &DeleteParams::default()).await.map(drop)),
         ("TenantControlPlane: delete", leaving(&tcp_resource()).delete(r2, &DeleteParams::default()).await.map(drop)),
         (
@@ -435,7 +437,7 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
         ("parent without custody: delete", api(&client, "tenant-newcomer", &hr()).delete("kubernetes-newcomer", &DeleteParams::default()).await.map(drop)),
         (
             "CSI release: retargeted",
-            releases.patch(&profile.csi_release_name(&r), &pp, &merge(json!({"spec": {"releaseName": "moved"}}))).await.map(drop),
+            releases.patch(&profile.csi_release_name(&r).expect("Cozystack has a CSI release"), &pp, &merge(json!({"spec": {"releaseName": "moved"}}))).await.map(drop),
         ),
         (
             "parent: another chart",

@@ -328,7 +328,9 @@ async fn a_webhook_killed_under_load_lets_nothing_through_and_a_restarted_one_re
 
     // DELETEs of R-csi and of the KamajiControlPlane for 10s; the webhook
     // killed once it has refused some.
-    let csi = common::profile().csi_release_name(&t.name);
+    let csi = common::profile()
+        .csi_release_name(&t.name)
+        .expect("Cozystack has a CSI release");
     let hrs = t.hr_api();
     let kcps: Api<DynamicObject> =
         Api::namespaced_with(t.management.clone(), &t.namespace, &kcp_resource());

@@ -400,8 +400,14 @@ fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
         p.custody_finalizer.clone(),
         p.annotation_prefix.clone(),
         format!("{}override", p.annotation_prefix),
-        p.child_label.clone(),
-        suffix(&p.csi_release),
+        p.child_label
+            .clone()
+            .expect("Cozystack labels child releases"),
+        suffix(
+            p.csi_release
+                .as_deref()
+                .expect("Cozystack has a CSI release"),
+        ),
         suffix(&p.kubeconfig.secret_name),
         suffix(kcsi),
     ];
@@ -435,7 +441,11 @@ fn the_webhook_conditions_use_the_profiles_names_and_only_them() {
     // Flux's own field names, which the gate judges (decide::flux).
     profile_names
         .extend(volume_gate::admission::decide::flux::TOP_LEVEL_FIELDS.map(str::to_string));
-    profile_names.extend(volume_gate::admission::decide::release_keys(&p).map(str::to_string));
+    profile_names.extend(
+        volume_gate::admission::decide::release_keys(&p)
+            .into_iter()
+            .map(str::to_string),
+    );
     profile_names.extend(p.guarded.iter().filter_map(|g| g.label.clone()));
     profile_names.extend(p.infra.iter().flat_map(|i| i.labels.keys().cloned()));
     profile_names.sort();

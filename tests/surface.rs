@@ -491,7 +491,9 @@ impl Walk {
                 let held = refusal_of(
                     hrs(m, &w.l.namespace)
                         .delete(
-                            &common::profile().csi_release_name(&w.l.name),
+                            &common::profile()
+                                .csi_release_name(&w.l.name)
+                                .expect("Cozystack has a CSI release"),
                             &dry_delete(),
                         )
                         .await,
@@ -688,7 +690,9 @@ fn rows(w: &World) -> Vec<Row> {
     use Who::{Admin, Mallory, NamespaceController};
     let (ln, lc) = (&w.l.namespace, &w.l.name);
     let (hn, hc) = (&w.h.namespace, &w.h.name);
-    let csi = common::profile().csi_release_name(lc);
+    let csi = common::profile()
+        .csi_release_name(lc)
+        .expect("Cozystack has a CSI release");
     let spec = |s: Value| json!({"spec": s});
     let csi_spec = |id: &'static str, s: Value, says: &str| {
         row(
@@ -1338,7 +1342,9 @@ async fn csi_owned_by_a_deleted_object(
     admin: &kube::Client,
     l: &Tenant,
 ) -> Result<(), String> {
-    let csi = common::profile().csi_release_name(&l.name);
+    let csi = common::profile()
+        .csi_release_name(&l.name)
+        .expect("Cozystack has a CSI release");
     let cms: Api<ConfigMap> = Api::namespaced(m.clone(), &l.namespace);
     let owner = cms
         .create(

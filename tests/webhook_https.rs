@@ -411,7 +411,9 @@ fn parent_delete(uid: &str, finalizers: &[&str], dry_run: bool) -> Value {
 
 /// DELETE of the tenant's CSI driver release.
 fn csi_delete(uid: &str, dry_run: bool) -> Value {
-    let name = profile().csi_release_name(TENANT);
+    let name = profile()
+        .csi_release_name(TENANT)
+        .expect("Cozystack has a CSI release");
     let old = helmrelease(
         &name,
         json!({"cozystack.io/target-cluster-name": TENANT}),
@@ -580,7 +582,11 @@ async fn an_allow_that_needs_a_read_is_refused_when_the_api_server_is_unreachabl
         "{message}"
     );
     assert!(
-        message.contains(&profile().csi_release_name(TENANT)),
+        message.contains(
+            &profile()
+                .csi_release_name(TENANT)
+                .expect("Cozystack has a CSI release")
+        ),
         "the message names the object: {message}"
     );
     assert!(server.api_reads() >= 1, "the decision tried a read");

@@ -6,7 +6,7 @@ use std::collections::BTreeMap;
 
 use crate::admission::request::SpecView;
 use crate::names::is_subdomain as is_object_name;
-use crate::profile::{GroupKind, Profile, tenant_from_name};
+use crate::profile::{GroupKind, Profile, flux_release_kind, tenant_from_name};
 use crate::record::{Keys, Record};
 
 /// What an admitted object is to the gate.
@@ -93,7 +93,7 @@ fn spec_tenants(
     spec: &SpecView,
 ) -> Vec<(Option<String>, String)> {
     let mut out = Vec::new();
-    if *kind == profile.parent_kind()
+    if *kind == flux_release_kind()
         && let Some(secret) = spec
             .kube_config
             .as_ref()
@@ -147,25 +147,37 @@ pub fn identities_of(
             out.push(t);
         }
     };
-    if *kind == profile.parent_kind() {
-        if profile.is_parent(labels) {
-            push(Target::Parent {
-                tenant: name.to_string(),
-            });
-        }
+    let is_release = *kind == flux_release_kind();
+    if *kind == profile.parent_kind() && profile.is_parent(labels) {
+        push(Target::Parent {
+            tenant: name.to_string(),
+        });
+    }
+    if is_release {
         // The name decides what a CSI release is: a label can be rewritten
         // to point at another (or no) tenant, a name cannot.
-        if let Some(tenant) = tenant_from_name(&profile.csi_release, name) {
+        if let Some(tenant) = profile
+            .csi_release
+            .as_ref()
+            .and_then(|csi| tenant_from_name(csi, name))
+        {
             push(Target::CsiRelease { tenant });
         }
-        if let Some(tenant) = labels.get(&profile.child_label).filter(|t| !t.is_empty()) {
+        if let Some(tenant) = profile
+            .child_label
+            .as_ref()
+            .and_then(|l| labels.get(l))
+            .filter(|t| !t.is_empty())
+        {
             push(Target::Child {
                 tenant: tenant.clone(),
             });
         }
-        for (_, tenant) in from_spec {
+        for (_, tenant) in from_spec.iter().cloned() {
             push(Target::Child { tenant });
         }
+    }
+    if is_release || *kind == profile.parent_kind() {
         return out;
     }
     for g in profile
@@ -234,7 +246,9 @@ pub fn identity_labels<'a>(profile: &'a Profile, kind: &GroupKind) -> Vec<&'a st
     let mut keys: Vec<&str> = Vec::new();
     if *kind == profile.parent_kind() {
         keys.extend(profile.parent.match_labels.keys().map(String::as_str));
-        keys.push(&profile.child_label);
+    }
+    if *kind == flux_release_kind() {
+        keys.extend(profile.child_label.as_deref());
     }
     keys.extend(
         profile
@@ -269,7 +283,7 @@ pub fn release_of(
     labels: &BTreeMap<String, String>,
     annotations: &BTreeMap<String, String>,
 ) -> Option<(String, String)> {
-    let r = &profile.release;
+    let r = profile.release.as_ref()?;
     // A name or namespace that cannot exist names no release to protect.
     let by = |name: Option<&String>, namespace: Option<&String>| {
         let name = name.filter(|n| is_object_name(n))?;
@@ -388,8 +402,11 @@ pub fn impossible_markers(
         .into_iter()
         .filter(|k| !profile.parent.match_labels.contains_key(*k))
         .collect();
-    let r = &profile.release;
-    keys.extend([r.name_label.as_str(), r.namespace_label.as_str()]);
+    let r = profile.release.as_ref();
+    keys.extend(
+        r.into_iter()
+            .flat_map(|r| [r.name_label.as_str(), r.namespace_label.as_str()]),
+    );
     let infra = profile
         .infra
         .as_ref()
@@ -408,8 +425,8 @@ pub fn impossible_markers(
         .map(|(k, v)| (k.clone(), v.clone()))
         .collect();
     out.extend(
-        [&r.name_annotation, &r.namespace_annotation]
-            .into_iter()
+        r.into_iter()
+            .flat_map(|r| [&r.name_annotation, &r.namespace_annotation])
             .filter_map(|k| annotations.get_key_value(k))
             .filter(|(_, v)| !is_object_name(v))
             .map(|(k, v)| (k.clone(), v.clone())),
@@ -431,15 +448,21 @@ pub fn impossible_marker_warnings(markers: &[(String, String)]) -> Vec<String> {
         .collect()
 }
 
-/// The label and annotation keys that make an object part of a release.
-pub fn release_keys(profile: &Profile) -> [&str; 4] {
-    let r = &profile.release;
-    [
-        &r.name_annotation,
-        &r.namespace_annotation,
-        &r.name_label,
-        &r.namespace_label,
-    ]
+/// The label and annotation keys that make an object part of a release
+/// (none where the parent is no Helm release).
+pub fn release_keys(profile: &Profile) -> Vec<&str> {
+    profile
+        .release
+        .iter()
+        .flat_map(|r| {
+            [
+                r.name_annotation.as_str(),
+                r.namespace_annotation.as_str(),
+                r.name_label.as_str(),
+                r.namespace_label.as_str(),
+            ]
+        })
+        .collect()
 }
 
 /// The parent's state as read for a decision.
@@ -893,8 +916,8 @@ mod update;
 pub use crate::admission::request::ObjectMetaView;
 pub use acknowledge::acknowledge;
 pub use update::{
-    Change, Mutation, Requester, UpdateVerdict, guard_update, mutate, override_refused,
-    to_json_patch,
+    Change, Mutation, Requester, UpdateVerdict, decide_reference_move, guard_update, mutate,
+    override_refused, to_json_patch,
 };
 
 #[cfg(test)]

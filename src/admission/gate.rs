@@ -110,7 +110,35 @@ impl Gate {
                 let got = self.override_access(req, &namespace, &tenant).await;
                 Box::new(move |f: &mut Facts| f.access(&namespace, &tenant, got))
             }
+            Read::Referrers { namespace } => {
+                let got = self.list_parents(&namespace).await;
+                Box::new(move |f: &mut Facts| f.referrers(&namespace, got))
+            }
         }
+    }
+
+    /// The parents of a namespace as they are now (a LIST by the parent
+    /// labels, never a cache): each one's name and object, whose
+    /// references the judge follows.
+    async fn list_parents(
+        &self,
+        namespace: &str,
+    ) -> Result<Vec<(String, serde_json::Value)>, String> {
+        let api: Api<DynamicObject> =
+            Api::namespaced_with(self.client.clone(), namespace, &self.parent_resource);
+        let selector = self.judge.profile.parent_selector();
+        let list = api
+            .list(&kube::api::ListParams::default().labels(&selector))
+            .await
+            .map_err(|e| e.to_string())?;
+        Ok(list
+            .items
+            .into_iter()
+            .filter_map(|o| {
+                let name = o.metadata.name.clone()?;
+                Some((name, serde_json::to_value(&o).ok()?))
+            })
+            .collect())
     }
 
     /// The parent as it is now in the API server: a GET, never a cache, so an

@@ -22,7 +22,7 @@ use super::decide::{
 };
 use super::request::{self, ObjectMetaView};
 use crate::names::is_subdomain as is_object_name;
-use crate::profile::{GroupKind, Profile};
+use crate::profile::{GroupKind, Profile, flux_release_kind};
 use crate::record::Keys;
 
 /// Who deletes a namespace's contents once it is being deleted.
@@ -40,6 +40,11 @@ pub enum Read {
     /// `namespace`/`tenant` (a SubjectAccessReview of the profile's
     /// override permission, for the request's user).
     OverrideAccess { namespace: String, tenant: String },
+    /// The parents of `namespace` (a LIST by the parent labels): which of
+    /// them name the object by a reference the profile follows
+    /// (`guarded[].ref`, Cluster API's `spec.controlPlaneRef`). Read only
+    /// for kinds such an entry names.
+    Referrers { namespace: String },
 }
 
 /// What a SubjectAccessReview answered.
@@ -58,6 +63,7 @@ pub struct Facts {
     parents: HashMap<(String, String), Result<Option<ObjectMetaView>, String>>,
     namespaces: HashMap<String, Result<bool, String>>,
     access: HashMap<(String, String), Result<Access, String>>,
+    referrers: HashMap<String, Result<Vec<(String, serde_json::Value)>, String>>,
 }
 
 impl Facts {
@@ -78,6 +84,15 @@ impl Facts {
         self.namespaces.insert(name.to_string(), read);
     }
 
+    /// The parents of a namespace as listed: each one's name and object.
+    pub fn referrers(
+        &mut self,
+        namespace: &str,
+        read: Result<Vec<(String, serde_json::Value)>, String>,
+    ) {
+        self.referrers.insert(namespace.to_string(), read);
+    }
+
     pub fn access(&mut self, namespace: &str, tenant: &str, read: Result<Access, String>) {
         self.access
             .insert((namespace.to_string(), tenant.to_string()), read);
@@ -93,6 +108,7 @@ impl Facts {
             Read::OverrideAccess { namespace, tenant } => self
                 .access
                 .contains_key(&(namespace.clone(), tenant.clone())),
+            Read::Referrers { namespace } => self.referrers.contains_key(namespace),
         }
     }
 
@@ -170,7 +186,7 @@ impl Judge {
             Operation::Delete => self.validate_delete(req, facts, &kind, namespace, name),
             // helm-controller trusts a release's status: only it writes one.
             Operation::Update if req.sub_resource.as_deref() == Some("status") => {
-                if kind != self.profile.parent_kind() {
+                if kind != flux_release_kind() || !self.profile.has_releases() {
                     return Ok((Target::Unrelated, Verdict::allow("unrelated")));
                 }
                 let labels = request::labels_of(req.old_object.as_ref());
@@ -229,6 +245,32 @@ impl Judge {
             namespace,
             self.release_of(namespace, name, Some(old)),
         );
+        // What a parent's reference names (Cluster API's control plane and
+        // infrastructure cluster) is that tenant's, whatever it says itself.
+        if self.profile.referenced(kind).next().is_some() {
+            match facts.referrers.get(namespace) {
+                None => {
+                    return Err(vec![Read::Referrers {
+                        namespace: namespace.to_string(),
+                    }]);
+                }
+                Some(Ok(parents)) => {
+                    for (tenant, role) in self.profile.referrers(kind, name, parents) {
+                        if !ids.iter().any(|t| t.tenant() == Some(tenant.as_str())) {
+                            ids.push(Target::Guarded { tenant, role });
+                        }
+                    }
+                }
+                Some(Err(e)) => judged.push((
+                    Target::Unrelated,
+                    cannot_judge(format!(
+                        "refusing to {} {subject}: cannot list the tenants of namespace {namespace} whose \
+                         references may name it: {e}",
+                        subject.action
+                    )),
+                )),
+            }
+        }
         // A namespace being deleted takes what the phase runs on: what has
         // no other identity (Pods, ReplicaSets, Services) is held for the
         // tenants it is named for.
@@ -325,7 +367,8 @@ impl Judge {
         };
         // A change that makes helm-controller uninstall the release (first:
         // its refusal says most about such a change).
-        if *kind == self.profile.parent_kind()
+        if *kind == flux_release_kind()
+            && self.profile.has_releases()
             && let (Some(old), Some(new)) = (req.old_object.as_ref(), req.object.as_ref())
         {
             let who = self.requester(req).username;
@@ -372,6 +415,23 @@ impl Judge {
                     take(target, verdict);
                 }
             }
+        }
+        if *kind == self.profile.parent_kind()
+            && let (Some(old), Some(new)) = (req.old_object.as_ref(), req.object.as_ref())
+            && let Some(verdict) = decide::decide_reference_move(
+                &self.profile,
+                &self.keys,
+                &request::meta_view(old, namespace, name),
+                (&old.spec, &new.spec),
+                self.requester(req),
+            )
+        {
+            judged.push((
+                Target::Parent {
+                    tenant: name.to_string(),
+                },
+                verdict,
+            ));
         }
         if *kind == self.profile.parent_kind() {
             match self.guard_release(req, facts, kind, namespace, name, now) {
@@ -905,7 +965,14 @@ mod tests {
         req: &request::Request,
         world: impl Fn(&Read) -> Box<dyn FnOnce(&mut Facts)>,
     ) -> ((Target, Verdict), Vec<Vec<Read>>) {
-        let j = judge();
+        judged_by(&judge(), req, world)
+    }
+
+    fn judged_by(
+        j: &Judge,
+        req: &request::Request,
+        world: impl Fn(&Read) -> Box<dyn FnOnce(&mut Facts)>,
+    ) -> ((Target, Verdict), Vec<Vec<Read>>) {
         let mut facts = Facts::default();
         let mut rounds = Vec::new();
         loop {
@@ -919,7 +986,7 @@ mod tests {
                         world(r)(&mut facts);
                     }
                     rounds.push(reads);
-                    assert!(rounds.len() <= 2, "more than two rounds: {rounds:?}");
+                    assert!(rounds.len() <= 3, "more than three rounds: {rounds:?}");
                 }
             }
         }
@@ -951,7 +1018,7 @@ mod tests {
                         f.parent(NS, "kubernetes-a", Ok(Some(parent(false, None))))
                     }
                     Read::Namespace { .. } => f.namespace(NS, Ok(false)),
-                    Read::OverrideAccess { .. } => unreachable!(),
+                    Read::OverrideAccess { .. } | Read::Referrers { .. } => unreachable!(),
                 })
             },
         );
@@ -981,7 +1048,7 @@ mod tests {
                         Ok(Some(parent(deleting, Some("Releasing")))),
                     ),
                     Read::Namespace { .. } => f.namespace(NS, Ok(true)),
-                    Read::OverrideAccess { .. } => unreachable!(),
+                    Read::OverrideAccess { .. } | Read::Referrers { .. } => unreachable!(),
                 })
             });
             assert_eq!(answer.1.reason(), "teardown-held");
@@ -1005,7 +1072,7 @@ mod tests {
                 }
                 Read::Parent { namespace, name } => f.parent(&namespace, &name, Ok(None)),
                 Read::Namespace { name } => f.namespace(&name, Ok(true)),
-                Read::OverrideAccess { .. } => unreachable!(),
+                Read::OverrideAccess { .. } | Read::Referrers { .. } => unreachable!(),
             })
         });
         assert_eq!(answer.1.reason(), "teardown-held", "{answer:?}");
@@ -1030,7 +1097,7 @@ mod tests {
                 Box::new(move |f: &mut Facts| match r {
                     Read::Parent { .. } => f.parent(NS, "kubernetes-a", Err("etcd is slow".into())),
                     Read::Namespace { .. } => f.namespace(NS, Ok(false)),
-                    Read::OverrideAccess { .. } => unreachable!(),
+                    Read::OverrideAccess { .. } | Read::Referrers { .. } => unreachable!(),
                 })
             },
         );
@@ -1041,5 +1108,192 @@ mod tests {
             message.contains("cannot read tenant tenant-a/kubernetes-a: etcd is slow"),
             "{message}"
         );
+    }
+
+    /// Under the Cluster API profile: Cluster `c1`, opted in, in custody.
+    mod cluster_api {
+        use super::*;
+
+        fn judge() -> Judge {
+            Judge::new(Profile::cluster_api(), WORKER.into())
+        }
+
+        fn cluster(deleting: bool, phase: Option<&str>) -> ObjectMetaView {
+            let profile = Profile::cluster_api();
+            let keys = Keys::new(&profile.annotation_prefix);
+            ObjectMetaView {
+                namespace: NS.into(),
+                name: "c1".into(),
+                labels: profile.parent.match_labels.clone(),
+                annotations: phase
+                    .map(|p| [(keys.phase.clone(), p.to_string())].into())
+                    .unwrap_or_default(),
+                finalizers: vec![profile.custody_finalizer.clone()],
+                deleting,
+            }
+        }
+
+        /// Cluster `c1`'s object as listed: its control plane reference
+        /// names KubeadmControlPlane `cp`.
+        fn listed() -> Vec<(String, Value)> {
+            vec![(
+                "c1".into(),
+                json!({"metadata": {"name": "c1"}, "spec": {
+                    "controlPlaneRef": {"apiGroup": "controlplane.cluster.x-k8s.io",
+                                        "kind": "KubeadmControlPlane", "name": "cp"},
+                    "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io",
+                                          "kind": "DockerCluster", "name": "infra"}}}),
+            )]
+        }
+
+        fn world(
+            deleting: bool,
+            phase: Option<&'static str>,
+        ) -> impl Fn(&Read) -> Box<dyn FnOnce(&mut Facts)> {
+            move |r| {
+                let r = r.clone();
+                Box::new(move |f: &mut Facts| match r {
+                    Read::Referrers { namespace } => f.referrers(&namespace, Ok(listed())),
+                    Read::Parent { namespace, name } => {
+                        let got = (name == "c1").then(|| cluster(deleting, phase));
+                        f.parent(&namespace, &name, Ok(got));
+                    }
+                    Read::Namespace { name } => f.namespace(&name, Ok(false)),
+                    Read::OverrideAccess { .. } => unreachable!(),
+                })
+            }
+        }
+
+        fn object(name: &str) -> Value {
+            json!({"metadata": {"name": name, "namespace": NS}})
+        }
+
+        #[test]
+        fn the_control_plane_a_deleting_cluster_names_is_held_until_released_whatever_its_name() {
+            let req = delete(
+                ("controlplane.cluster.x-k8s.io", "KubeadmControlPlane"),
+                object("cp"),
+                "capi",
+            );
+            let ((target, verdict), rounds) = judged_by(&judge(), &req, world(true, None));
+            assert!(!verdict.allowed(), "{verdict:?}");
+            assert!(
+                matches!(target, Target::Guarded { ref tenant, .. } if tenant == "c1"),
+                "{target:?}"
+            );
+            assert_eq!(
+                rounds[0],
+                vec![Read::Referrers {
+                    namespace: NS.into()
+                }]
+            );
+            let ((_, verdict), _) = judged_by(&judge(), &req, world(true, Some("Released")));
+            assert!(verdict.allowed(), "{verdict:?}");
+        }
+
+        #[test]
+        fn an_object_no_reference_names_is_not_held_though_named_like_the_cluster() {
+            let req = delete(
+                ("controlplane.cluster.x-k8s.io", "KubeadmControlPlane"),
+                object("c1"),
+                "capi",
+            );
+            let ((target, verdict), rounds) = judged_by(&judge(), &req, world(true, None));
+            assert!(verdict.allowed(), "{verdict:?}");
+            assert_eq!(target, Target::Unrelated);
+            assert_eq!(rounds.len(), 1);
+            // Another kind of the group than the reference names.
+            let req = delete(
+                ("controlplane.cluster.x-k8s.io", "OtherControlPlane"),
+                object("cp"),
+                "capi",
+            );
+            assert!(judged_by(&judge(), &req, world(true, None)).0.1.allowed());
+        }
+
+        #[test]
+        fn a_failed_list_refuses_naming_it() {
+            let req = delete(
+                ("infrastructure.cluster.x-k8s.io", "DockerCluster"),
+                object("infra"),
+                "capi",
+            );
+            let ((_, verdict), _) = judged_by(&judge(), &req, |r| {
+                let r = r.clone();
+                Box::new(move |f: &mut Facts| {
+                    if let Read::Referrers { namespace } = r {
+                        f.referrers(&namespace, Err("forbidden".into()));
+                    }
+                })
+            });
+            assert!(!verdict.allowed());
+            assert!(
+                format!("{verdict:?}").contains("cannot list the tenants"),
+                "{verdict:?}"
+            );
+        }
+
+        #[test]
+        fn a_machine_is_the_clusters_by_its_cluster_name_without_labels() {
+            let machine = json!({"metadata": {"name": "m-1", "namespace": NS}, "spec": {"clusterName": "c1"}});
+            let req = delete(("cluster.x-k8s.io", "Machine"), machine, "capi");
+            let ((target, verdict), _) = judged_by(&judge(), &req, world(true, None));
+            assert!(!verdict.allowed(), "{verdict:?}");
+            assert_eq!(target.tenant(), Some("c1"));
+        }
+
+        fn update(old: Value, new: Value, user: &str) -> request::Request {
+            let body = json!({"apiVersion": "admission.k8s.io/v1", "kind": "AdmissionReview", "request": {
+                "uid": "u-2", "kind": {"group": "cluster.x-k8s.io", "version": "v1beta2", "kind": "Cluster"},
+                "resource": {"group": "cluster.x-k8s.io", "version": "v1beta2", "resource": "clusters"},
+                "name": "c1", "namespace": NS, "operation": "UPDATE", "userInfo": {"username": user},
+                "oldObject": old, "object": new, "dryRun": false}});
+            review::decode(&serde_json::to_vec(&body).unwrap()).expect("a valid review")
+        }
+
+        fn cluster_object(cp: &str, phase: Option<&str>) -> Value {
+            let p = Profile::cluster_api();
+            let keys = Keys::new(&p.annotation_prefix);
+            let annotations: serde_json::Map<String, Value> = phase
+                .map(|ph| (keys.phase.clone(), json!(ph)))
+                .into_iter()
+                .collect();
+            json!({"metadata": {"name": "c1", "namespace": NS, "labels": p.parent.match_labels,
+                                "annotations": annotations, "finalizers": [p.custody_finalizer]},
+                   "spec": {"controlPlaneRef": {"apiGroup": "controlplane.cluster.x-k8s.io",
+                                                "kind": "KubeadmControlPlane", "name": cp}}})
+        }
+
+        #[test]
+        fn moving_a_reference_of_a_cluster_in_custody_is_refused_until_released() {
+            let req = update(
+                cluster_object("cp", None),
+                cluster_object("decoy", None),
+                "alice",
+            );
+            let ((_, verdict), _) = judged_by(&judge(), &req, world(false, None));
+            assert_eq!(verdict.reason(), "reference-moved", "{verdict:?}");
+            assert!(
+                format!("{verdict:?}").contains("spec.controlPlaneRef"),
+                "{verdict:?}"
+            );
+            let req = update(
+                cluster_object("cp", Some("Released")),
+                cluster_object("decoy", Some("Released")),
+                "alice",
+            );
+            assert!(judged_by(&judge(), &req, world(false, None)).0.1.allowed());
+        }
+
+        #[test]
+        fn a_status_write_of_a_cluster_is_not_flux_s_to_judge() {
+            let mut req = update(
+                cluster_object("cp", None),
+                cluster_object("cp", None),
+                "capi",
+            );
+            req.sub_resource = Some("status".into());
+            assert!(judged_by(&judge(), &req, world(false, None)).0.1.allowed());
+        }
     }
 }

@@ -61,6 +61,20 @@ pub struct SpecView {
     /// (`profile::CLUSTER_NAME_FIELD`).
     #[serde(skip_serializing_if = "Option::is_none")]
     pub cluster_name: Option<Value>,
+    /// Cluster API's references from a Cluster to the objects its cluster
+    /// controller deletes with it (`profile::REFERENCE_FIELDS`).
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub control_plane_ref: Option<Value>,
+    #[serde(skip_serializing_if = "Option::is_none")]
+    pub infrastructure_ref: Option<Value>,
+}
+
+impl SpecView {
+    /// The spec as a JSON object holding the fields read, for JSON pointers
+    /// (`/spec/...`) into it.
+    pub fn as_object(&self) -> Value {
+        serde_json::json!({ "spec": self })
+    }
 }
 
 impl SpecView {
@@ -93,6 +107,8 @@ impl<'de> Deserialize<'de> for SpecView {
                         "upgrade" => &mut s.upgrade,
                         "test" => &mut s.test,
                         "clusterName" => &mut s.cluster_name,
+                        "controlPlaneRef" => &mut s.control_plane_ref,
+                        "infrastructureRef" => &mut s.infrastructure_ref,
                         _ => {
                             map.next_value::<IgnoredAny>()?;
                             continue;

@@ -148,12 +148,7 @@ pub(crate) async fn vet(
             object: format!("{} {}/{name}", spec.kind, t.namespace),
             endpoint: serde_json::to_value(&o)
                 .ok()
-                .and_then(|v| {
-                    v.pointer(&spec.endpoint)
-                        .and_then(|e| e.as_str())
-                        .map(str::to_string)
-                })
-                .filter(|e| !e.is_empty()),
+                .and_then(|v| spec.endpoint_in(&v)),
             service_host: spec.service_of(&t.namespace, &t.name),
         });
         if let Err(why) = placed(&seen.server, cp.as_ref()) {
@@ -364,7 +359,7 @@ fn bound_before(a: &str, b: &str) -> bool {
 pub struct ControlPlane {
     pub object: String,
     pub endpoint: Option<String>,
-    pub service_host: String,
+    pub service_host: Option<String>,
 }
 
 /// Whether the kubeconfig's `server` is the control plane the management
@@ -384,15 +379,20 @@ pub fn placed(server: &str, cp: Option<&ControlPlane>) -> Result<(), String> {
     };
     let host = url.host().unwrap_or("").trim_end_matches('.');
     let port = url.port_u16().unwrap_or(443);
-    let service = cp.service_host.as_str();
-    if host == service || host == format!("{service}.cluster.local") {
+    if let Some(service) = cp.service_host.as_deref()
+        && (host == service || host == format!("{service}.cluster.local"))
+    {
         return Ok(());
     }
+    let or_service = cp
+        .service_host
+        .as_deref()
+        .map(|s| format!(" (or its Service {s})"))
+        .unwrap_or_default();
     match &cp.endpoint {
         Some(endpoint) if endpoint_is(endpoint, host, port) => Ok(()),
         Some(endpoint) => Err(format!(
-            "the admin kubeconfig points at {server}, but {} says this tenant's API server is at {endpoint} \
-             (or its Service {service})",
+            "the admin kubeconfig points at {server}, but {} says this tenant's API server is at {endpoint}{or_service}",
             cp.object
         )),
         None => Err(format!(
@@ -530,7 +530,7 @@ mod tests {
         let cp = |endpoint: Option<&str>| ControlPlane {
             object: "TenantControlPlane tenant-x/kubernetes-a".into(),
             endpoint: endpoint.map(str::to_string),
-            service_host: "kubernetes-a.tenant-x.svc".into(),
+            service_host: Some("kubernetes-a.tenant-x.svc".into()),
         };
         for (server, endpoint) in [
             ("https://10.0.0.5:6443", Some("10.0.0.5:6443")),

@@ -162,7 +162,13 @@ impl Bench {
         let started = Instant::now();
         let result = match op {
             Op::DeleteRefused => api
-                .delete(&self.profile.csi_release_name(parent), &dry)
+                .delete(
+                    &self
+                        .profile
+                        .csi_release_name(parent)
+                        .expect("Cozystack has a CSI release"),
+                    &dry,
+                )
                 .await
                 .map(drop),
             Op::DeleteAllowed => api

@@ -550,8 +550,12 @@ async fn main() {
             let ns = obj.metadata.namespace.clone().unwrap();
             let parent =
                 obj.metadata.labels.as_ref().unwrap()["cozystack.io/target-cluster-name"].clone();
-            let csi =
-                obj.metadata.name.as_deref() == Some(&common::profile().csi_release_name(&parent));
+            let csi = obj.metadata.name.as_deref()
+                == Some(
+                    &common::profile()
+                        .csi_release_name(&parent)
+                        .expect("Cozystack has a CSI release"),
+                );
             Child {
                 reviews: [Requester::HelmController, Requester::NamespaceController]
                     .map(|by| delete_review(&format!("burst-{i:06}"), obj, by)),

@@ -453,7 +453,12 @@ async fn burst_b(client: &kube::Client, tenants: usize, concurrency: usize) -> (
                     ..Default::default()
                 };
                 let refused = api
-                    .delete(&common::profile().csi_release_name(&r), &dp)
+                    .delete(
+                        &common::profile()
+                            .csi_release_name(&r)
+                            .expect("Cozystack has a CSI release"),
+                        &dp,
+                    )
                     .await
                     .is_err();
                 let patch =

@@ -178,6 +178,58 @@ pub fn guard_update(
     }
 }
 
+/// A parent in custody whose reference the profile follows (`guarded[].ref`,
+/// Cluster API's `spec.controlPlaneRef`, `spec.infrastructureRef`) pointed
+/// elsewhere: the object it named would lose its identity and could be
+/// deleted under the tenant, and Cluster API, which follows the reference
+/// to delete it with the Cluster, would delete another. Its own webhook
+/// forbids only removing a reference, not changing it
+/// (`core/webhooks/admission/cluster.go`, v1.14.2). Held until the volumes
+/// are released or an override is recorded; setting one not set before is
+/// not a move. `None`: no reference moved.
+pub fn decide_reference_move(
+    profile: &Profile,
+    keys: &Keys,
+    old: &ObjectMetaView,
+    (old_spec, new_spec): (&SpecView, &SpecView),
+    who: Requester<'_>,
+) -> Option<Verdict> {
+    if !profile.is_parent(&old.labels)
+        || !old.finalizers.contains(&profile.custody_finalizer)
+        || who.is_worker
+    {
+        return None;
+    }
+    let (before, after) = (old_spec.as_object(), new_spec.as_object());
+    let moved: Vec<&str> = profile
+        .guarded
+        .iter()
+        .filter_map(|g| g.reference.as_deref())
+        .filter(|p| {
+            let was = crate::profile::reference_at(&before, p);
+            was.is_some() && was != crate::profile::reference_at(&after, p)
+        })
+        .collect();
+    let first = moved.first()?;
+    let facts = ParentFacts::of(profile, keys, &old.namespace, &old.name, old);
+    if facts.record.is_done() {
+        return None;
+    }
+    Some(forbid(
+        "reference-moved",
+        format!(
+            "{} may not change {} of tenant {}/{} while it is in custody: the object it names is held until the \
+             tenant's volumes are released, and moving the reference would release it unreleased. To abandon the \
+             volumes, record an override: {}",
+            who.username,
+            first.trim_start_matches('/').replace('/', "."),
+            old.namespace,
+            old.name,
+            profile.override_command(&old.namespace, &old.name)
+        ),
+    ))
+}
+
 /// The message when the SubjectAccessReview refuses an override.
 pub fn override_refused(
     profile: &Profile,

@@ -337,6 +337,8 @@ fn fact(facts: &Facts, read: &Read, made: bool, known: &mut judge::Facts) {
             };
             known.access(namespace, tenant, got);
         }
+        // No guarded entry of the Cozystack profile follows a reference.
+        Read::Referrers { namespace } => known.referrers(namespace, failed("referrers")),
     }
 }
 
@@ -345,6 +347,7 @@ fn read_kind(read: &Read) -> &'static str {
         Read::Parent { .. } => "parent",
         Read::Namespace { .. } => "namespace",
         Read::OverrideAccess { .. } => "sar",
+        Read::Referrers { .. } => "referrers",
     }
 }
 

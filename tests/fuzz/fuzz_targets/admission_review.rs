@@ -212,6 +212,10 @@ fn judged(req: &request::Request, world: &World, annotations: &BTreeMap<String, 
                                 .ok_or_else(|| "the access review failed (fuzzed)".to_string());
                             known.access(&namespace, &tenant, got);
                         }
+                        // No guarded entry of the Cozystack profile follows a reference.
+                        Read::Referrers { namespace } => {
+                            known.referrers(&namespace, Err("no reference is followed (fuzzed)".to_string()));
+                        }
                     }
                 }
             }

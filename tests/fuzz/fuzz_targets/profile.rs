@@ -5,7 +5,7 @@
 //!   -timeout and -rss_limit_mb say so);
 //! - Ok implies `validate()` is Ok;
 //! - Ok implies the profile recognises what it names: for sample tenants,
-//!   the CSI release `csi_release_name(t)` classifies as that tenant's CSI
+//!   the CSI release `csi_release_name(t).expect("Cozystack has a CSI release")` classifies as that tenant's CSI
 //!   release, and each guarded `name` pattern filled with t classifies as
 //!   guarded for t (unless an earlier guarded entry of the same kind, or
 //!   the parent kind, claims it first: reported, not asserted); the
@@ -21,7 +21,7 @@ use std::collections::BTreeMap;
 
 use libfuzzer_sys::fuzz_target;
 use volume_gate::admission::decide::{Target, classify};
-use volume_gate::profile::{GroupKind, Profile, TENANT_PLACEHOLDER, tenant_from_name};
+use volume_gate::profile::{GroupKind, Profile, TENANT_PLACEHOLDER, flux_release_kind, tenant_from_name};
 
 const TENANTS: [&str; 3] = ["kubernetes-a", "x", "t-csi"];
 
@@ -40,18 +40,19 @@ fuzz_target!(|data: &[u8]| {
     for t in TENANTS {
         assert_eq!(classify(&p, &parent_kind, t, &p.parent.match_labels), Target::Parent { tenant: t.to_string() });
 
-        let csi = p.csi_release_name(t);
-        let got = classify(&p, &parent_kind, &csi, &none);
-        // F2 (known): validate() lets csiRelease hold {tenant} more than once,
-        // and such a pattern never matches the name it describes.
-        let known_f2 = p.csi_release.matches(TENANT_PLACEHOLDER).count() > 1 && !common::check_known("F2");
-        if !known_f2 {
-            assert_eq!(
-                got,
-                Target::CsiRelease { tenant: t.to_string() },
-                "csiRelease {:?}: the CSI release {csi:?} of tenant {t:?} is not recognised",
-                p.csi_release
-            );
+        // A profile without a CSI release (Cluster API's) has none to recognise.
+        if let (Some(csi), Some(pattern)) = (p.csi_release_name(t), p.csi_release.as_deref()) {
+            let got = classify(&p, &flux_release_kind(), &csi, &none);
+            // F2 (known): validate() lets csiRelease hold {tenant} more than once,
+            // and such a pattern never matches the name it describes.
+            let known_f2 = pattern.matches(TENANT_PLACEHOLDER).count() > 1 && !common::check_known("F2");
+            if !known_f2 {
+                assert_eq!(
+                    got,
+                    Target::CsiRelease { tenant: t.to_string() },
+                    "csiRelease {pattern:?}: the CSI release {csi:?} of tenant {t:?} is not recognised"
+                );
+            }
         }
 
         for (i, g) in p.guarded.iter().enumerate() {

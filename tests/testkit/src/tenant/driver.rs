@@ -45,7 +45,9 @@ impl Tenant {
         let patch = json!({"metadata": {"annotations": {key: value}}});
         self.hr_api()
             .patch(
-                &crate::profile().csi_release_name(&self.name),
+                &crate::profile()
+                    .csi_release_name(&self.name)
+                    .expect("Cozystack has a CSI release"),
                 &kube::api::PatchParams::default(),
                 &kube::api::Patch::Merge(&patch),
             )

@@ -304,7 +304,12 @@ impl Tenant {
         hrs.create(&PostParams::default(), &parent)
             .await
             .expect("create parent HelmRelease");
-        for release in [t.name.clone(), profile.csi_release_name(&t.name)] {
+        for release in [
+            t.name.clone(),
+            profile
+                .csi_release_name(&t.name)
+                .expect("Cozystack has a CSI release"),
+        ] {
             wait_ready(&hrs, &release, flux).await;
         }
         t

@@ -26,7 +26,9 @@ impl Tenant {
         let err = self
             .hr_api()
             .delete(
-                &crate::profile().csi_release_name(&self.name),
+                &crate::profile()
+                    .csi_release_name(&self.name)
+                    .expect("Cozystack has a CSI release"),
                 &DeleteParams::default(),
             )
             .await
