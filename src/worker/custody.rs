@@ -295,14 +295,14 @@ async fn tenants_mid_release(
 }
 
 /// The refusal when tenants are mid-release.
-fn refuse_mid_release(tenants: &[String], then: &str) -> String {
+fn refuse_mid_release(profile: &Profile, tenants: &[String], then: &str) -> String {
     format!(
         "volume-gate is releasing the volumes of {} being deleted: {}. Uninstalling it now would let their \
          teardown remove the CSI driver before their volumes are freed{then}. Wait until `volume-gate status` \
-         shows them Released (or record an override for each: kubectl annotate helmrelease -n <namespace> \
-         <name> volumes.cozystack.io/override='<why>'), then uninstall again.",
+         shows them Released (or record an override for each: {}), then uninstall again.",
         crate::text::count(tenants.len(), "tenant"),
-        tenants.join("; ")
+        tenants.join("; "),
+        profile.override_command("<namespace>", "<name>")
     )
 }
 
@@ -403,7 +403,7 @@ pub async fn hand_back(args: HandBackArgs) -> Result<(), String> {
         .map_err(|e| format!("cannot reach the management cluster: {e}"))?;
     let busy = tenants_mid_release(&client, &profile).await?;
     if !busy.is_empty() {
-        return Err(refuse_mid_release(&busy, ""));
+        return Err(refuse_mid_release(&profile, &busy, ""));
     }
     let deployments: Api<k8s_openapi::api::apps::v1::Deployment> =
         Api::namespaced(client.clone(), &args.install_namespace);
@@ -435,7 +435,7 @@ pub async fn hand_back(args: HandBackArgs) -> Result<(), String> {
     }
     let busy = tenants_mid_release(&client, &profile).await?;
     if !busy.is_empty() {
-        return Err(restore(refuse_mid_release(&busy, "")).await);
+        return Err(restore(refuse_mid_release(&profile, &busy, "")).await);
     }
     let name = &args.webhook_configuration;
     let mutating: Api<MutatingWebhookConfiguration> = Api::all(client.clone());
@@ -471,6 +471,7 @@ pub async fn hand_back(args: HandBackArgs) -> Result<(), String> {
     let busy = tenants_mid_release(&client, &profile).await?;
     if !busy.is_empty() {
         return Err(restore(refuse_mid_release(
+            &profile,
             &busy,
             "; they began their deletion while this uninstall ran, and keep custody. Restore the webhook \
              configurations (helm upgrade with the same values, or kubectl apply -k manifests/) so the worker \
