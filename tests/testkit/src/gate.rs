@@ -119,6 +119,9 @@ pub struct GateConfig {
     /// How long the API server may take to call both webhooks once they
     /// are configured.
     pub webhooks_active_within: Duration,
+    /// A profile file both processes read (`--profile`, as the chart's
+    /// ConfigMap is given to them); `None`: the built-in Cozystack profile.
+    pub profile: Option<PathBuf>,
 }
 
 impl GateConfig {
@@ -132,6 +135,7 @@ impl GateConfig {
             worker_log_filter: "info".into(),
             cert_reload_interval: Some("500ms".into()),
             webhooks_active_within: Duration::from_secs(30),
+            profile: None,
         }
     }
 
@@ -148,6 +152,7 @@ impl GateConfig {
             worker_log_filter: worker_log_filter.into(),
             cert_reload_interval: None,
             webhooks_active_within: Duration::from_secs(60),
+            profile: None,
         }
     }
 
@@ -209,8 +214,17 @@ impl Gate {
     /// webhook configurations pointed at it, starts the worker; returns
     /// once it is ready and the API server calls both webhooks.
     pub async fn install_configured(cp: &ControlPlane, config: GateConfig) -> Gate {
+        Self::install_documents(cp, config, manifests::base_documents()).await
+    }
+
+    /// As [`Gate::install_configured`], from `docs` (a chart render of
+    /// another platform's) instead of the kustomize base.
+    pub async fn install_documents(
+        cp: &ControlPlane,
+        config: GateConfig,
+        docs: Vec<serde_json::Value>,
+    ) -> Gate {
         let client = cp.management_client().await;
-        let docs = manifests::base_documents();
         for doc in docs
             .iter()
             .filter(|d| !manifests::is_workload(d) && !manifests::is_webhook_configuration(d))
@@ -315,6 +329,9 @@ impl Gate {
             .env("KUBECONFIG", &self.worker_kubeconfig)
             .env("POD_NAMESPACE", NAMESPACE)
             .env("RUST_LOG", &self.config.worker_log_filter);
+        if let Some(profile) = &self.config.profile {
+            cmd.arg("--profile").arg(profile);
+        }
         cmd
     }
 
@@ -584,6 +601,9 @@ fn spawn_webhook(
         .arg(certs.join("tls.key"));
     if let Some(interval) = &config.cert_reload_interval {
         cmd.arg(format!("--cert-reload-interval={interval}"));
+    }
+    if let Some(profile) = &config.profile {
+        cmd.arg("--profile").arg(profile);
     }
     cmd.env("KUBECONFIG", kubeconfig)
         .env("RUST_LOG", &config.webhook_log_filter);
