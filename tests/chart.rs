@@ -1612,14 +1612,8 @@ fn for_cluster_api_the_chart_sends_the_gate_what_the_profile_judges_and_nothing_
     let ns = "capi-volume-gate";
     let capi = ["platform.profile=cluster-api", "webhook.timeoutSeconds=7"];
     let cozy = template(ns, &["webhook.timeoutSeconds=7"]);
-    let secret = [
-        &capi[..],
-        &[
-            "certificates.mode=secret",
-            &format!("certificates.caBundle={CA}"),
-        ],
-    ]
-    .concat();
+    let ca_bundle = format!("certificates.caBundle={CA}");
+    let secret = [&capi[..], &["certificates.mode=secret", &ca_bundle]].concat();
     for (sets, ca) in [(&capi[..], None), (&secret[..], Some(CA))] {
         let docs = template(ns, sets);
         let validating = webhooks(&docs, "ValidatingWebhookConfiguration");
@@ -1776,7 +1770,8 @@ fn for_cluster_api_the_chart_sends_the_gate_what_the_profile_judges_and_nothing_
     };
     let by_field = guarded(&|g| g.field.is_some());
     assert_eq!(by_field, guarded(&|g| g.label.is_some()));
-    let [(groups, resources, operations)] = &rule(machines)[..] else {
+    let machine_rules = rule(machines);
+    let [(groups, resources, operations)] = &machine_rules[..] else {
         panic!("one rule: {machines}")
     };
     assert_eq!(groups, &strings(&["cluster.x-k8s.io"]));
@@ -1796,7 +1791,8 @@ fn for_cluster_api_the_chart_sends_the_gate_what_the_profile_judges_and_nothing_
         .map(|g| g.group.clone())
         .collect();
     let references = validating["references.volume-gate.cozystack.io"];
-    let [(groups, resources, operations)] = &rule(references)[..] else {
+    let reference_rules = rule(references);
+    let [(groups, resources, operations)] = &reference_rules[..] else {
         panic!("one rule: {references}")
     };
     assert_eq!(groups.iter().cloned().collect::<BTreeSet<_>>(), referenced);
@@ -1917,19 +1913,24 @@ fn for_cluster_api_the_profile_configmap_is_the_cluster_api_profile_and_every_ro
     // The profile value's fields go over the Cluster API profile, as a
     // string or as a mapping; its writers reach the custody condition.
     let replacer = "system:serviceaccount:gitops:applier";
-    let fields = format!("name: acme-capi\nwriters: {{parentReplacers: [\"{replacer}\"]}}\n");
+    // All three lists: one left out would take Cozystack's (refused below).
+    let writers =
+        format!("{{releaseControllers: [], parentSources: [], parentReplacers: ['{replacer}']}}");
     let mut want = Profile::cluster_api();
     want.name = "acme-capi".into();
     want.writers.parent_replacers = vec![replacer.into()];
     for docs in [
-        template(
+        render(
             ns,
-            &["platform.profile=cluster-api", &format!("profile={fields}")],
+            &format!(
+                "platform: {{profile: cluster-api}}\nprofile: \"name: acme-capi\\nwriters: {writers}\"\n"
+            ),
+            &[],
         ),
         render(
             ns,
             &format!(
-                "platform: {{profile: cluster-api}}\nprofile:\n  name: acme-capi\n  writers: {{parentReplacers: [\"{replacer}\"]}}\n"
+                "platform: {{profile: cluster-api}}\nprofile:\n  name: acme-capi\n  writers: {writers}\n"
             ),
             &[],
         ),
@@ -1957,17 +1958,27 @@ fn for_cluster_api_the_profile_configmap_is_the_cluster_api_profile_and_every_ro
             &["base: cluster-api", "platform.profile=cluster-api"][..],
         ),
         (&["platform.profile=capi"][..], &["platform", "profile"][..]),
-        (
-            &[
-                "platform.profile=cluster-api",
-                "profile=writers: {parentReplacers: [\"it's\"]}",
-            ][..],
-            &["parentReplacers", "quote"][..],
-        ),
     ] {
         let err = try_template(ns, sets).expect_err("refused");
         for w in wanted {
             assert!(err.contains(w), "{sets:?}: {w:?} not in {err}");
+        }
+    }
+    for (writers, wanted) in [
+        (
+            "{releaseControllers: [], parentSources: [], parentReplacers: [\"it's\"]}",
+            &["parentReplacers", "quote"][..],
+        ),
+        // A list writers leaves out would take Cozystack's identities.
+        (
+            "{parentReplacers: []}",
+            &["writers names no releaseControllers", "Cozystack"][..],
+        ),
+    ] {
+        let yaml = format!("platform: {{profile: cluster-api}}\nprofile:\n  writers: {writers}\n");
+        let err = try_render(ns, &yaml, &[]).expect_err("refused");
+        for w in wanted {
+            assert!(err.contains(w), "{writers}: {w:?} not in {err}");
         }
     }
 }
