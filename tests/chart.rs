@@ -112,8 +112,15 @@ fn assert_same(chart: &BTreeMap<Key, Value>, kustomized: &BTreeMap<Key, Value>, 
 
 #[test]
 fn helm_lint_passes_for_the_default_values_and_each_option() {
-    let variants: [&[&str]; 5] = [
+    let variants: [&[&str]; 7] = [
         &[],
+        &["platform.profile=cluster-api"],
+        &[
+            "platform.profile=cluster-api",
+            "certificates.mode=secret",
+            &format!("certificates.caBundle={CA}"),
+            "profile=name: acme-capi",
+        ],
         &[
             "certificates.mode=secret",
             &format!("certificates.caBundle={CA}"),
@@ -1446,4 +1453,623 @@ fn the_values_schema_refuses_a_misspelled_or_mistyped_value_naming_it() {
         get(&docs, "Deployment", ns, "volume-gate-worker")["spec"]["template"]["spec"]["nodeSelector"],
         json!({"any.key/x": "y"})
     );
+}
+
+/// Every webhook of a rendering's configuration `kind`, by name.
+fn webhooks<'a>(docs: &'a BTreeMap<Key, Value>, kind: &str) -> BTreeMap<&'a str, &'a Value> {
+    get(docs, kind, "", "volume-gate")["webhooks"]
+        .as_array()
+        .unwrap()
+        .iter()
+        .map(|w| (w["name"].as_str().unwrap(), w))
+        .collect()
+}
+
+/// Every CEL expression of a rendering's webhook conditions.
+fn expressions(docs: &BTreeMap<Key, Value>) -> Vec<String> {
+    WEBHOOK_CONFIGURATIONS
+        .iter()
+        .flat_map(|kind| webhooks(docs, kind).into_values())
+        .flat_map(|w| w["matchConditions"].as_array().cloned().unwrap_or_default())
+        .map(|c| c["expression"].as_str().unwrap().to_string())
+        .collect()
+}
+
+/// What can go wrong when a template writes CEL, checked without an API
+/// server: a template action left in, unbalanced brackets or quotes, an
+/// operator with no operand, or a bare name that is none of the variables
+/// an admission condition has (`object`, `oldObject`, `request`), a macro's
+/// own variable, or CEL's (`has`, `in`, `null`, `true`, `false`). A name
+/// after `.` or `.?` is a field or a method, any name.
+fn cel_shape(expr: &str) -> Result<(), String> {
+    if expr.contains("{{") || expr.contains("}}") {
+        return Err("a template action was left in".into());
+    }
+    let mut bound: BTreeSet<String> = ["object", "oldObject", "request", "has", "in", "null"]
+        .into_iter()
+        .chain(["true", "false"])
+        .map(str::to_string)
+        .collect();
+    for macro_ in [".exists(", ".all(", ".map(", ".filter("] {
+        for (i, _) in expr.match_indices(macro_) {
+            let var: String = expr[i + macro_.len()..]
+                .chars()
+                .take_while(|c| c.is_alphanumeric() || *c == '_')
+                .collect();
+            bound.insert(var);
+        }
+    }
+    let mut open = Vec::new();
+    let chars: Vec<char> = expr.chars().collect();
+    let mut i = 0;
+    let mut last = ' ';
+    while i < chars.len() {
+        let c = chars[i];
+        match c {
+            '\'' => {
+                let end = chars[i + 1..]
+                    .iter()
+                    .position(|&c| c == '\'')
+                    .ok_or("an unterminated string")?;
+                i += end + 2;
+                last = '\'';
+                continue;
+            }
+            '(' | '[' | '{' => open.push(c),
+            ')' | ']' | '}' => {
+                let want = match c {
+                    ')' => '(',
+                    ']' => '[',
+                    _ => '{',
+                };
+                if open.pop() != Some(want) {
+                    return Err(format!("an unbalanced {c:?} at {i}"));
+                }
+            }
+            c if c.is_alphabetic() || c == '_' => {
+                let word: String = chars[i..]
+                    .iter()
+                    .take_while(|c| c.is_alphanumeric() || **c == '_')
+                    .collect();
+                let selected = last == '.' || (last == '?' && i >= 2 && chars[i - 2] == '.');
+                if !selected && !bound.contains(&word) {
+                    return Err(format!("{word:?} is no variable of an admission condition"));
+                }
+                i += word.chars().count();
+                last = 'a';
+                continue;
+            }
+            _ => {}
+        }
+        if !c.is_whitespace() {
+            last = c;
+        }
+        i += 1;
+    }
+    if !open.is_empty() {
+        return Err(format!("{open:?} never closed"));
+    }
+    let squeezed: String = expr.split_whitespace().collect::<Vec<_>>().join(" ");
+    for bad in [
+        "|| ||", "&& &&", "|| &&", "&& ||", "( ||", "( &&", "|| )", "&& )",
+    ] {
+        if squeezed.contains(bad) {
+            return Err(format!("an operator without an operand: {bad:?}"));
+        }
+    }
+    if ["||", "&&", "!"].iter().any(|o| squeezed.ends_with(o))
+        || ["||", "&&"].iter().any(|o| squeezed.starts_with(o))
+    {
+        return Err("an operator without an operand at an end".into());
+    }
+    Ok(())
+}
+
+#[test]
+fn the_cel_shape_check_finds_what_a_template_can_break() {
+    // Every condition of both platforms' renderings passes it ...
+    for sets in [&[][..], &["platform.profile=cluster-api"][..]] {
+        for e in expressions(&template("volume-gate", sets)) {
+            cel_shape(&e).unwrap_or_else(|why| panic!("{sets:?}: {why}: {e}"));
+        }
+    }
+    // ... and it refuses what a broken template writes.
+    for broken in [
+        "oldObject.metadata.name.endsWith('-kubeconfig'",
+        "oldObject.metadata.name.endsWith('-kubeconfig)",
+        "request.operation == 'DELETE' ||",
+        "request.operation == 'DELETE' || || true",
+        "obj.metadata.name == ''",
+        "object.metadata.name == '{{ .name }}'",
+        "[object, oldObject].exists(o, x != null)",
+    ] {
+        assert!(cel_shape(broken).is_err(), "{broken}");
+    }
+    cel_shape("[object, oldObject].exists(o, o != null && o.spec.?x.orValue('') != '')").unwrap();
+}
+
+/// The webhook shape every webhook of the gate has, whatever the platform:
+/// the Service, the CA, the failure policy, the timeout.
+fn assert_same_care(w: &Value, policy: &str, path: &str, ns: &str, ca: Option<&str>) {
+    let name = &w["name"];
+    assert_eq!(w["failurePolicy"], policy, "{name}");
+    assert_eq!(w["sideEffects"], "None", "{name}");
+    assert_eq!(w["matchPolicy"], "Equivalent", "{name}");
+    assert_eq!(w["admissionReviewVersions"], json!(["v1"]), "{name}");
+    assert_eq!(w["timeoutSeconds"], 7, "{name}");
+    let mut client = json!({"service": {"name": "volume-gate-webhook", "namespace": ns,
+        "path": path, "port": 443}});
+    if let Some(ca) = ca {
+        client["caBundle"] = json!(ca);
+    }
+    assert_eq!(w["clientConfig"], client, "{name}");
+}
+
+#[test]
+fn for_cluster_api_the_chart_sends_the_gate_what_the_profile_judges_and_nothing_of_flux() {
+    use volume_gate::profile::{CLUSTER_API_OPT_IN, Profile};
+    let p = Profile::cluster_api();
+    let ns = "capi-volume-gate";
+    let capi = ["platform.profile=cluster-api", "webhook.timeoutSeconds=7"];
+    let cozy = template(ns, &["webhook.timeoutSeconds=7"]);
+    let ca_bundle = format!("certificates.caBundle={CA}");
+    let secret = [&capi[..], &["certificates.mode=secret", &ca_bundle]].concat();
+    for (sets, ca) in [(&capi[..], None), (&secret[..], Some(CA))] {
+        let docs = template(ns, sets);
+        let validating = webhooks(&docs, "ValidatingWebhookConfiguration");
+        let mutating = webhooks(&docs, "MutatingWebhookConfiguration");
+        assert_eq!(
+            validating.keys().copied().collect::<Vec<_>>(),
+            [
+                "kubeconfigs.volume-gate.cozystack.io",
+                "machines.volume-gate.cozystack.io",
+                "parents.volume-gate.cozystack.io",
+                "references.volume-gate.cozystack.io",
+            ],
+        );
+        assert_eq!(
+            mutating.keys().copied().collect::<Vec<_>>(),
+            [
+                "custody.volume-gate.cozystack.io",
+                "kept-disks.volume-gate.cozystack.io"
+            ],
+        );
+        for w in validating.values() {
+            assert_same_care(w, "Fail", "/validate", ns, ca);
+        }
+        assert_same_care(
+            mutating["custody.volume-gate.cozystack.io"],
+            "Ignore",
+            "/mutate",
+            ns,
+            ca,
+        );
+        assert_same_care(
+            mutating["kept-disks.volume-gate.cozystack.io"],
+            "Fail",
+            "/mutate",
+            ns,
+            ca,
+        );
+        for kind in WEBHOOK_CONFIGURATIONS {
+            let doc = get(&docs, kind, "", "volume-gate");
+            let injected = &doc["metadata"]["annotations"]["cert-manager.io/inject-ca-from"];
+            match ca {
+                None => assert_eq!(injected, &json!(format!("{ns}/volume-gate-webhook"))),
+                Some(_) => assert!(injected.is_null(), "{kind}"),
+            }
+        }
+        // Nothing of Flux, Kamaji, the infra layer or a name prefix.
+        let text = serde_json::to_string(&[
+            &get(&docs, "ValidatingWebhookConfiguration", "", "volume-gate")["webhooks"],
+            &get(&docs, "MutatingWebhookConfiguration", "", "volume-gate")["webhooks"],
+        ])
+        .unwrap();
+        for foreign in [
+            "helm.toolkit.fluxcd.io",
+            "helmreleases",
+            "kamaji",
+            "cdi.kubevirt.io",
+            "kubernetes-",
+            "apps.cozystack.io",
+            "namespace-controller",
+            "-kcsi",
+            "meta.helm.sh",
+        ] {
+            assert!(
+                !text.contains(foreign),
+                "{foreign} in the cluster-api webhooks"
+            );
+        }
+    }
+
+    let docs = template(ns, &capi);
+    let validating = webhooks(&docs, "ValidatingWebhookConfiguration");
+    let mutating = webhooks(&docs, "MutatingWebhookConfiguration");
+    let rule = |w: &Value| -> Vec<(Vec<String>, Vec<String>, Vec<String>)> {
+        let strings = |v: &Value| -> Vec<String> {
+            v.as_array()
+                .unwrap()
+                .iter()
+                .map(|s| s.as_str().unwrap().to_string())
+                .collect()
+        };
+        w["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    strings(&r["apiGroups"]),
+                    strings(&r["resources"]),
+                    strings(&r["operations"]),
+                )
+            })
+            .collect()
+    };
+    let strings = |xs: &[&str]| xs.iter().map(|x| x.to_string()).collect::<Vec<_>>();
+    let opted_in = json!({"matchLabels": p.parent.match_labels});
+    assert_eq!(
+        opted_in,
+        json!({"matchLabels": {CLUSTER_API_OPT_IN: "true"}})
+    );
+
+    // The parents: the profile's parent kind, opted in by its label.
+    let parents = validating["parents.volume-gate.cozystack.io"];
+    assert_eq!(
+        rule(parents),
+        [(
+            vec![p.parent.group.clone()],
+            vec![p.parent.plural.clone()],
+            strings(&["CREATE", "UPDATE", "DELETE"])
+        )]
+    );
+    assert_eq!(parents["objectSelector"], opted_in);
+    // DELETE and CREATE as Cozystack's parents; the UPDATE names the
+    // reference fields the profile follows and the opt-in label.
+    for c in ["delete-without-custody", "create-with-record"] {
+        assert_eq!(
+            condition(
+                &docs,
+                "ValidatingWebhookConfiguration",
+                "parents.volume-gate.cozystack.io",
+                c
+            ),
+            condition(
+                &cozy,
+                "ValidatingWebhookConfiguration",
+                "parents.volume-gate.cozystack.io",
+                c
+            ),
+        );
+    }
+    let update = condition(
+        &docs,
+        "ValidatingWebhookConfiguration",
+        "parents.volume-gate.cozystack.io",
+        "update-of-record-custody-opt-in-or-reference",
+    );
+    for field in volume_gate::profile::REFERENCE_FIELDS {
+        let name = field.rsplit('/').next().unwrap();
+        assert!(update.contains(&format!("'{name}'")), "{field} in {update}");
+    }
+    assert!(
+        update.contains(&format!("'{CLUSTER_API_OPT_IN}'")),
+        "{update}"
+    );
+
+    // The machines: every kind the profile guards by spec.clusterName and
+    // by the cluster-name label, with Cozystack's conditions.
+    let machines = validating["machines.volume-gate.cozystack.io"];
+    let guarded = |f: &dyn Fn(&volume_gate::profile::GuardedSpec) -> bool| -> BTreeSet<String> {
+        p.guarded
+            .iter()
+            .filter(|g| f(g))
+            .map(|g| format!("{}s", g.kind.to_lowercase()))
+            .collect()
+    };
+    let by_field = guarded(&|g| g.field.is_some());
+    assert_eq!(by_field, guarded(&|g| g.label.is_some()));
+    let machine_rules = rule(machines);
+    let [(groups, resources, operations)] = &machine_rules[..] else {
+        panic!("one rule: {machines}")
+    };
+    assert_eq!(groups, &strings(&["cluster.x-k8s.io"]));
+    assert_eq!(resources.iter().cloned().collect::<BTreeSet<_>>(), by_field);
+    assert_eq!(operations, &strings(&["UPDATE", "DELETE"]));
+    assert_eq!(
+        machines["matchConditions"],
+        webhooks(&cozy, "ValidatingWebhookConfiguration")["machines.volume-gate.cozystack.io"]["matchConditions"]
+    );
+
+    // Whatever a reference names: every DELETE of the groups the profile
+    // follows references into, any kind.
+    let referenced: BTreeSet<String> = p
+        .guarded
+        .iter()
+        .filter(|g| g.reference.is_some())
+        .map(|g| g.group.clone())
+        .collect();
+    let references = validating["references.volume-gate.cozystack.io"];
+    let reference_rules = rule(references);
+    let [(groups, resources, operations)] = &reference_rules[..] else {
+        panic!("one rule: {references}")
+    };
+    assert_eq!(groups.iter().cloned().collect::<BTreeSet<_>>(), referenced);
+    assert_eq!(resources, &strings(&["*"]));
+    assert_eq!(operations, &strings(&["DELETE"]));
+    assert!(references["matchConditions"].is_null());
+    assert!(references["objectSelector"].is_null());
+
+    // The kubeconfig Secret, by the name the profile gives it.
+    let suffix = p.kubeconfig.secret_name.replace("{tenant}", "");
+    assert_eq!(
+        rule(validating["kubeconfigs.volume-gate.cozystack.io"]),
+        [(strings(&[""]), strings(&["secrets"]), strings(&["DELETE"]))]
+    );
+    assert_eq!(
+        condition(
+            &docs,
+            "ValidatingWebhookConfiguration",
+            "kubeconfigs.volume-gate.cozystack.io",
+            "cluster-kubeconfig"
+        ),
+        format!("oldObject.metadata.name.endsWith('{suffix}')")
+    );
+
+    // Custody on the Clusters opted in; the kept disks as for Cozystack.
+    let custody = mutating["custody.volume-gate.cozystack.io"];
+    assert_eq!(
+        rule(custody),
+        [(
+            vec![p.parent.group.clone()],
+            vec![p.parent.plural.clone()],
+            strings(&["CREATE", "UPDATE"])
+        )]
+    );
+    assert_eq!(custody["objectSelector"], opted_in);
+    assert!(
+        condition(
+            &docs,
+            "MutatingWebhookConfiguration",
+            "custody.volume-gate.cozystack.io",
+            "custody-missing-override-changed-or-replaced"
+        )
+        .contains("request.userInfo.username in []"),
+        "no one replaces a Cluster unless the profile says so"
+    );
+    assert_eq!(
+        mutating["kept-disks.volume-gate.cozystack.io"],
+        webhooks(&cozy, "MutatingWebhookConfiguration")["kept-disks.volume-gate.cozystack.io"]
+    );
+
+    // Every quoted name in the conditions is the profile's (or an
+    // operation's), and every name they must send by is there.
+    let keys = volume_gate::record::Keys::new(&p.annotation_prefix);
+    let mut names: BTreeSet<String> = [
+        p.custody_finalizer.clone(),
+        p.annotation_prefix.clone(),
+        format!("{}override", p.annotation_prefix),
+        suffix.clone(),
+        keys.kept_acknowledged.clone(),
+        keys.kept_acknowledged_by.clone(),
+        keys.kept_acknowledged_at.clone(),
+    ]
+    .into();
+    names.extend(p.parent.match_labels.keys().cloned());
+    names.extend(p.guarded.iter().filter_map(|g| g.label.clone()));
+    names.extend(
+        volume_gate::profile::REFERENCE_FIELDS.map(|f| f.rsplit('/').next().unwrap().to_string()),
+    );
+    let quoted: BTreeSet<String> = expressions(&docs)
+        .iter()
+        .flat_map(|e| {
+            e.split('\'')
+                .skip(1)
+                .step_by(2)
+                .map(str::to_string)
+                .collect::<Vec<_>>()
+        })
+        .filter(|q| !["CREATE", "UPDATE", "DELETE", ""].contains(&q.as_str()))
+        .collect();
+    assert_eq!(quoted, names, "the names the cluster-api conditions use");
+}
+
+#[test]
+fn for_cluster_api_the_profile_configmap_is_the_cluster_api_profile_and_every_role_reads_it() {
+    use volume_gate::profile::Profile;
+    let ns = "volume-gate";
+    let shipped = |docs: &BTreeMap<Key, Value>| {
+        let text = get(docs, "ConfigMap", ns, "volume-gate-profile")["data"]["profile.yaml"]
+            .as_str()
+            .unwrap()
+            .to_string();
+        Profile::from_yaml(&text).unwrap_or_else(|e| panic!("{e}:\n{text}"))
+    };
+    let docs = template(ns, &["platform.profile=cluster-api"]);
+    assert_eq!(shipped(&docs), Profile::cluster_api());
+    let profile_arg = "--profile=/etc/volume-gate/profile/profile.yaml".to_string();
+    for (role, pod) in pod_specs(&docs, ns) {
+        let c = &pod["spec"]["containers"][0];
+        assert!(args(c).contains(&profile_arg), "{role}: {:?}", args(c));
+        assert!(
+            pod["spec"]["volumes"]
+                .as_array()
+                .unwrap()
+                .iter()
+                .any(|v| v["configMap"]["name"] == "volume-gate-profile"),
+            "{role} mounts the profile"
+        );
+    }
+    // Cozystack's identities are not passed: the profile's writers say.
+    let a = args(container(&docs, ns, "volume-gate-webhook"));
+    for flag in [
+        "--release-controller",
+        "--parent-source-writer",
+        "--parent-replacer",
+    ] {
+        assert!(flag_values(&a, flag).is_empty(), "{flag} in {a:?}");
+    }
+    // The profile value's fields go over the Cluster API profile, as a
+    // string or as a mapping; its writers reach the custody condition.
+    let replacer = "system:serviceaccount:gitops:applier";
+    // All three lists: one left out would take Cozystack's (refused below).
+    let writers =
+        format!("{{releaseControllers: [], parentSources: [], parentReplacers: ['{replacer}']}}");
+    let mut want = Profile::cluster_api();
+    want.name = "acme-capi".into();
+    want.writers.parent_replacers = vec![replacer.into()];
+    for docs in [
+        render(
+            ns,
+            &format!(
+                "platform: {{profile: cluster-api}}\nprofile: \"name: acme-capi\\nwriters: {writers}\"\n"
+            ),
+            &[],
+        ),
+        render(
+            ns,
+            &format!(
+                "platform: {{profile: cluster-api}}\nprofile:\n  name: acme-capi\n  writers: {writers}\n"
+            ),
+            &[],
+        ),
+    ] {
+        assert_eq!(shipped(&docs), want);
+        assert!(
+            condition(
+                &docs,
+                "MutatingWebhookConfiguration",
+                "custody.volume-gate.cozystack.io",
+                "custody-missing-override-changed-or-replaced"
+            )
+            .contains(&format!("in ['{replacer}']"))
+        );
+    }
+    // A profile value whose base is the other platform is refused, naming
+    // the fix; as is a platform the chart does not know.
+    for (sets, wanted) in [
+        (
+            &["platform.profile=cluster-api", "profile=base: cozystack"][..],
+            &["base: cozystack", "platform.profile=cozystack"][..],
+        ),
+        (
+            &["profile=base: cluster-api"][..],
+            &["base: cluster-api", "platform.profile=cluster-api"][..],
+        ),
+        (&["platform.profile=capi"][..], &["platform", "profile"][..]),
+    ] {
+        let err = try_template(ns, sets).expect_err("refused");
+        for w in wanted {
+            assert!(err.contains(w), "{sets:?}: {w:?} not in {err}");
+        }
+    }
+    for (writers, wanted) in [
+        (
+            "{releaseControllers: [], parentSources: [], parentReplacers: [\"it's\"]}",
+            &["parentReplacers", "quote"][..],
+        ),
+        // A list writers leaves out would take Cozystack's identities.
+        (
+            "{parentReplacers: []}",
+            &["writers names no releaseControllers", "Cozystack"][..],
+        ),
+    ] {
+        let yaml = format!("platform: {{profile: cluster-api}}\nprofile:\n  writers: {writers}\n");
+        let err = try_render(ns, &yaml, &[]).expect_err("refused");
+        for w in wanted {
+            assert!(err.contains(w), "{writers}: {w:?} not in {err}");
+        }
+    }
+}
+
+/// A ClusterRole's rules as (group, resource) -> verbs.
+fn grants(docs: &BTreeMap<Key, Value>, name: &str) -> BTreeMap<(String, String), BTreeSet<String>> {
+    let mut out: BTreeMap<(String, String), BTreeSet<String>> = BTreeMap::new();
+    for r in get(docs, "ClusterRole", "", name)["rules"]
+        .as_array()
+        .unwrap()
+    {
+        for g in r["apiGroups"].as_array().unwrap() {
+            for res in r["resources"].as_array().unwrap() {
+                out.entry((g.as_str().unwrap().into(), res.as_str().unwrap().into()))
+                    .or_default()
+                    .extend(
+                        r["verbs"]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|v| v.as_str().unwrap().to_string()),
+                    );
+            }
+        }
+    }
+    out
+}
+
+#[test]
+fn for_cluster_api_each_role_may_do_only_what_it_does_there() {
+    let ns = "volume-gate";
+    let mut docs = template(ns, &["platform.profile=cluster-api"]);
+    let hooks = take_hooks(&mut docs);
+    let verbs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+    let key = |g: &str, r: &str| (g.to_string(), r.to_string());
+    let clusters = key("cluster.x-k8s.io", "clusters");
+    let webhook = grants(&docs, "volume-gate-webhook");
+    assert_eq!(
+        webhook,
+        BTreeMap::from([
+            (clusters.clone(), verbs(&["get", "list"])),
+            (key("", "namespaces"), verbs(&["get"])),
+            (
+                key("authorization.k8s.io", "subjectaccessreviews"),
+                verbs(&["create"])
+            ),
+        ])
+    );
+    let worker = grants(&docs, "volume-gate-worker");
+    assert_eq!(
+        worker,
+        BTreeMap::from([
+            (clusters.clone(), verbs(&["get", "list", "watch", "patch"])),
+            (key("", "namespaces"), verbs(&["list", "watch"])),
+            (key("", "secrets"), verbs(&["get"])),
+            (key("", "persistentvolumes"), verbs(&["list", "watch"])),
+            (
+                key("snapshot.storage.k8s.io", "volumesnapshotcontents"),
+                verbs(&["list"])
+            ),
+            (key("events.k8s.io", "events"), verbs(&["create", "patch"])),
+        ])
+    );
+    let uninstall = grants(&hooks, "volume-gate-uninstall");
+    assert_eq!(uninstall[&clusters], verbs(&["list", "patch"]));
+    assert!(
+        !uninstall.keys().any(|(g, _)| g == "helm.toolkit.fluxcd.io"),
+        "{uninstall:?}"
+    );
+    // An infra layer the profile names brings its rules (and the worker's
+    // management-side disk, claim, snapshot and Pod rules) back.
+    let with_infra = render(
+        ns,
+        "platform: {profile: cluster-api}\nprofile:\n  infra: {group: cdi.kubevirt.io, version: v1beta1, kind: DataVolume,\n    plural: datavolumes, labels: {cluster.x-k8s.io/cluster-name: \"{tenant}\"}}\n",
+        &[],
+    );
+    let worker = grants(&with_infra, "volume-gate-worker");
+    assert_eq!(
+        worker[&key("cdi.kubevirt.io", "datavolumes")],
+        verbs(&["list", "delete"])
+    );
+    assert_eq!(worker[&key("", "pods")], verbs(&["list", "delete"]));
+    assert_eq!(
+        worker[&key("", "persistentvolumes")],
+        verbs(&["list", "watch", "patch"])
+    );
+    // Cozystack's roles are unchanged: parents are HelmReleases.
+    let cozy = template(ns, &[]);
+    assert!(
+        grants(&cozy, "volume-gate-webhook")
+            .contains_key(&key("helm.toolkit.fluxcd.io", "helmreleases"))
+    );
+    assert!(!grants(&cozy, "volume-gate-worker").contains_key(&clusters));
 }

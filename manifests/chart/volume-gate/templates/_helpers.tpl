@@ -145,3 +145,65 @@ refuse Flux its own status writes on every HelmRelease. */}}
 {{- define "volume-gate.celList" -}}
 [{{ range $i, $u := . }}{{ if $i }}, {{ end }}'{{ $u }}'{{ end }}]
 {{- end }}
+
+{{/* The built-in profile the chart installs for (platform.profile), checked
+once, and checked against a `base` the profile value names: the webhook
+configurations and RBAC follow platform.profile, so the two must agree. */}}
+{{- define "volume-gate.platform" -}}
+{{- $name := .Values.platform.profile | default "cozystack" -}}
+{{- if not (has $name (list "cozystack" "cluster-api")) }}{{ fail (printf "platform.profile %q: use cozystack (a Cozystack tenant's HelmRelease) or cluster-api (a Cluster API Cluster opted in by the label volumes.cozystack.io/protected: \"true\")" $name) }}{{ end -}}
+{{- $base := (include "volume-gate.profileFields" . | fromYaml).base -}}
+{{- if and $base (ne (toString $base) $name) }}{{ fail (printf "profile names base: %v but platform.profile is %q: the webhook configurations and RBAC follow platform.profile; set platform.profile=%v (and leave base out of profile)" $base $name $base) }}{{ end -}}
+{{ $name }}
+{{- end }}
+
+{{/* The profile value's fields, as a YAML mapping (empty when none). */}}
+{{- define "volume-gate.profileFields" -}}
+{{- $p := .Values.profile -}}
+{{- if $p -}}
+{{- $fields := $p -}}
+{{- if kindIs "string" $p }}{{ $fields = fromYaml $p }}{{ end -}}
+{{- if or (not (kindIs "map" $fields)) (hasKey $fields "Error") }}{{ fail (printf "profile is not a YAML mapping of profile fields (README, Configuration): %v" (get $fields "Error")) }}{{ end -}}
+{{ toYaml $fields }}
+{{- end -}}
+{{- end }}
+
+{{/* The profile file both roles and the uninstall hook read (--profile),
+empty when none ships (Cozystack's built-in profile): the profile value as
+given, or, for platform.profile cluster-api, `base: cluster-api` with the
+value's fields over it. */}}
+{{- define "volume-gate.profileData" -}}
+{{- $platform := include "volume-gate.platform" . -}}
+{{- $p := .Values.profile -}}
+{{- if eq $platform "cluster-api" -}}
+{{- $fields := include "volume-gate.profileFields" . | fromYaml | default dict -}}
+{{- with $fields.writers }}
+{{- $writers := . }}
+{{- range $list := list "releaseControllers" "parentSources" "parentReplacers" }}
+{{- if not (and (kindIs "map" $writers) (hasKey $writers $list)) }}{{ fail (printf "profile writers names no %s: a list writers leaves out takes Cozystack's identities, not Cluster API's none; name all three (releaseControllers, parentSources, parentReplacers; [] for none)" $list) }}{{ end -}}
+{{- end }}
+{{- end -}}
+{{ toYaml (set $fields "base" "cluster-api") }}
+{{- else if $p -}}
+{{- if kindIs "string" $p }}{{ $p }}{{ else }}{{ toYaml $p }}{{ end -}}
+{{- end -}}
+{{- end }}
+
+{{/* The usernames that replace a parent whole, for the custody webhook's
+condition: platform.parentReplacers (Cozystack; checked with the other
+platform identities), or the profile's writers.parentReplacers (cluster-api:
+none unless the profile names them). Each is written into a CEL string
+literal, so a quote is refused. */}}
+{{- define "volume-gate.parentReplacers" -}}
+{{- if eq (include "volume-gate.platform" .) "cluster-api" -}}
+{{- $r := dig "writers" "parentReplacers" list (include "volume-gate.profileFields" . | fromYaml | default dict) -}}
+{{- range $r }}
+{{- if or (not (kindIs "string" .)) (ne . (trim .)) (eq . "") }}{{ fail (printf "profile writers.parentReplacers: %v is not a username (system:serviceaccount:<namespace>:<name>)" .) }}{{ end -}}
+{{- if contains "'" . }}{{ fail (printf "profile writers.parentReplacers: %q: a username with a quote cannot be written into a webhook condition" .) }}{{ end -}}
+{{- end -}}
+{{ toYaml $r }}
+{{- else -}}
+{{- $_ := include "volume-gate.releaseControllers" . -}}
+{{ toYaml .Values.platform.parentReplacers }}
+{{- end -}}
+{{- end }}
