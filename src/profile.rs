@@ -917,6 +917,18 @@ impl Profile {
         else {
             unreachable!("a profile serializes to an object")
         };
+        // `writers` is merged list by list: a file that names one list
+        // keeps the base's others (Cozystack's identities must not slip
+        // into a Cluster API profile that named only its replacers).
+        if let (
+            Some(serde_json::Value::Object(base_writers)),
+            Some(serde_json::Value::Object(file_writers)),
+        ) = (merged.get("writers").cloned(), fields.remove("writers"))
+        {
+            let mut writers = base_writers;
+            writers.extend(file_writers);
+            merged.insert("writers".into(), serde_json::Value::Object(writers));
+        }
         merged.extend(std::mem::take(fields));
         let profile: Profile = serde_json::from_value(serde_json::Value::Object(merged))
             .map_err(|e| parse(e.to_string()))?;
@@ -1236,6 +1248,12 @@ mod tests {
         assert_eq!(p.parent.kind, "Cluster");
         assert!(p.has_releases());
         assert!(!Profile::cluster_api().has_releases());
+        // A list the file leaves out of `writers` is the base's, not Cozystack's.
+        let p =
+            Profile::from_yaml("base: cluster-api\nwriters: {parentReplacers: [alice]}\n").unwrap();
+        assert_eq!(p.writers.parent_replacers, vec!["alice".to_string()]);
+        assert!(p.writers.release_controllers.is_empty(), "{:?}", p.writers);
+        assert!(p.writers.parent_sources.is_empty(), "{:?}", p.writers);
         let err = Profile::from_yaml("base: capi\n").unwrap_err().to_string();
         assert!(err.contains("cluster-api"), "{err}");
     }

@@ -1913,9 +1913,9 @@ fn for_cluster_api_the_profile_configmap_is_the_cluster_api_profile_and_every_ro
     // The profile value's fields go over the Cluster API profile, as a
     // string or as a mapping; its writers reach the custody condition.
     let replacer = "system:serviceaccount:gitops:applier";
-    // All three lists: one left out would take Cozystack's (refused below).
-    let writers =
-        format!("{{releaseControllers: [], parentSources: [], parentReplacers: ['{replacer}']}}");
+    // One list named: the others are the Cluster API profile's (none),
+    // never Cozystack's identities.
+    let writers = format!("{{parentReplacers: ['{replacer}']}}");
     let mut want = Profile::cluster_api();
     want.name = "acme-capi".into();
     want.writers.parent_replacers = vec![replacer.into()];
@@ -1968,11 +1968,6 @@ fn for_cluster_api_the_profile_configmap_is_the_cluster_api_profile_and_every_ro
         (
             "{releaseControllers: [], parentSources: [], parentReplacers: [\"it's\"]}",
             &["parentReplacers", "quote"][..],
-        ),
-        // A list writers leaves out would take Cozystack's identities.
-        (
-            "{parentReplacers: []}",
-            &["writers names no releaseControllers", "Cozystack"][..],
         ),
     ] {
         let yaml = format!("platform: {{profile: cluster-api}}\nprofile:\n  writers: {writers}\n");

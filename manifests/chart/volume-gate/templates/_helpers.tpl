@@ -177,12 +177,6 @@ value's fields over it. */}}
 {{- $p := .Values.profile -}}
 {{- if eq $platform "cluster-api" -}}
 {{- $fields := include "volume-gate.profileFields" . | fromYaml | default dict -}}
-{{- with $fields.writers }}
-{{- $writers := . }}
-{{- range $list := list "releaseControllers" "parentSources" "parentReplacers" }}
-{{- if not (and (kindIs "map" $writers) (hasKey $writers $list)) }}{{ fail (printf "profile writers names no %s: a list writers leaves out takes Cozystack's identities, not Cluster API's none; name all three (releaseControllers, parentSources, parentReplacers; [] for none)" $list) }}{{ end -}}
-{{- end }}
-{{- end -}}
 {{ toYaml (set $fields "base" "cluster-api") }}
 {{- else if $p -}}
 {{- if kindIs "string" $p }}{{ $p }}{{ else }}{{ toYaml $p }}{{ end -}}
