@@ -80,7 +80,8 @@ const (
 	// KubeconfigDataName), which Cluster API's cluster cache reads.
 	capiKubeconfigSuffix = "-kubeconfig"
 	capiKubeconfigKey    = "value"
-	// capiSecretType is clusterv1.ClusterSecretType (api/core/v1beta2).
+	// capiSecretType is ClusterSecretType (module sigs.k8s.io/cluster-api/api
+	// v1.14.2, core/v1beta2/common_types.go).
 	capiSecretType = "cluster.x-k8s.io/secret"
 
 	harnessControlPlaneKind = "HarnessControlPlane"

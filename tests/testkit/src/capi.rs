@@ -36,8 +36,8 @@ use super::wait::eventually;
 pub const NAMESPACE: &str = "capi-system";
 pub const SERVICE_ACCOUNT: &str = "capi-manager";
 
-/// What Cluster API labels a cluster's objects with (api/core/v1beta2
-/// `ClusterNameLabel`).
+/// What Cluster API labels a cluster's objects with (`ClusterNameLabel`,
+/// module sigs.k8s.io/cluster-api/api v1.14.2, core/v1beta2/common_types.go).
 pub const CLUSTER_NAME_LABEL: &str = "cluster.x-k8s.io/cluster-name";
 
 /// The annotation by which the played providers know the harness cluster
