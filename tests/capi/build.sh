@@ -5,7 +5,10 @@
 # that default, validate and convert their kinds) and its CRDs (`crds/`, the
 # module's core/config/crd/bases), building it first if the cache has none
 # for these sources (tests/build-go.sh: the cache, its key and its
-# installation).
+# installation), and what clusterctl installs it as: `rbac/` (the module's
+# core/config/rbac role.yaml, aggregated_role.yaml, service_account.yaml,
+# role_binding.yaml and core/config/default's kustomization.yaml and
+# manager_role_aggregation_patch.yaml, which name and bind them).
 #
 #   VOLUME_GATE_HARNESS_CACHE  cache root (default: $HOME/.cache/volume-gate)
 set -euo pipefail
@@ -13,17 +16,20 @@ set -euo pipefail
 name=capi
 what="Cluster API's core manager"
 binary=manager
-also=(crds/cluster.x-k8s.io_clusters.yaml webhook/manifests.yaml)
+also=(crds/cluster.x-k8s.io_clusters.yaml webhook/manifests.yaml rbac/role.yaml)
 print=dir
 
 build_into() {
     local version dir
     version="$(go list -m -f '{{.Version}}' sigs.k8s.io/cluster-api)"
     dir="$(go list -m -f '{{.Dir}}' sigs.k8s.io/cluster-api)"
-    mkdir -p "$1/crds" "$1/webhook"
+    mkdir -p "$1/crds" "$1/webhook" "$1/rbac"
     cp "$dir"/core/config/crd/bases/*.yaml "$1/crds/"
     cp "$dir/core/config/webhook/manifests.yaml" "$1/webhook/manifests.yaml"
-    chmod u+w "$1/crds/"*.yaml "$1/webhook/"*.yaml
+    cp "$dir"/core/config/rbac/{role,aggregated_role,service_account,role_binding}.yaml "$1/rbac/"
+    cp "$dir/core/config/default/kustomization.yaml" "$1/rbac/default-kustomization.yaml"
+    cp "$dir/core/config/default/manager_role_aggregation_patch.yaml" "$1/rbac/"
+    chmod u+w "$1/crds/"*.yaml "$1/webhook/"*.yaml "$1/rbac/"*.yaml
     echo "capi/build.sh: building Cluster API $version's core manager (a cold build takes several minutes)" >&2
     # The version stamp as upstream's Makefile sets it (hack/version.sh:
     # sigs.k8s.io/cluster-api/version.gitVersion).

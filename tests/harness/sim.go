@@ -22,6 +22,7 @@ package main
 //	sim_attach.go   the kubelet's part of attach: CSINode, WaitForAttach, volumesInUse
 //	sim_jobs.go     the management cluster's Job Pods (real hooks) run locally
 //	sim_kamaji.go   TenantControlPlane deleted -> tenant API server stopped
+//	sim_capi.go     Cluster API's infrastructure and control plane providers, played
 //	sim_infra.go    the infra layer: DataVolumes, CDI, the management storage, VM attachments
 
 import (
@@ -44,6 +45,7 @@ import (
 	apierrors "k8s.io/apimachinery/pkg/api/errors"
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
+	"k8s.io/apimachinery/pkg/labels"
 	"k8s.io/apimachinery/pkg/runtime/schema"
 	"k8s.io/apimachinery/pkg/types"
 	"k8s.io/client-go/discovery"
@@ -234,10 +236,11 @@ type sim struct {
 
 	jobs   *jobs
 	kamaji *kamaji
+	capi   *capiWorld
 
 	ctx     context.Context
 	mu      sync.Mutex
-	tenants map[string]*tenant // by "namespace/release"
+	tenants map[string]*tenant // by id: "namespace/release", or capiTenantID
 	wg      sync.WaitGroup
 }
 
@@ -327,6 +330,7 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 		s.wg.Go(func() { s.deploys.run(ctx) })
 		s.startInfra(ctx, factory)
 	}
+	s.startCAPI(ctx, factory)
 	// Each informer starts once its CRD is served; a tenant worker consults
 	// both caches on every round, so the order they start in does not matter.
 	s.wg.Go(func() { s.tcps.run(ctx) })
@@ -393,30 +397,50 @@ func (s *sim) onTCP(obj any, deleted bool) {
 	s.kickTenant(tcp.GetNamespace(), tcp.GetName())
 }
 
-// ensureTenant starts the worker for tenant ns/name unless it runs.
+// ensureTenant starts the worker for Cozystack tenant ns/name unless it runs.
 func (s *sim) ensureTenant(ns, name string) {
-	key := ns + "/" + name
+	s.ensureTenantOf(newTenant(s, ns, name))
+}
+
+// ensureCAPITenant starts the worker for played Cluster API cluster
+// ns/name unless it runs.
+func (s *sim) ensureCAPITenant(ns, name string) {
+	t := newTenant(s, ns, name)
+	t.capi, t.id = true, capiTenantID(ns, name)
+	s.ensureTenantOf(t)
+}
+
+// ensureTenantOf starts t's worker unless one with its id runs.
+func (s *sim) ensureTenantOf(t *tenant) {
 	s.mu.Lock()
 	defer s.mu.Unlock()
 	if s.ctx.Err() != nil {
 		return
 	}
-	if t := s.tenants[key]; t != nil {
-		t.kickNow()
+	if running := s.tenants[t.id]; running != nil {
+		running.kickNow()
 		return
 	}
-	t := newTenant(s, ns, name)
-	s.tenants[key] = t
+	s.tenants[t.id] = t
 	s.wg.Go(func() { t.run(s.ctx) })
 }
 
-func (s *sim) kickTenant(ns, name string) {
+func (s *sim) kickTenant(ns, name string) { s.kickTenantID(ns + "/" + name) }
+
+func (s *sim) kickTenantID(id string) {
 	s.mu.Lock()
-	t := s.tenants[ns+"/"+name]
+	t := s.tenants[id]
 	s.mu.Unlock()
 	if t != nil {
 		t.kickNow()
 	}
+}
+
+// hasTenant reports whether a tenant worker with this id runs.
+func (s *sim) hasTenant(id string) bool {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	return s.tenants[id] != nil
 }
 
 // tenantExited removes t from the registry unless something brought it back
@@ -427,8 +451,8 @@ func (s *sim) tenantExited(t *tenant) bool {
 	if t.wanted() && s.ctx.Err() == nil {
 		return false
 	}
-	if s.tenants[t.key] == t {
-		delete(s.tenants, t.key)
+	if s.tenants[t.id] == t {
+		delete(s.tenants, t.id)
 	}
 	return true
 }
@@ -485,6 +509,26 @@ func (li *lazyInformer) get(ns, name string) (obj *unstructured.Unstructured, ex
 		return nil, false, true
 	}
 	return o.(*unstructured.Unstructured), true, true
+}
+
+// list returns the cached objects of namespace ns matching sel; none while
+// the cache is not running.
+func (li *lazyInformer) list(ns string, sel labels.Selector) []*unstructured.Unstructured {
+	li.mu.Lock()
+	lister := li.lister
+	li.mu.Unlock()
+	if lister == nil {
+		return nil
+	}
+	objs, err := lister.ByNamespace(ns).List(sel)
+	if err != nil {
+		return nil
+	}
+	out := make([]*unstructured.Unstructured, 0, len(objs))
+	for _, o := range objs {
+		out = append(out, o.(*unstructured.Unstructured))
+	}
+	return out
 }
 
 // waitServed blocks until the API server serves gvr; it logs once while it

@@ -120,6 +120,10 @@ func (k *kubelet) tenantNode(node *corev1.Node) {
 		node.Annotations = map[string]string{}
 	}
 	node.Annotations[annControllerManagedAttach] = "true"
+	if k.t.capi {
+		// Cluster API's Machine controller finds the Node by it.
+		node.Spec.ProviderID = capiProviderID(k.t.ns, k.t.name)
+	}
 	if !k.synced.Load() {
 		return
 	}

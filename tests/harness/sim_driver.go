@@ -72,7 +72,12 @@ type volumeBackend interface {
 // files in the ledger.
 func newDriver(t *tenant, cs kubernetes.Interface, dyn dynamic.Interface, kubeconfig []byte) *driver {
 	var b volumeBackend = &ledgerBackend{store: t.s.store, log: t.s.log, owner: t.owner, mayFree: t.mayFree}
-	if prof.infra != nil {
+	switch {
+	case t.capi:
+		// The in-tenant controller: its disks in the ledger, freed with
+		// its own (the tenant's) credentials, no management identity.
+		b = &ledgerBackend{store: t.s.store, log: t.s.log, owner: t.owner}
+	case prof.infra != nil:
 		b = &kcsiBackend{t: t}
 	}
 	return &driver{s: t.s, t: t, name: t.s.cfg.driver, cs: cs, dyn: dyn, kubeconfig: kubeconfig, backend: b,
@@ -143,7 +148,7 @@ func orDash(s string) string {
 
 // drain runs sync for each key of q until ctx ends, retrying a failed key
 // on the queue's backoff after reporting it with failed.
-func drain(ctx context.Context, q workqueue.TypedRateLimitingInterface[string], sync func(context.Context, string) error, failed func(string, error)) {
+func drain[K comparable](ctx context.Context, q workqueue.TypedRateLimitingInterface[K], sync func(context.Context, K) error, failed func(K, error)) {
 	defer q.ShutDown()
 	go func() {
 		<-ctx.Done()
@@ -220,7 +225,7 @@ func (d *driver) run(ctx context.Context) {
 	// The sidecars stop before the plugin they talk to.
 	defer sidecars.Wait()
 
-	if d.t != nil {
+	if d.t != nil && !d.t.capi {
 		// The controller gets its ServiceAccount token when it starts, as a
 		// Pod gets its projected token.
 		if ok, why := d.t.kcsiAllowed(ctx); !ok {

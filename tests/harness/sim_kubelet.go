@@ -423,9 +423,9 @@ func updateNodeOnce(ctx context.Context, cs kubernetes.Interface, name string, r
 	}
 	if edit != nil {
 		before := node.Annotations[annControllerManagedAttach]
-		taints := len(node.Spec.Taints)
+		taints, providerID := len(node.Spec.Taints), node.Spec.ProviderID
 		edit(node)
-		if node.Annotations[annControllerManagedAttach] != before || len(node.Spec.Taints) != taints {
+		if node.Annotations[annControllerManagedAttach] != before || len(node.Spec.Taints) != taints || node.Spec.ProviderID != providerID {
 			if node, err = nodes.Update(ctx, node, metav1.UpdateOptions{}); err != nil {
 				return err
 			}

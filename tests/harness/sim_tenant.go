@@ -24,11 +24,16 @@ import (
 // driver's release R-csi exists and is not being deleted.
 //
 // A tenant lives while its parent HelmRelease or its TenantControlPlane
-// exists in the management cluster.
+// exists in the management cluster. A played Cluster API cluster's tenant
+// (capi, sim_capi.go) lives while its Cluster exists; it connects with the
+// Secret <cluster>-kubeconfig, and its node and CSI driver run while one
+// of its HarnessMachines does.
 type tenant struct {
 	s        *sim
 	ns, name string
 	key      string // "N/R", the tenant column of the log
+	id       string // the registry's key: key, or capiTenantID
+	capi     bool
 	kick     chan struct{}
 
 	// Owned by the run goroutine.
@@ -61,7 +66,8 @@ type tenant struct {
 }
 
 func newTenant(s *sim, ns, name string) *tenant {
-	return &tenant{s: s, ns: ns, name: name, key: ns + "/" + name, kick: make(chan struct{}, 1)}
+	key := ns + "/" + name
+	return &tenant{s: s, ns: ns, name: name, key: key, id: key, kick: make(chan struct{}, 1)}
 }
 
 func (t *tenant) logf(component, action, format string, args ...any) {
@@ -78,6 +84,9 @@ func (t *tenant) kickNow() {
 
 // wanted reports whether the management cluster still has this tenant.
 func (t *tenant) wanted() bool {
+	if t.capi {
+		return t.s.capi.wanted(t.ns, t.name)
+	}
 	if hr, ok, _ := t.s.hrs.get(t.ns, t.name); ok && isParent(hr) {
 		return true
 	}
@@ -92,7 +101,11 @@ func (t *tenant) run(ctx context.Context) {
 	for {
 		if !t.wanted() && t.s.tenantExited(t) {
 			t.setWorkers(false, false, "tenant gone from the management cluster", "tenant gone from the management cluster")
-			t.logf("tenant", "forgotten", "no parent HelmRelease or TenantControlPlane left")
+			if t.capi {
+				t.logf("tenant", "forgotten", "Cluster %s gone", t.name)
+			} else {
+				t.logf("tenant", "forgotten", "no parent HelmRelease or TenantControlPlane left")
+			}
 			return
 		}
 		t.reconcile(ctx)
@@ -136,6 +149,10 @@ func (t *tenant) reconcile(ctx context.Context) {
 		t.problem = why
 	}
 	t.apiUp = up
+	if t.capi {
+		t.reconcileCAPI(ctx, up, why)
+		return
+	}
 
 	if d := t.freeAfter(); d != t.freeAfterSeen {
 		t.freeAfterSeen = d
@@ -187,7 +204,9 @@ func (t *tenant) setWorkers(kubeletOn, driverOn bool, kubeletWhy, driverWhy stri
 		t.driver = startWorker(t.s.ctx, d.run)
 		t.driverActive.Store(true)
 		why := "HelmRelease " + t.name + prof.csiSuffix + " present and tenant API up"
-		if prof.infra != nil {
+		if t.capi {
+			why = "in-tenant controller on node " + simNodeName + " (a HarnessMachine runs it)"
+		} else if prof.infra != nil {
 			why += "; Deployment " + t.name + kcsiControllerSuffix + " present"
 		}
 		t.logf("driver", "activated", "%s: %s; external-provisioner started", t.s.cfg.driver, why)
@@ -314,7 +333,11 @@ func (t *tenant) freeAfter() slowness {
 // definite says the API cannot be reached at all, not only that it
 // answered late or not ready.
 func (t *tenant) probe(ctx context.Context) (up bool, why string, definite bool) {
-	if t.s.kamaji.isStopped(t.ns, t.name) {
+	if t.capi && t.s.capi.isStopped(t.ns, t.name) {
+		t.client = nil
+		return false, "HarnessControlPlane deleted: tenant API server stopped", true
+	}
+	if !t.capi && t.s.kamaji.isStopped(t.ns, t.name) {
 		t.client = nil
 		return false, "TenantControlPlane deleted: tenant API server stopped", true
 	}
@@ -334,7 +357,10 @@ func (t *tenant) probe(ctx context.Context) (up bool, why string, definite bool)
 }
 
 func (t *tenant) connect(ctx context.Context) string {
-	name := t.name + prof.kubeconfigSuffix
+	name, keys := t.name+prof.kubeconfigSuffix, prof.kubeconfigKeys
+	if t.capi {
+		name, keys = t.name+capiKubeconfigSuffix, []string{capiKubeconfigKey}
+	}
 	gctx, cancel := context.WithTimeout(ctx, 10*time.Second)
 	defer cancel()
 	secret, err := t.s.mgmt.CoreV1().Secrets(t.ns).Get(gctx, name, metav1.GetOptions{})
@@ -346,13 +372,13 @@ func (t *tenant) connect(ctx context.Context) string {
 	}
 	var data []byte
 	var key string
-	for _, k := range prof.kubeconfigKeys {
+	for _, k := range keys {
 		if data, key = secret.Data[k], k; len(data) > 0 {
 			break
 		}
 	}
 	if len(data) == 0 {
-		return fmt.Sprintf("Secret %s has none of the keys %s", name, strings.Join(prof.kubeconfigKeys, ", "))
+		return fmt.Sprintf("Secret %s has none of the keys %s", name, strings.Join(keys, ", "))
 	}
 	cfg, err := tenantRESTConfig(data)
 	if err != nil {

@@ -1,6 +1,7 @@
 //! The test fixture: a real control plane, the gate installed from
 //! `manifests/`, the simulator, and Cozystack tenants.
 
+pub mod capi;
 pub mod certmanager;
 pub mod chart;
 pub mod cluster;

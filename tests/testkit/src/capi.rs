@@ -1,0 +1,956 @@
+//! The plain Cluster API world: Cluster API's own core manager (v1.14.2,
+//! built by `tests/capi/build.sh`) against the management API server,
+//! installed as clusterctl installs it (its CRDs converted by its own
+//! conversion webhook, its defaulting and validating webhooks, its
+//! ClusterRole, as ServiceAccount `capi-system/capi-manager`), and the
+//! simulator's played providers behind Cluster API's contract
+//! (`tests/harness/sim_capi.go`; CRDs in `tests/fixtures/crds/capi`).
+//!
+//! Nothing here reads volume-gate's profile: the world is Cluster API's, and
+//! a gated test adds the gate to it. Every fact about Cluster API is read
+//! from its module at v1.14.2 (`sigs.k8s.io/cluster-api@v1.14.2`), the file
+//! named where it is used.
+
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+use std::sync::OnceLock;
+use std::time::{Duration, Instant};
+
+use k8s_openapi::api::core::v1::{Namespace, PersistentVolumeClaim, Pod, Secret, ServiceAccount};
+use k8s_openapi::api::rbac::v1::ClusterRole;
+use k8s_openapi::api::storage::v1::StorageClass;
+use kube::ResourceExt;
+use kube::api::{Api, ApiResource, DynamicObject, GroupVersionKind, ListParams, PostParams};
+use serde_json::{Value, json};
+
+use super::cluster::{ClusterInfo, ControlPlane, client_from, repo_root, run_build_script};
+use super::gate::{free_port, http_get, wait_crd_established};
+use super::manifests;
+use super::process::Process;
+use super::wait::eventually;
+
+/// Where clusterctl installs the core provider: `namespace: capi-system`
+/// and `namePrefix: capi-` of core/config/default/kustomization.yaml, over
+/// core/config/rbac/service_account.yaml's ServiceAccount `manager`.
+pub const NAMESPACE: &str = "capi-system";
+pub const SERVICE_ACCOUNT: &str = "capi-manager";
+
+/// What Cluster API labels a cluster's objects with (`ClusterNameLabel`,
+/// module sigs.k8s.io/cluster-api/api v1.14.2, core/v1beta2/common_types.go).
+pub const CLUSTER_NAME_LABEL: &str = "cluster.x-k8s.io/cluster-name";
+
+/// The annotation by which the played providers know the harness cluster
+/// that is the tenant's API server (the same as a TenantControlPlane's).
+pub const CLUSTER_ANNOTATION: &str = "harness.volume-gate.test/cluster";
+
+/// The simulated CSI driver's StorageClass in a Cluster API tenant, made by
+/// [`CapiCluster::storage_class`] (the driver's chart makes it in a
+/// Cozystack tenant).
+pub const STORAGE_CLASS: &str = "sim";
+/// The simulator's CSI driver (`harness sim --driver`, its default).
+pub const DRIVER: &str = "csi.volume-gate.test";
+
+/// The directory `tests/capi/build.sh` prints: `manager`, `crds/`,
+/// `webhook/manifests.yaml`, `rbac/`.
+pub fn capi_dir() -> PathBuf {
+    static DIR: OnceLock<PathBuf> = OnceLock::new();
+    DIR.get_or_init(|| run_build_script("tests/capi/build.sh"))
+        .clone()
+}
+
+pub fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
+    ApiResource::from_gvk_with_plural(&GroupVersionKind::gvk(group, version, kind), plural)
+}
+
+/// A kind of cluster.x-k8s.io at `version` (`v1beta2`, the storage version,
+/// or `v1beta1`, served and deprecated).
+pub fn core_resource(version: &str, kind: &str) -> ApiResource {
+    let plural = format!("{}s", kind.to_lowercase());
+    resource("cluster.x-k8s.io", version, kind, &plural)
+}
+
+/// A kind of the played providers (`HarnessCluster`, `HarnessMachine`,
+/// `HarnessMachineTemplate`, `HarnessControlPlane`).
+pub fn harness_resource(kind: &str) -> ApiResource {
+    let group = if kind == "HarnessControlPlane" {
+        "controlplane.cluster.x-k8s.io"
+    } else {
+        "infrastructure.cluster.x-k8s.io"
+    };
+    resource(
+        group,
+        "v1alpha1",
+        kind,
+        &format!("{}s", kind.to_lowercase()),
+    )
+}
+
+/// Cluster API's core manager running against the management cluster.
+pub struct Capi {
+    pub process: Process,
+    /// Its webhook server (conversion, defaulting, validation).
+    pub webhook_port: u16,
+    pub health_port: u16,
+    /// From the start of the install to the API server calling its
+    /// webhooks.
+    pub started_in: Duration,
+}
+
+static CAPI: tokio::sync::OnceCell<Capi> = tokio::sync::OnceCell::const_new();
+
+/// This test binary's Cluster API core manager, installed and started on
+/// first use.
+pub async fn capi(cp: &ControlPlane) -> &'static Capi {
+    CAPI.get_or_init(|| Capi::start(cp)).await
+}
+
+impl Capi {
+    /// Installs Cluster API's CRDs (conversion through the manager's
+    /// webhook), the played providers' CRDs, its RBAC and webhook
+    /// configurations, and starts the manager as its ServiceAccount;
+    /// returns once the API server converts, defaults and validates
+    /// through it. Tests use [`capi`].
+    pub async fn start(cp: &ControlPlane) -> Capi {
+        let started = Instant::now();
+        let dir = capi_dir();
+        let client = cp.management_client().await;
+        let webhook_port = free_port();
+        let certs = cp.state.join(cp.unique("capi-certs"));
+        let ca_bundle = serving_certificate(cp, &certs);
+        let base = format!("https://127.0.0.1:{webhook_port}");
+
+        let mut crds: Vec<String> = Vec::new();
+        for file in yaml_files(&dir.join("crds")) {
+            for doc in documents(&file) {
+                let doc = with_conversion_webhook(doc, &base, &ca_bundle);
+                crds.push(doc["metadata"]["name"].as_str().expect("CRD name").into());
+                manifests::apply(&client, &doc).await;
+            }
+        }
+        for file in yaml_files(&repo_root().join("tests/fixtures/crds/capi")) {
+            for doc in documents(&file) {
+                crds.push(doc["metadata"]["name"].as_str().expect("CRD name").into());
+                manifests::apply(&client, &doc).await;
+            }
+        }
+        for name in &crds {
+            wait_crd_established(&client, name).await;
+        }
+
+        let rbac = rbac_documents(&dir.join("rbac"));
+        cp.namespace(NAMESPACE).await;
+        for doc in &rbac {
+            manifests::apply(&client, doc).await;
+        }
+        wait_aggregated(&client, &rbac).await;
+        let kubeconfig = cp
+            .service_account_kubeconfig(NAMESPACE, SERVICE_ACCOUNT)
+            .await;
+
+        let health_port = free_port();
+        let mut cmd = Command::new(dir.join("manager"));
+        crate::process::go_program(&mut cmd);
+        cmd.arg("--kubeconfig")
+            .arg(&kubeconfig)
+            .arg(format!("--health-addr=127.0.0.1:{health_port}"))
+            .arg(format!("--diagnostics-address=127.0.0.1:{}", free_port()))
+            .arg("--insecure-diagnostics")
+            .arg(format!("--webhook-port={webhook_port}"))
+            .arg("--webhook-cert-dir")
+            .arg(&certs);
+        let log = cp
+            .state
+            .join("logs")
+            .join(format!("{}.log", cp.unique("capi-manager")));
+        let process = Process::start("capi-manager", cmd, log);
+        eventually(
+            "Cluster API manager /readyz",
+            Duration::from_secs(120),
+            || async {
+                if !process.alive() {
+                    panic!(
+                        "Cluster API's manager exited; its log:\n{}",
+                        process.log_text()
+                    );
+                }
+                match http_get(health_port, "/readyz").await {
+                    Ok((200, _)) => Ok(()),
+                    Ok((code, body)) => Err(format!("{code} {body}")),
+                    Err(e) => Err(e),
+                }
+            },
+        )
+        .await;
+
+        let webhooks = std::fs::read_to_string(dir.join("webhook/manifests.yaml"))
+            .expect("webhook/manifests.yaml");
+        let prefix = kustomization(&dir.join("rbac")).1;
+        for doc in serde_saphyr::from_multiple::<Value>(&webhooks)
+            .expect("webhook manifests")
+            .into_iter()
+            .filter(|d| !d.is_null())
+        {
+            let mut doc = manifests::point_at_local(&doc, &base, &ca_bundle);
+            let name = doc["metadata"]["name"].as_str().expect("name").to_string();
+            doc["metadata"]["name"] = json!(format!("{prefix}{name}"));
+            manifests::apply(&client, &doc).await;
+        }
+        wait_webhooks_active(cp, &process).await;
+        let capi = Capi {
+            process,
+            webhook_port,
+            health_port,
+            started_in: started.elapsed(),
+        };
+        eprintln!(
+            "Cluster API core manager installed and serving in {:.1}s (log {})",
+            capi.started_in.as_secs_f64(),
+            capi.process.log.display()
+        );
+        capi
+    }
+
+    pub fn log(&self) -> String {
+        self.process.log_text()
+    }
+
+    /// The manager's resident memory now (VmRSS), in KiB.
+    pub fn rss_kib(&self) -> Option<u64> {
+        let pid = self.process.pid()?;
+        let status = std::fs::read_to_string(format!("/proc/{pid}/status")).ok()?;
+        status
+            .lines()
+            .find_map(|l| l.strip_prefix("VmRSS:"))
+            .and_then(|v| v.trim().trim_end_matches("kB").trim().parse().ok())
+    }
+}
+
+fn yaml_files(dir: &Path) -> Vec<PathBuf> {
+    let mut files: Vec<PathBuf> = std::fs::read_dir(dir)
+        .unwrap_or_else(|e| panic!("{}: {e}", dir.display()))
+        .map(|e| e.expect("entry").path())
+        .filter(|p| p.extension().is_some_and(|e| e == "yaml"))
+        .collect();
+    files.sort();
+    files
+}
+
+fn documents(file: &Path) -> Vec<Value> {
+    let text = std::fs::read_to_string(file).unwrap_or_else(|e| panic!("{}: {e}", file.display()));
+    serde_saphyr::from_multiple::<Value>(&text)
+        .unwrap_or_else(|e| panic!("{}: {e}", file.display()))
+        .into_iter()
+        .filter(|d| !d.is_null())
+        .collect()
+}
+
+/// What core/config/crd/kustomization.yaml patches into every CRD
+/// (patches/webhook_in_*.yaml): conversion by the manager's webhook at
+/// `/convert`, reached here on loopback instead of through the Service.
+fn with_conversion_webhook(mut crd: Value, base: &str, ca_bundle: &str) -> Value {
+    crd["spec"]["conversion"] = json!({
+        "strategy": "Webhook",
+        "webhook": {
+            "conversionReviewVersions": ["v1"],
+            "clientConfig": {"url": format!("{base}/convert"), "caBundle": ca_bundle},
+        },
+    });
+    crd
+}
+
+/// The webhook server's certificate, issued by the harness CA (the
+/// control plane's `pki/`, which the API server trusts) for the Service
+/// clusterctl makes (core/config/webhook/service.yaml `webhook-service`,
+/// prefixed) and for 127.0.0.1, into `certs` as `tls.crt`/`tls.key`, the
+/// names the manager reads (--webhook-cert-name, --webhook-key-name
+/// defaults in core/main.go). Returns the CA bundle, base64.
+fn serving_certificate(cp: &ControlPlane, certs: &Path) -> String {
+    std::fs::create_dir_all(certs).expect("certs dir");
+    let pki = cp.state.join("pki");
+    for f in ["ca.crt", "ca.key"] {
+        std::fs::copy(pki.join(f), certs.join(f))
+            .unwrap_or_else(|e| panic!("copy the harness CA's {f}: {e}"));
+    }
+    crate::process::run_ok(
+        Command::new(super::gate::binary())
+            .args([
+                "certs",
+                "generate",
+                "--reuse-ca",
+                "--service",
+                "capi-webhook-service",
+                "--namespace",
+                NAMESPACE,
+                "--san",
+                "127.0.0.1",
+                "--out",
+            ])
+            .arg(certs),
+        "volume-gate certs generate (Cluster API's webhook certificate)",
+    );
+    // The CA key is the harness's: it stays in pki/ only.
+    std::fs::remove_file(certs.join("ca.key")).expect("remove the CA key copy");
+    std::fs::read_to_string(certs.join("ca-bundle.b64"))
+        .expect("ca-bundle.b64")
+        .trim()
+        .to_string()
+}
+
+/// core/config/default/kustomization.yaml's `namespace` and `namePrefix`.
+fn kustomization(rbac: &Path) -> (String, String) {
+    let k = documents(&rbac.join("default-kustomization.yaml"))
+        .pop()
+        .expect("kustomization");
+    let s = |k: &Value| k.as_str().expect("a string").to_string();
+    (s(&k["namespace"]), s(&k["namePrefix"]))
+}
+
+/// The manager's identity and permissions as clusterctl installs them
+/// (kustomize of core/config/default): ServiceAccount `manager`,
+/// ClusterRole `manager-role` (labelled for aggregation by
+/// default/manager_role_aggregation_patch.yaml), ClusterRole
+/// `aggregated-manager-role` aggregating it, and ClusterRoleBinding
+/// `manager-rolebinding` bound to the aggregated role (the same patch),
+/// each named with the prefix in the namespace of the kustomization.
+fn rbac_documents(rbac: &Path) -> Vec<Value> {
+    let (namespace, prefix) = kustomization(rbac);
+    let patches = documents(&rbac.join("manager_role_aggregation_patch.yaml"));
+    let patch_of = |kind: &str, name: &str| {
+        patches
+            .iter()
+            .find(|p| p["kind"] == kind && p["metadata"]["name"] == name)
+            .cloned()
+    };
+    let mut out = Vec::new();
+    for file in [
+        "service_account.yaml",
+        "role.yaml",
+        "aggregated_role.yaml",
+        "role_binding.yaml",
+    ] {
+        for mut doc in documents(&rbac.join(file)) {
+            let kind = doc["kind"].as_str().expect("kind").to_string();
+            let name = doc["metadata"]["name"].as_str().expect("name").to_string();
+            if let Some(patch) = patch_of(&kind, &name) {
+                if let Some(labels) = patch["metadata"]["labels"].as_object() {
+                    for (k, v) in labels {
+                        doc["metadata"]["labels"][k] = v.clone();
+                    }
+                }
+                if !patch["roleRef"].is_null() {
+                    doc["roleRef"] = patch["roleRef"].clone();
+                }
+            }
+            doc["metadata"]["name"] = json!(format!("{prefix}{name}"));
+            if !doc["metadata"]["namespace"].is_null() {
+                doc["metadata"]["namespace"] = json!(namespace);
+            }
+            if let Some(role) = doc["roleRef"]["name"].as_str() {
+                doc["roleRef"]["name"] = json!(format!("{prefix}{role}"));
+            }
+            if let Some(subjects) = doc.get_mut("subjects").and_then(Value::as_array_mut) {
+                for s in subjects {
+                    let n = s["name"].as_str().expect("subject name").to_string();
+                    s["name"] = json!(format!("{prefix}{n}"));
+                    s["namespace"] = json!(namespace);
+                }
+            }
+            out.push(doc);
+        }
+    }
+    assert!(
+        out.iter()
+            .any(|d| d["kind"] == "ServiceAccount" && d["metadata"]["name"] == SERVICE_ACCOUNT),
+        "Cluster API's ServiceAccount is not {NAMESPACE}/{SERVICE_ACCOUNT} in its kustomization"
+    );
+    out
+}
+
+/// Waits until the controller manager has aggregated the rules into every
+/// aggregating ClusterRole of `rbac`.
+async fn wait_aggregated(client: &kube::Client, rbac: &[Value]) {
+    let roles: Api<ClusterRole> = Api::all(client.clone());
+    for doc in rbac
+        .iter()
+        .filter(|d| d["kind"] == "ClusterRole" && !d["aggregationRule"].is_null())
+    {
+        let name = doc["metadata"]["name"].as_str().expect("name").to_string();
+        eventually(
+            &format!("ClusterRole {name} aggregated"),
+            Duration::from_secs(60),
+            || {
+                let (roles, name) = (roles.clone(), name.clone());
+                async move {
+                    let role = roles.get(&name).await.map_err(|e| e.to_string())?;
+                    match role.rules {
+                        Some(r) if !r.is_empty() => Ok(()),
+                        _ => Err("no rules yet".into()),
+                    }
+                }
+            },
+        )
+        .await;
+    }
+}
+
+/// The API server's webhook configuration cache lags the objects: probe
+/// with dry-run creates until Cluster API's webhooks answer. A v1beta1
+/// MachineDeployment is converted (the conversion webhook) and defaulted
+/// (core/webhooks/admission/machinedeployment.go `Default` labels it with
+/// its cluster); one whose version lacks its `v` is refused by `validate`
+/// ("must start with v").
+async fn wait_webhooks_active(cp: &ControlPlane, manager: &Process) {
+    let client = cp.management_client().await;
+    let ns = "capi-probe";
+    cp.namespace(ns).await;
+    let v1beta1: Api<DynamicObject> = Api::namespaced_with(
+        client.clone(),
+        ns,
+        &core_resource("v1beta1", "MachineDeployment"),
+    );
+    let v1beta2: Api<DynamicObject> =
+        Api::namespaced_with(client, ns, &core_resource("v1beta2", "MachineDeployment"));
+    let dry = PostParams {
+        dry_run: true,
+        ..Default::default()
+    };
+    eventually(
+        "Cluster API's webhooks active in the API server",
+        Duration::from_secs(60),
+        || {
+            let (v1beta1, v1beta2, dry) = (v1beta1.clone(), v1beta2.clone(), dry.clone());
+            async move {
+                if !manager.alive() {
+                    panic!(
+                        "Cluster API's manager exited; its log:\n{}",
+                        manager.log_text()
+                    );
+                }
+                let md = v1beta1
+                    .create(&dry, &v1beta1_machine_deployment("probe", "probe-cluster"))
+                    .await
+                    .map_err(|e| format!("conversion or defaulting: {e}"))?;
+                if md.labels().get(CLUSTER_NAME_LABEL).map(String::as_str) != Some("probe-cluster")
+                {
+                    return Err("the defaulting webhook is not called yet".into());
+                }
+                let mut bad = machine_deployment("probe", "probe-cluster", "probe", 0);
+                bad.data["spec"]["template"]["spec"]["clusterName"] = json!("another-cluster");
+                match v1beta2.create(&dry, &bad).await {
+                    Err(kube::Error::Api(s))
+                        if s.message.contains("must be set to the same value") =>
+                    {
+                        Ok(())
+                    }
+                    other => Err(format!(
+                        "the validating webhook is not called yet: {other:?}"
+                    )),
+                }
+            }
+        },
+    )
+    .await;
+}
+
+/// A MachineDeployment as `cluster.x-k8s.io/v1beta1` writes it (Cozystack's
+/// tenant chart writes this version): references with `apiVersion`, of
+/// cluster `cluster`, its machines of HarnessMachineTemplate `name`.
+pub fn v1beta1_machine_deployment(name: &str, cluster: &str) -> DynamicObject {
+    let mut md = DynamicObject::new(name, &core_resource("v1beta1", "MachineDeployment"));
+    md.data = json!({"spec": {
+        "clusterName": cluster,
+        "replicas": 1,
+        "selector": {"matchLabels": {"harness.volume-gate.test/md": name}},
+        "template": {
+            "metadata": {"labels": {"harness.volume-gate.test/md": name}},
+            "spec": {
+                "clusterName": cluster,
+                "version": "v1.34.0",
+                "bootstrap": {"dataSecretName": format!("{cluster}-bootstrap")},
+                "infrastructureRef": {
+                    "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+                    "kind": "HarnessMachineTemplate",
+                    "name": name,
+                },
+            },
+        },
+    }});
+    md
+}
+
+/// A v1beta2 MachineDeployment `name` of cluster `cluster` with `replicas`
+/// machines of HarnessMachineTemplate `template`, bootstrapped by the data
+/// Secret `<cluster>-bootstrap` (no bootstrap provider: Machine
+/// `spec.bootstrap.dataSecretName`).
+pub fn machine_deployment(
+    name: &str,
+    cluster: &str,
+    template: &str,
+    replicas: i32,
+) -> DynamicObject {
+    let mut md = DynamicObject::new(name, &core_resource("v1beta2", "MachineDeployment"));
+    md.data = json!({"spec": {
+        "clusterName": cluster,
+        "replicas": replicas,
+        "selector": {"matchLabels": {"harness.volume-gate.test/md": name}},
+        "template": {
+            "metadata": {"labels": {"harness.volume-gate.test/md": name}},
+            "spec": {
+                "clusterName": cluster,
+                "version": "v1.34.0",
+                "bootstrap": {"dataSecretName": format!("{cluster}-bootstrap")},
+                "infrastructureRef": {
+                    "apiGroup": "infrastructure.cluster.x-k8s.io",
+                    "kind": "HarnessMachineTemplate",
+                    "name": template,
+                },
+            },
+        },
+    }});
+    md
+}
+
+/// A plain Cluster API cluster in the management cluster: Cluster
+/// (v1beta2) `name` in `namespace`, its HarnessCluster and
+/// HarnessControlPlane (`name`), and MachineDeployment `name-md` of one
+/// Machine; its API server is harness cluster `cluster`.
+pub struct CapiCluster {
+    pub namespace: String,
+    pub name: String,
+    /// The harness cluster that is its API server.
+    pub cluster: ClusterInfo,
+    pub management: kube::Client,
+    /// Its API, as its admin (the kubeconfig Secret's).
+    pub api: kube::Client,
+}
+
+impl CapiCluster {
+    /// The MachineDeployment's name.
+    pub fn machine_deployment(&self) -> String {
+        format!("{}-md", self.name)
+    }
+
+    /// Creates cluster `name` in `namespace` (created if needed), the
+    /// Cluster labelled with `labels`, on a harness cluster of its own;
+    /// returns once its Machine is Running with a Node.
+    pub async fn create(
+        cp: &ControlPlane,
+        namespace: &str,
+        name: &str,
+        labels: BTreeMap<String, String>,
+    ) -> CapiCluster {
+        capi(cp).await;
+        cp.namespace(namespace).await;
+        let cluster = cp.cluster_up(&format!("capi-{namespace}-{name}"));
+        let management = cp.management_client().await;
+        let pp = PostParams::default();
+        let create = |kind: &'static str, obj: DynamicObject| {
+            let api: Api<DynamicObject> = Api::namespaced_with(
+                management.clone(),
+                namespace,
+                &if kind.starts_with("Harness") {
+                    harness_resource(kind)
+                } else {
+                    core_resource("v1beta2", kind)
+                },
+            );
+            let pp = pp.clone();
+            async move {
+                api.create(&pp, &obj)
+                    .await
+                    .unwrap_or_else(|e| panic!("create {kind}: {e}"))
+            }
+        };
+        let annotated = |kind: &'static str, spec: Value| {
+            let mut o = DynamicObject::new(name, &harness_resource(kind));
+            o.metadata.annotations = Some(BTreeMap::from([(
+                CLUSTER_ANNOTATION.to_string(),
+                cluster.name.clone(),
+            )]));
+            o.data = json!({ "spec": spec });
+            o
+        };
+        create("HarnessCluster", annotated("HarnessCluster", json!({}))).await;
+        create(
+            "HarnessControlPlane",
+            annotated("HarnessControlPlane", json!({})),
+        )
+        .await;
+        let mut template = DynamicObject::new(name, &harness_resource("HarnessMachineTemplate"));
+        template.data = json!({"spec": {"template": {"spec": {}}}});
+        create("HarnessMachineTemplate", template).await;
+        // The bootstrap data a bootstrap provider would write; the played
+        // machine needs none of it.
+        let bootstrap: Secret = serde_json::from_value(json!({
+            "metadata": {"name": format!("{name}-bootstrap"), "namespace": namespace,
+                         "labels": {CLUSTER_NAME_LABEL: name}},
+            "type": "cluster.x-k8s.io/secret",
+            "stringData": {"value": "#!/bin/sh\n", "format": "cloud-config"},
+        }))
+        .unwrap();
+        Api::<Secret>::namespaced(management.clone(), namespace)
+            .create(&pp, &bootstrap)
+            .await
+            .expect("create the bootstrap data Secret");
+        let mut cl = DynamicObject::new(name, &core_resource("v1beta2", "Cluster"));
+        cl.metadata.labels = Some(labels);
+        cl.data = json!({"spec": {
+            "controlPlaneRef": {"apiGroup": "controlplane.cluster.x-k8s.io", "kind": "HarnessControlPlane", "name": name},
+            "infrastructureRef": {"apiGroup": "infrastructure.cluster.x-k8s.io", "kind": "HarnessCluster", "name": name},
+        }});
+        create("Cluster", cl).await;
+        let md = format!("{name}-md");
+        create("MachineDeployment", machine_deployment(&md, name, name, 1)).await;
+
+        let api = client_from(&cluster.kubeconfig).await;
+        let c = CapiCluster {
+            namespace: namespace.into(),
+            name: name.into(),
+            cluster,
+            management,
+            api,
+        };
+        c.wait_machine_running().await;
+        c
+    }
+
+    fn api(&self, ar: &ApiResource) -> Api<DynamicObject> {
+        Api::namespaced_with(self.management.clone(), &self.namespace, ar)
+    }
+
+    /// The cluster's Machines, as Cluster API labels them.
+    pub async fn machines(&self) -> Vec<DynamicObject> {
+        self.api(&core_resource("v1beta2", "Machine"))
+            .list(&ListParams::default().labels(&format!("{CLUSTER_NAME_LABEL}={}", self.name)))
+            .await
+            .expect("list Machines")
+            .items
+    }
+
+    /// Waits until the cluster has one Machine, Running, with a nodeRef.
+    pub async fn wait_machine_running(&self) {
+        eventually(
+            &format!(
+                "the Machine of Cluster {}/{} Running with a Node",
+                self.namespace, self.name
+            ),
+            Duration::from_secs(180),
+            || async {
+                let ms = self.machines().await;
+                let m = match ms.as_slice() {
+                    [m] => m,
+                    other => return Err(format!("{} Machines", other.len())),
+                };
+                let phase = m.data["status"]["phase"].as_str().unwrap_or("");
+                let node = m.data["status"]["nodeRef"]["name"].as_str().unwrap_or("");
+                if phase == "Running" && !node.is_empty() {
+                    Ok(())
+                } else {
+                    Err(format!("phase {phase:?}, nodeRef {node:?}"))
+                }
+            },
+        )
+        .await;
+    }
+
+    /// The simulated driver's StorageClass in the cluster, as its chart
+    /// makes it (tests/fixtures/charts/csi): freed with the claim.
+    pub async fn storage_class(&self) {
+        let sc: StorageClass = serde_json::from_value(json!({
+            "metadata": {"name": STORAGE_CLASS},
+            "provisioner": DRIVER, "reclaimPolicy": "Delete", "volumeBindingMode": "Immediate",
+        }))
+        .unwrap();
+        match Api::<StorageClass>::all(self.api.clone())
+            .create(&PostParams::default(), &sc)
+            .await
+        {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => {}
+            Err(e) => panic!("create StorageClass {STORAGE_CLASS}: {e}"),
+        }
+    }
+
+    /// In namespace `ns` of the cluster: for each of `pods`, claims of the
+    /// driver's StorageClass, mounted by a Pod of that name. Returns once
+    /// every claim is Bound and every Pod Running.
+    pub async fn workload(&self, ns: &str, pods: &[(&str, &[&str])]) {
+        self.storage_class().await;
+        let namespaces: Api<Namespace> = Api::all(self.api.clone());
+        let n: Namespace = serde_json::from_value(json!({"metadata": {"name": ns}})).unwrap();
+        match namespaces.create(&PostParams::default(), &n).await {
+            Ok(_) => {}
+            Err(kube::Error::Api(s)) if s.code == 409 => {}
+            Err(e) => panic!("create namespace {ns} in the cluster: {e}"),
+        }
+        // The API server refuses Pods of a namespace until its controller
+        // manager has made its ServiceAccount `default`.
+        let sas: Api<ServiceAccount> = Api::namespaced(self.api.clone(), ns);
+        eventually(
+            &format!("ServiceAccount {ns}/default in the cluster"),
+            Duration::from_secs(60),
+            || async {
+                sas.get("default")
+                    .await
+                    .map(|_| ())
+                    .map_err(|e| e.to_string())
+            },
+        )
+        .await;
+        let claims: Api<PersistentVolumeClaim> = Api::namespaced(self.api.clone(), ns);
+        let pods_api: Api<Pod> = Api::namespaced(self.api.clone(), ns);
+        let mut total = 0;
+        for (pod, names) in pods {
+            for c in *names {
+                let pvc: PersistentVolumeClaim = serde_json::from_value(json!({
+                    "metadata": {"name": c, "namespace": ns},
+                    "spec": {"accessModes": ["ReadWriteOnce"], "storageClassName": STORAGE_CLASS,
+                             "resources": {"requests": {"storage": "1Gi"}}},
+                }))
+                .unwrap();
+                claims
+                    .create(&PostParams::default(), &pvc)
+                    .await
+                    .unwrap_or_else(|e| panic!("create claim {ns}/{c}: {e}"));
+                total += 1;
+            }
+            let volumes: Vec<Value> = names
+                .iter()
+                .enumerate()
+                .map(|(i, c)| json!({"name": format!("v{i}"), "persistentVolumeClaim": {"claimName": c}}))
+                .collect();
+            let p: Pod = serde_json::from_value(json!({
+                "metadata": {"name": pod, "namespace": ns},
+                "spec": {"terminationGracePeriodSeconds": 1,
+                         "containers": [{"name": "app", "image": "busybox"}], "volumes": volumes},
+            }))
+            .unwrap();
+            pods_api
+                .create(&PostParams::default(), &p)
+                .await
+                .unwrap_or_else(|e| panic!("create Pod {ns}/{pod}: {e}"));
+        }
+        eventually(
+            &format!(
+                "{total} claims bound and {} Pods running in {}",
+                pods.len(),
+                self.name
+            ),
+            Duration::from_secs(180),
+            || async {
+                let bound = claims
+                    .list(&ListParams::default())
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .items
+                    .iter()
+                    .filter(|c| c.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Bound"))
+                    .count();
+                let running = pods_api
+                    .list(&ListParams::default())
+                    .await
+                    .map_err(|e| e.to_string())?
+                    .items
+                    .iter()
+                    .filter(|p| {
+                        p.status.as_ref().and_then(|s| s.phase.as_deref()) == Some("Running")
+                    })
+                    .count();
+                if bound == total && running == pods.len() {
+                    Ok(())
+                } else {
+                    Err(format!("{bound} bound, {running} running"))
+                }
+            },
+        )
+        .await;
+    }
+}
+
+/// One watch event of a [`DeletionWatch`].
+#[derive(Clone, Debug)]
+pub struct Seen {
+    pub kind: &'static str,
+    /// `ADDED`, `MODIFIED` or `DELETED`.
+    pub event: &'static str,
+    pub name: String,
+    /// The object's resourceVersion in the event: on one etcd, its
+    /// revision, which orders writes across kinds (a DELETED event carries
+    /// the revision of the deletion).
+    pub revision: u64,
+    /// Whether the object carries a deletionTimestamp.
+    pub deleting: bool,
+}
+
+/// Watches on a cluster's namespace opened before a deletion, one per kind
+/// of the cascade: what Cluster API deleted and in which order, observed
+/// durably (every event from the moment the watch opened).
+pub struct DeletionWatch {
+    rx: tokio::sync::mpsc::UnboundedReceiver<Result<Seen, String>>,
+    pub seen: Vec<Seen>,
+    tasks: Vec<tokio::task::JoinHandle<()>>,
+}
+
+/// The kinds a Cluster's deletion goes through, in Cluster API's order
+/// (core/reconcilers/cluster/cluster_controller.go `reconcileDelete`):
+/// descendants, the control plane, the infrastructure cluster, the Cluster.
+pub const CASCADE: [&str; 7] = [
+    "MachineDeployment",
+    "MachineSet",
+    "Machine",
+    "HarnessMachine",
+    "HarnessControlPlane",
+    "HarnessCluster",
+    "Cluster",
+];
+
+impl DeletionWatch {
+    /// Opens the watches of [`CASCADE`] in `namespace`, each from a list's
+    /// resourceVersion: nothing after this call is missed.
+    pub async fn open(client: &kube::Client, namespace: &str) -> DeletionWatch {
+        use futures::StreamExt;
+        let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
+        let mut tasks = Vec::new();
+        for kind in CASCADE {
+            let ar = if kind.starts_with("Harness") {
+                harness_resource(kind)
+            } else {
+                core_resource("v1beta2", kind)
+            };
+            let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &ar);
+            let list = api
+                .list(&ListParams::default())
+                .await
+                .unwrap_or_else(|e| panic!("list {kind}: {e}"));
+            let rv = list
+                .metadata
+                .resource_version
+                .expect("list resourceVersion");
+            let stream = api
+                .watch(&kube::api::WatchParams::default().timeout(290), &rv)
+                .await
+                .unwrap_or_else(|e| panic!("watch {kind}: {e}"));
+            let tx = tx.clone();
+            tasks.push(tokio::spawn(async move {
+                let mut stream = stream.boxed();
+                while let Some(ev) = stream.next().await {
+                    let (event, obj) = match ev {
+                        Ok(kube::api::WatchEvent::Added(o)) => ("ADDED", o),
+                        Ok(kube::api::WatchEvent::Modified(o)) => ("MODIFIED", o),
+                        Ok(kube::api::WatchEvent::Deleted(o)) => ("DELETED", o),
+                        Ok(kube::api::WatchEvent::Bookmark(_)) => continue,
+                        Ok(kube::api::WatchEvent::Error(e)) => {
+                            let _ = tx.send(Err(format!("watch {kind}: {e:?}")));
+                            return;
+                        }
+                        Err(e) => {
+                            let _ = tx.send(Err(format!("watch {kind}: {e}")));
+                            return;
+                        }
+                    };
+                    let seen = Seen {
+                        kind,
+                        event,
+                        name: obj.metadata.name.clone().unwrap_or_default(),
+                        revision: obj
+                            .metadata
+                            .resource_version
+                            .as_deref()
+                            .and_then(|v| v.parse().ok())
+                            .expect("a numeric resourceVersion"),
+                        deleting: obj.metadata.deletion_timestamp.is_some(),
+                    };
+                    if tx.send(Ok(seen)).is_err() {
+                        return;
+                    }
+                }
+                let _ = tx.send(Err(format!("watch {kind} ended")));
+            }));
+        }
+        DeletionWatch {
+            rx,
+            seen: Vec::new(),
+            tasks,
+        }
+    }
+
+    /// Collects events until `kind` `name` is DELETED; panics after
+    /// `timeout`, or if a watch fails, with what was seen.
+    pub async fn until_deleted(&mut self, kind: &str, name: &str, timeout: Duration) {
+        let deadline = tokio::time::Instant::now() + timeout;
+        while !self
+            .seen
+            .iter()
+            .any(|s| s.kind == kind && s.name == name && s.event == "DELETED")
+        {
+            match tokio::time::timeout_at(deadline, self.rx.recv()).await {
+                Ok(Some(Ok(s))) => self.seen.push(s),
+                Ok(Some(Err(e))) => panic!("{e}; seen:\n{}", self.render()),
+                Ok(None) => panic!("every watch ended; seen:\n{}", self.render()),
+                Err(_) => panic!(
+                    "{kind} {name} not deleted within {timeout:?}; seen:\n{}",
+                    self.render()
+                ),
+            }
+        }
+    }
+
+    /// The revision at which `kind` `name` was DELETED.
+    pub fn deleted_at(&self, kind: &str, name: &str) -> Option<u64> {
+        self.seen
+            .iter()
+            .find(|s| s.kind == kind && s.name == name && s.event == "DELETED")
+            .map(|s| s.revision)
+    }
+
+    /// The revision at which `kind` `name` was first seen being deleted
+    /// (its deletionTimestamp set): when someone deleted it.
+    pub fn deletion_requested_at(&self, kind: &str, name: &str) -> Option<u64> {
+        self.seen
+            .iter()
+            .filter(|s| s.kind == kind && s.name == name && s.deleting)
+            .map(|s| s.revision)
+            .min()
+    }
+
+    /// The names of `kind` seen at all.
+    pub fn names(&self, kind: &str) -> Vec<String> {
+        let mut v: Vec<String> = self
+            .seen
+            .iter()
+            .filter(|s| s.kind == kind)
+            .map(|s| s.name.clone())
+            .collect();
+        v.sort();
+        v.dedup();
+        v
+    }
+
+    /// Every event seen, in revision order.
+    pub fn render(&self) -> String {
+        let mut seen = self.seen.clone();
+        seen.sort_by_key(|s| s.revision);
+        seen.iter()
+            .map(|s| {
+                format!(
+                    "  {:>8} {:<8} {} {}{}",
+                    s.revision,
+                    s.event,
+                    s.kind,
+                    s.name,
+                    if s.deleting { " (deleting)" } else { "" }
+                )
+            })
+            .collect::<Vec<_>>()
+            .join("\n")
+    }
+}
+
+impl Drop for DeletionWatch {
+    fn drop(&mut self) {
+        for t in &self.tasks {
+            t.abort();
+        }
+    }
+}
