@@ -1964,12 +1964,10 @@ fn for_cluster_api_the_profile_configmap_is_the_cluster_api_profile_and_every_ro
             assert!(err.contains(w), "{sets:?}: {w:?} not in {err}");
         }
     }
-    for (writers, wanted) in [
-        (
-            "{releaseControllers: [], parentSources: [], parentReplacers: [\"it's\"]}",
-            &["parentReplacers", "quote"][..],
-        ),
-    ] {
+    for (writers, wanted) in [(
+        "{releaseControllers: [], parentSources: [], parentReplacers: [\"it's\"]}",
+        &["parentReplacers", "quote"][..],
+    )] {
         let yaml = format!("platform: {{profile: cluster-api}}\nprofile:\n  writers: {writers}\n");
         let err = try_render(ns, &yaml, &[]).expect_err("refused");
         for w in wanted {

@@ -52,7 +52,7 @@ first=("volume_gate (lib)" "volume-gate (bin)" docs_map docs_links webhook_https
 # so the last to start are short; binaries not named here run after these,
 # by name.
 order=(load faults security gated infra bypass teardown alerts chart_install attach node binding worker_inputs platform slots
-    outage flux_gated incident surface snapshots kept kept_proxmox chart_cert_manager flux)
+    outage flux_gated incident surface snapshots kept kept_proxmox capi_gated capi chart_cert_manager flux)
 # Weight of a binary in the $jobs slots: load keeps both CPUs busy by itself,
 # and runs alone (beside another binary it has overloaded the machine:
 # tenant API servers failing /readyz, CSI sidecars timing out, a Pod of its

@@ -781,6 +781,8 @@ pub struct Seen {
     pub revision: u64,
     /// Whether the object carries a deletionTimestamp.
     pub deleting: bool,
+    /// Its annotations in the event (the record, on a Cluster).
+    pub annotations: BTreeMap<String, String>,
 }
 
 /// Watches on a cluster's namespace opened before a deletion, one per kind
@@ -860,6 +862,7 @@ impl DeletionWatch {
                             .and_then(|v| v.parse().ok())
                             .expect("a numeric resourceVersion"),
                         deleting: obj.metadata.deletion_timestamp.is_some(),
+                        annotations: obj.metadata.annotations.clone().unwrap_or_default(),
                     };
                     if tx.send(Ok(seen)).is_err() {
                         return;
@@ -910,6 +913,17 @@ impl DeletionWatch {
         self.seen
             .iter()
             .filter(|s| s.kind == kind && s.name == name && s.deleting)
+            .map(|s| s.revision)
+            .min()
+    }
+
+    /// The first revision at which `kind` `name` carried annotation `key`
+    /// with `value` (the record's phase on a Cluster).
+    pub fn annotated_at(&self, kind: &str, name: &str, key: &str, value: &str) -> Option<u64> {
+        self.seen
+            .iter()
+            .filter(|s| s.kind == kind && s.name == name)
+            .filter(|s| s.annotations.get(key).map(String::as_str) == Some(value))
             .map(|s| s.revision)
             .min()
     }

@@ -214,11 +214,54 @@ impl Gate {
     /// webhook configurations pointed at it, starts the worker; returns
     /// once it is ready and the API server calls both webhooks.
     pub async fn install_configured(cp: &ControlPlane, config: GateConfig) -> Gate {
+        apply_crds(cp).await;
         Self::install_documents(cp, config, manifests::base_documents()).await
     }
 
+    /// The gate as the chart installs it for a plain Cluster API platform
+    /// (`platform.profile=cluster-api`): its RBAC, its profile ConfigMap's
+    /// file given to both processes, its webhook configurations, on
+    /// Cluster API's own core manager (started first: the probe's Cluster
+    /// goes through its webhooks too).
+    pub async fn install_cluster_api(cp: &ControlPlane, worker_args: Vec<String>) -> Gate {
+        crate::capi::capi(cp).await;
+        cp.namespace(NAMESPACE).await;
+        let rendered = crate::chart::template(
+            NAMESPACE,
+            &[
+                "platform.profile=cluster-api",
+                "certificates.mode=secret",
+                // Replaced by the tests' own CA (`manifests::point_at_local`).
+                "certificates.caBundle=Cg==",
+            ],
+        );
+        let profile = rendered
+            .values()
+            .find(|d| {
+                manifests::kind_of(d) == "ConfigMap"
+                    && d["metadata"]["name"] == "volume-gate-profile"
+            })
+            .and_then(|d| d["data"]["profile.yaml"].as_str())
+            .expect("the chart ships a profile for cluster-api")
+            .to_string();
+        let file = cp.state.join("profile-cluster-api.yaml");
+        std::fs::write(&file, profile).expect("write the cluster-api profile");
+        // What the tests run as processes (the workloads), the uninstall
+        // hook (`tests/chart_install.rs` runs it with Helm) aside.
+        let docs = rendered
+            .into_values()
+            .filter(|d| d["metadata"]["annotations"]["helm.sh/hook"].is_null())
+            .collect();
+        let config = GateConfig {
+            profile: Some(file),
+            ..GateConfig::tests(worker_args)
+        };
+        Self::install_documents(cp, config, docs).await
+    }
+
     /// As [`Gate::install_configured`], from `docs` (a chart render of
-    /// another platform's) instead of the kustomize base.
+    /// another platform's) instead of the kustomize base, and without the
+    /// Cozystack fixture's CRDs (the platform brings its own).
     pub async fn install_documents(
         cp: &ControlPlane,
         config: GateConfig,
@@ -231,7 +274,6 @@ impl Gate {
         {
             manifests::apply(&client, doc).await;
         }
-        apply_crds(cp).await;
 
         let certs = cp.state.join(config.certs_dir());
         let ca_bundle = generate_certs(&certs);
@@ -314,7 +356,13 @@ impl Gate {
     pub async fn start_worker_and_wait(&mut self, cp: &ControlPlane) {
         self.start_worker();
         wait_ready(self.worker_admin, self.worker.as_ref().unwrap()).await;
-        wait_webhooks_active_within(cp, self.config.webhooks_active_within).await;
+        wait_webhooks_active_for(cp, self.config.webhooks_active_within, &self.profile()).await;
+    }
+
+    /// The profile this gate's processes read.
+    pub fn profile(&self) -> volume_gate::profile::Profile {
+        volume_gate::profile::Profile::load_or_default(self.config.profile.as_deref())
+            .expect("the gate's profile file")
     }
 
     /// The command line of this gate's worker, with admin port `admin_port`
@@ -483,9 +531,10 @@ impl Gate {
         // The API server's webhook cache lags the deletion: wait until a
         // parent create is no longer mutated.
         cp.namespace("volume-gate-probe").await;
+        let profile = self.profile();
         let api: Api<DynamicObject> =
-            Api::namespaced_with(client, "volume-gate-probe", &helmrelease_resource());
-        let probe = probe_parent();
+            Api::namespaced_with(client, "volume-gate-probe", &profile.parent_resource());
+        let probe = probe_parent(&profile);
         eventually(
             "webhooks gone from the API server",
             Duration::from_secs(60),
@@ -635,21 +684,28 @@ fn dry_run() -> PostParams {
     }
 }
 
-/// The parent the webhook probes create (dry run): Cozystack's labels, and
-/// a spec Flux's own CRD schema admits (it is validated before the
-/// validating webhooks are called), where that CRD is installed.
-fn probe_parent() -> DynamicObject {
-    let profile = volume_gate::profile::Profile::cozystack();
-    let mut probe = DynamicObject::new("kubernetes-probe", &helmrelease_resource());
+/// The parent the webhook probes create (dry run), under `profile`'s
+/// labels: a HelmRelease with a spec Flux's own CRD schema admits (it is
+/// validated before the validating webhooks are called), or a Cluster API
+/// Cluster naming a played control plane (Cluster API's webhook wants a
+/// reference).
+fn probe_parent(profile: &volume_gate::profile::Profile) -> DynamicObject {
+    let mut probe = DynamicObject::new("kubernetes-probe", &profile.parent_resource());
     probe.metadata = ObjectMeta {
         name: Some("kubernetes-probe".into()),
         labels: Some(profile.parent.match_labels.clone()),
         ..Default::default()
     };
-    probe.data = serde_json::json!({"spec": {
-        "interval": "10m",
-        "chartRef": {"kind": "ExternalArtifact", "name": "probe"},
-    }});
+    probe.data = if profile.parent_kind() == volume_gate::profile::flux_release_kind() {
+        serde_json::json!({"spec": {
+            "interval": "10m",
+            "chartRef": {"kind": "ExternalArtifact", "name": "probe"},
+        }})
+    } else {
+        serde_json::json!({"spec": {"controlPlaneRef": {
+            "apiGroup": "controlplane.cluster.x-k8s.io", "kind": "HarnessControlPlane", "name": "probe",
+        }}})
+    };
     probe
 }
 
@@ -661,16 +717,26 @@ pub async fn wait_webhooks_active(cp: &ControlPlane) {
 
 /// As [`wait_webhooks_active`], within `bound`.
 pub async fn wait_webhooks_active_within(cp: &ControlPlane, bound: Duration) {
-    let profile = volume_gate::profile::Profile::cozystack();
+    wait_webhooks_active_for(cp, bound, &volume_gate::profile::Profile::cozystack()).await
+}
+
+/// As [`wait_webhooks_active_within`], for the webhooks of `profile`'s
+/// platform.
+pub async fn wait_webhooks_active_for(
+    cp: &ControlPlane,
+    bound: Duration,
+    profile: &volume_gate::profile::Profile,
+) {
     let keys = Keys::new(&profile.annotation_prefix);
     let client = cp.management_client().await;
     cp.namespace("volume-gate-probe").await;
     let api: Api<DynamicObject> =
-        Api::namespaced_with(client, "volume-gate-probe", &helmrelease_resource());
-    let mut forged = probe_parent();
+        Api::namespaced_with(client, "volume-gate-probe", &profile.parent_resource());
+    let mut forged = probe_parent(profile);
     forged.metadata.annotations = Some([(keys.phase.clone(), "Released".to_string())].into());
+    let probe = probe_parent(profile);
     eventually("webhooks active in the API server", bound, || {
-        let (api, forged) = (api.clone(), forged.clone());
+        let (api, forged, probe) = (api.clone(), forged.clone(), probe.clone());
         let finalizer = profile.custody_finalizer.clone();
         async move {
             // The forged record must be refused by the validating webhook.
@@ -683,7 +749,7 @@ pub async fn wait_webhooks_active_within(cp: &ControlPlane, bound: Duration) {
                 other => return Err(format!("validating webhook not active yet: {other:?}")),
             }
             let created = api
-                .create(&dry_run(), &probe_parent())
+                .create(&dry_run(), &probe)
                 .await
                 .map_err(|e| e.to_string())?;
             if created

@@ -67,6 +67,11 @@ impl Env {
         metrics_on(self.with_gate(|g| g.webhook_admin)).await
     }
 
+    /// The running worker's log so far, for failure messages.
+    pub fn worker_log(&self) -> String {
+        self.with_gate(|g| g.worker_log())
+    }
+
     /// The directory of the webhook's serving certificate.
     pub fn gate_certs(&self) -> std::path::PathBuf {
         self.with_gate(|g| g.certs.clone())
@@ -88,11 +93,25 @@ async fn metrics_on(port: u16) -> String {
 /// caller's configuration and refuses any other.
 #[derive(Clone, Debug, PartialEq, Eq)]
 pub struct EnvConfig {
+    /// The platform the gate is installed for (its profile, webhook
+    /// configurations and RBAC from the chart's render for it).
+    pub platform: Platform,
     /// The worker's flags; `None`: no gate (only its CRDs), the world as it was.
     pub worker_args: Option<Vec<String>>,
     /// The tenant volumes' layers.
     pub layers: Layers,
     pub flux: flux::FluxConfig,
+}
+
+/// The platform a gated environment is installed for.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub enum Platform {
+    /// Cozystack: the kustomize base, the built-in profile.
+    Cozystack,
+    /// A plain Cluster API platform: Cluster API's own core manager
+    /// ([`capi`]), and the gate as the chart installs it with
+    /// `platform.profile=cluster-api`.
+    ClusterApi,
 }
 
 /// Whether tenant volumes have an infra layer on the management cluster.
@@ -116,6 +135,7 @@ impl EnvConfig {
     /// The gate with these worker flags.
     pub fn gated_with(worker_args: Vec<String>) -> EnvConfig {
         EnvConfig {
+            platform: Platform::Cozystack,
             worker_args: Some(worker_args),
             layers: Layers::Infra,
             flux: flux::FluxConfig::default(),
@@ -132,6 +152,7 @@ impl EnvConfig {
     /// No gate: the world as it was.
     pub fn ungated() -> EnvConfig {
         EnvConfig {
+            platform: Platform::Cozystack,
             worker_args: None,
             layers: Layers::Infra,
             flux: flux::FluxConfig::default(),
@@ -161,7 +182,19 @@ impl EnvConfig {
 
     /// The profile of this world: Cozystack's, without the infra layer
     /// for [`Layers::TenantOnly`].
+    /// The gate for a plain Cluster API platform, with the short worker
+    /// flags, tenant volumes of one layer (the driver inside the cluster).
+    pub fn cluster_api() -> EnvConfig {
+        EnvConfig {
+            platform: Platform::ClusterApi,
+            ..EnvConfig::gated_short().tenant_only()
+        }
+    }
+
     pub fn profile(&self) -> volume_gate::profile::Profile {
+        if self.platform == Platform::ClusterApi {
+            return volume_gate::profile::Profile::cluster_api();
+        }
         match self.layers {
             Layers::Infra => volume_gate::profile::Profile::cozystack(),
             Layers::TenantOnly => volume_gate::profile::Profile {
@@ -238,6 +271,12 @@ pub fn gated_one_layer() -> &'static Env {
 }
 
 /// Control plane and simulator without the gate: the world as it was.
+/// The gate installed for a plain Cluster API platform
+/// ([`EnvConfig::cluster_api`]).
+pub fn cluster_api() -> &'static Env {
+    env(EnvConfig::cluster_api())
+}
+
 pub fn ungated() -> &'static Env {
     env(EnvConfig::ungated())
 }
@@ -267,8 +306,9 @@ pub fn ungated_with_flux_retry(
 fn start_env(config: EnvConfig) -> Env {
     let cp = cluster::control_plane();
     let profile = config.profile();
+    let platform = config.platform;
     let worker_args = config.worker_args.clone().map(|mut args| {
-        if config.layers == Layers::TenantOnly {
+        if config.layers == Layers::TenantOnly && platform == Platform::Cozystack {
             let file = cp.state.join("profile-one-layer.yaml");
             std::fs::write(&file, "infra: null\n").expect("write the one-layer profile");
             args.extend(["--profile".to_string(), file.display().to_string()]);
@@ -279,6 +319,9 @@ fn start_env(config: EnvConfig) -> Env {
     let gate = std::thread::spawn(move || {
         let rt = tokio::runtime::Runtime::new().unwrap();
         let gate = match worker_args {
+            Some(args) if platform == Platform::ClusterApi => {
+                Some(rt.block_on(gate::Gate::install_cluster_api(cp, args)))
+            }
             Some(args) => Some(rt.block_on(gate::Gate::install_with(cp, args))),
             None => {
                 rt.block_on(gate::apply_crds(cp));
@@ -290,7 +333,17 @@ fn start_env(config: EnvConfig) -> Env {
     })
     .join()
     .expect("gate install");
-    let sim = sim::Simulator::start(cp, &profile);
+    // The simulator reads a profile for the Cozystack tenants it plays; it
+    // plays a Cluster API cluster from Cluster API's own objects, whatever
+    // the gate's profile (`tests/harness/sim_capi.go`).
+    let sim_profile = match platform {
+        Platform::Cozystack => profile,
+        Platform::ClusterApi => volume_gate::profile::Profile {
+            infra: None,
+            ..volume_gate::profile::Profile::cozystack()
+        },
+    };
+    let sim = sim::Simulator::start(cp, &sim_profile);
     Env {
         cp,
         gate: gate.map(std::sync::Mutex::new),
