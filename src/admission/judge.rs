@@ -944,11 +944,20 @@ mod tests {
 
     /// Parent `kubernetes-a` as read: live or being deleted, with a phase.
     fn parent(deleting: bool, phase: Option<&str>) -> ObjectMetaView {
-        let profile = Profile::cozystack();
+        parent_of(&Profile::cozystack(), "kubernetes-a", deleting, phase)
+    }
+
+    /// Parent `name` under `profile`, in custody, as read.
+    fn parent_of(
+        profile: &Profile,
+        name: &str,
+        deleting: bool,
+        phase: Option<&str>,
+    ) -> ObjectMetaView {
         let keys = Keys::new(&profile.annotation_prefix);
         ObjectMetaView {
             namespace: NS.into(),
-            name: "kubernetes-a".into(),
+            name: name.into(),
             labels: profile.parent.match_labels.clone(),
             annotations: phase
                 .map(|p| [(keys.phase.clone(), p.to_string())].into())
@@ -1119,18 +1128,7 @@ mod tests {
         }
 
         fn cluster(deleting: bool, phase: Option<&str>) -> ObjectMetaView {
-            let profile = Profile::cluster_api();
-            let keys = Keys::new(&profile.annotation_prefix);
-            ObjectMetaView {
-                namespace: NS.into(),
-                name: "c1".into(),
-                labels: profile.parent.match_labels.clone(),
-                annotations: phase
-                    .map(|p| [(keys.phase.clone(), p.to_string())].into())
-                    .unwrap_or_default(),
-                finalizers: vec![profile.custody_finalizer.clone()],
-                deleting,
-            }
+            parent_of(&Profile::cluster_api(), "c1", deleting, phase)
         }
 
         /// Cluster `c1`'s object as listed: its control plane reference
