@@ -2075,7 +2075,12 @@ fn for_cluster_api_each_role_may_do_only_what_it_does_there() {
 fn for_cluster_api_the_management_side_csi_controller_knob_guards_it_its_identity_and_its_disks() {
     use volume_gate::profile::{GuardedSpec, InfraSpec, Profile};
     let ns = "volume-gate";
-    let on = ["platform.profile=cluster-api", "platform.clusterApi.managementCsi.enabled=true"];
+    let on = [
+        "platform.profile=cluster-api",
+        "platform.clusterApi.managementCsi.enabled=true",
+        // assert_same_care's timeout.
+        "webhook.timeoutSeconds=7",
+    ];
     let docs = template(ns, &on);
 
     // The profile: Cluster API's, with the controller and its identity
@@ -2105,8 +2110,18 @@ fn for_cluster_api_the_management_side_csi_controller_knob_guards_it_its_identit
             "{tenant}-kubevirt-csi-controller",
         ),
         entry(identity, "", "ServiceAccount", "{tenant}-kubevirt-csi"),
-        entry(identity, "rbac.authorization.k8s.io", "Role", "{tenant}-kubevirt-csi"),
-        entry(identity, "rbac.authorization.k8s.io", "RoleBinding", "{tenant}-kubevirt-csi"),
+        entry(
+            identity,
+            "rbac.authorization.k8s.io",
+            "Role",
+            "{tenant}-kubevirt-csi",
+        ),
+        entry(
+            identity,
+            "rbac.authorization.k8s.io",
+            "RoleBinding",
+            "{tenant}-kubevirt-csi",
+        ),
     ]);
     want.infra = Some(InfraSpec {
         labels: BTreeMap::from([("csi-driver/cluster".into(), "{tenant}".into())]),
@@ -2142,13 +2157,14 @@ fn for_cluster_api_the_management_side_csi_controller_knob_guards_it_its_identit
             && csi.contains("request.kind.kind != 'Deployment' && (oldObject.metadata.name.endsWith('-kubevirt-csi'))"),
         "{csi}"
     );
-    let resources: BTreeSet<String> = validating["management-csi.volume-gate.cozystack.io"]["rules"]
-        .as_array()
-        .unwrap()
-        .iter()
-        .flat_map(|r| r["resources"].as_array().unwrap().clone())
-        .map(|r| r.as_str().unwrap().to_string())
-        .collect();
+    let resources: BTreeSet<String> =
+        validating["management-csi.volume-gate.cozystack.io"]["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| r["resources"].as_array().unwrap().clone())
+            .map(|r| r.as_str().unwrap().to_string())
+            .collect();
     assert_eq!(
         resources,
         ["deployments", "rolebindings", "roles", "serviceaccounts"]
@@ -2179,14 +2195,19 @@ fn for_cluster_api_the_management_side_csi_controller_knob_guards_it_its_identit
     let worker = grants(&docs, "volume-gate-worker");
     let key = |g: &str, r: &str| (g.to_string(), r.to_string());
     let verbs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
-    assert_eq!(worker[&key("cdi.kubevirt.io", "datavolumes")], verbs(&["list", "delete"]));
+    assert_eq!(
+        worker[&key("cdi.kubevirt.io", "datavolumes")],
+        verbs(&["list", "delete"])
+    );
     assert_eq!(worker[&key("", "persistentvolumeclaims")], verbs(&["list"]));
     assert_eq!(worker[&key("", "pods")], verbs(&["list", "delete"]));
     // A change of the knob rolls both roles (the profile they read changed).
-    let other = template(
-        ns,
-        &[&on[..], &["platform.clusterApi.managementCsi.identity={tenant}-csi"]].concat(),
-    );
+    let with = |knob: &str| {
+        format!(
+            "webhook: {{timeoutSeconds: 7}}\nplatform:\n  profile: cluster-api\n  clusterApi:\n    managementCsi:\n      enabled: true\n{knob}"
+        )
+    };
+    let other = render(ns, &with("      identity: \"{tenant}-csi\"\n"), &[]);
     for (role, pod) in pod_specs(&docs, ns).into_iter().take(2) {
         let sum = &pod["metadata"]["annotations"]["checksum/profile"];
         assert!(sum.is_string(), "{role}");
@@ -2194,7 +2215,10 @@ fn for_cluster_api_the_management_side_csi_controller_knob_guards_it_its_identit
             .into_iter()
             .find(|(r, _)| *r == role)
             .unwrap();
-        assert_ne!(sum, &changed["metadata"]["annotations"]["checksum/profile"], "{role}");
+        assert_ne!(
+            sum, &changed["metadata"]["annotations"]["checksum/profile"],
+            "{role}"
+        );
     }
     // Other names reach the profile and the conditions.
     let custom = render(
@@ -2208,39 +2232,59 @@ fn for_cluster_api_the_management_side_csi_controller_knob_guards_it_its_identit
         "management-csi.volume-gate.cozystack.io",
         "csi-controller-or-its-identity",
     );
-    assert!(csi.contains("(oldObject.metadata.name.startsWith('csi-'))"), "{csi}");
-    assert!(csi.contains("(oldObject.metadata.name.endsWith('-csi'))"), "{csi}");
+    assert!(
+        csi.contains("(oldObject.metadata.name.startsWith('csi-'))"),
+        "{csi}"
+    );
+    assert!(
+        csi.contains("(oldObject.metadata.name.endsWith('-csi'))"),
+        "{csi}"
+    );
     let cond = condition(
         &custom,
         "ValidatingWebhookConfiguration",
         "infra-disks.volume-gate.cozystack.io",
         "namespace-deletion-or-infra-label-change",
     );
-    assert!(cond.contains("['acme.io/cluster', 'acme.io/tier'].exists(k"), "{cond}");
+    assert!(
+        cond.contains("['acme.io/cluster', 'acme.io/tier'].exists(k"),
+        "{cond}"
+    );
 
     // Off by default; refused on Cozystack, with names that cannot be
     // written into a condition, with labels that name no Cluster, and with
     // a profile value that names infra too.
-    let off = webhooks(&template(ns, &["platform.profile=cluster-api"]), "ValidatingWebhookConfiguration")
-        .keys()
-        .map(|k| k.to_string())
-        .collect::<Vec<_>>();
-    assert!(!off.iter().any(|k| k.starts_with("management-csi") || k.starts_with("infra-disks")), "{off:?}");
+    let off = webhooks(
+        &template(ns, &["platform.profile=cluster-api"]),
+        "ValidatingWebhookConfiguration",
+    )
+    .keys()
+    .map(|k| k.to_string())
+    .collect::<Vec<_>>();
+    assert!(
+        !off.iter()
+            .any(|k| k.starts_with("management-csi") || k.starts_with("infra-disks")),
+        "{off:?}"
+    );
     for (sets, wanted) in [
         (
             &["platform.clusterApi.managementCsi.enabled=true"][..],
             &["managementCsi", "platform.profile=cluster-api"][..],
         ),
         (
-            &[&on[..], &["platform.clusterApi.managementCsi.controller=csi-controller"]].concat()[..],
+            &[
+                &on[..],
+                &["platform.clusterApi.managementCsi.controller=csi-controller"],
+            ]
+            .concat()[..],
             &["managementCsi.controller", "{tenant}"][..],
         ),
         (
-            &[&on[..], &["platform.clusterApi.managementCsi.identity={tenant}')||true||('"]].concat()[..],
-            &["managementCsi.identity"][..],
-        ),
-        (
-            &[&on[..], &["platform.clusterApi.managementCsi.infraClusterLabels.csi-driver/cluster=fixed"]].concat()[..],
+            &[
+                &on[..],
+                &["platform.clusterApi.managementCsi.infraClusterLabels.acme\\.io/cluster=fixed"],
+            ]
+            .concat()[..],
             &["infraClusterLabels", "{tenant}"][..],
         ),
         (
@@ -2253,4 +2297,8 @@ fn for_cluster_api_the_management_side_csi_controller_knob_guards_it_its_identit
             assert!(err.contains(w), "{sets:?}: {w:?} not in {err}");
         }
     }
+    // A name that would break out of its condition's string literal.
+    let err = try_render(ns, &with("      identity: \"{tenant}')||true||('\"\n"), &[])
+        .expect_err("refused");
+    assert!(err.contains("managementCsi.identity"), "{err}");
 }

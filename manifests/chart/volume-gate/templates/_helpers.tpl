@@ -216,7 +216,8 @@ name characters are allowed besides {tenant}. */}}
 {{- $n := toString (get $m $what) }}
 {{- if not (regexMatch "^[a-z0-9.-]*\\{tenant\\}[a-z0-9.-]*$" $n) }}{{ fail (printf "platform.clusterApi.managementCsi.%s %q: a name with {tenant} once, standing for the Cluster's name (default %s), otherwise lowercase letters, digits, '-' and '.'" $what $n (ternary "{tenant}-kubevirt-csi-controller" "{tenant}-kubevirt-csi" (eq $what "controller"))) }}{{ end -}}
 {{- end }}
-{{- $labels := $m.infraClusterLabels | default dict -}}
+{{- $labels := $m.infraClusterLabels | default (dict "csi-driver/cluster" "{tenant}") -}}
+{{- $m = set (deepCopy $m) "infraClusterLabels" $labels -}}
 {{- $named := false -}}
 {{- range $k, $v := $labels }}
 {{- if not (regexMatch "^([a-z0-9]([a-z0-9.-]*[a-z0-9])?/)?[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$" $k) }}{{ fail (printf "platform.clusterApi.managementCsi.infraClusterLabels: %q is not a label key" $k) }}{{ end -}}
