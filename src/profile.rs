@@ -1277,7 +1277,8 @@ mod tests {
     #[test]
     fn extra_guarded_entries_are_added_to_the_base_s_or_the_file_s_list() {
         let entry = "{role: the CSI controller, group: apps, kind: Deployment, name: \"{tenant}-kubevirt-csi-controller\"}";
-        let p = Profile::from_yaml(&format!("base: cluster-api\nextraGuarded:\n- {entry}\n")).unwrap();
+        let p =
+            Profile::from_yaml(&format!("base: cluster-api\nextraGuarded:\n- {entry}\n")).unwrap();
         let base = Profile::cluster_api().guarded;
         assert_eq!(p.guarded.len(), base.len() + 1);
         assert_eq!(p.guarded[..base.len()], base[..]);
