@@ -929,7 +929,23 @@ impl Profile {
             writers.extend(file_writers);
             merged.insert("writers".into(), serde_json::Value::Object(writers));
         }
+        // `extraGuarded` adds entries to the `guarded` list (the file's own,
+        // or else the base's), so a file that guards one more object need
+        // not copy the base's entries (the chart's management-side CSI
+        // controller, docs/cluster-api.md).
+        let extra = match fields.remove("extraGuarded") {
+            None | Some(serde_json::Value::Null) => Vec::new(),
+            Some(serde_json::Value::Array(entries)) => entries,
+            Some(other) => {
+                return Err(parse(format!(
+                    "extraGuarded must be a list of guarded entries, not {other}"
+                )));
+            }
+        };
         merged.extend(std::mem::take(fields));
+        if let Some(serde_json::Value::Array(guarded)) = merged.get_mut("guarded") {
+            guarded.extend(extra);
+        }
         let profile: Profile = serde_json::from_value(serde_json::Value::Object(merged))
             .map_err(|e| parse(e.to_string()))?;
         profile
@@ -1256,6 +1272,31 @@ mod tests {
         assert!(p.writers.parent_sources.is_empty(), "{:?}", p.writers);
         let err = Profile::from_yaml("base: capi\n").unwrap_err().to_string();
         assert!(err.contains("cluster-api"), "{err}");
+    }
+
+    #[test]
+    fn extra_guarded_entries_are_added_to_the_base_s_or_the_file_s_list() {
+        let entry = "{role: the CSI controller, group: apps, kind: Deployment, name: \"{tenant}-kubevirt-csi-controller\"}";
+        let p =
+            Profile::from_yaml(&format!("base: cluster-api\nextraGuarded:\n- {entry}\n")).unwrap();
+        let base = Profile::cluster_api().guarded;
+        assert_eq!(p.guarded.len(), base.len() + 1);
+        assert_eq!(p.guarded[..base.len()], base[..]);
+        assert_eq!(
+            p.guarded[base.len()].name.as_deref(),
+            Some("{tenant}-kubevirt-csi-controller")
+        );
+        let own = "guarded:\n- {role: x, kind: Secret, name: \"{tenant}-a\"}\n";
+        let p = Profile::from_yaml(&format!("{own}extraGuarded:\n- {entry}\n")).unwrap();
+        assert_eq!(p.guarded.len(), 2, "{:?}", p.guarded);
+        // Each extra entry is checked like any other.
+        let bad = "base: cluster-api\nextraGuarded:\n- {role: x, kind: Deployment}\n";
+        let err = Profile::from_yaml(bad).unwrap_err().to_string();
+        assert!(err.contains("guarded["), "{err}");
+        let err = Profile::from_yaml("extraGuarded: {a: b}\n")
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("extraGuarded must be a list"), "{err}");
     }
 
     #[test]

@@ -14,7 +14,7 @@ use volume_gate_testkit as common;
 use std::collections::BTreeMap;
 use std::time::{Duration, Instant};
 
-use common::capi::{self, CapiCluster, DeletionWatch};
+use common::capi::{self, CapiCluster, DeletionWatch, ManagementCsi};
 use kube::ResourceExt;
 use kube::api::{Api, DynamicObject, PostParams};
 
@@ -24,7 +24,7 @@ use kube::api::{Api, DynamicObject, PostParams};
 /// the Cluster goes, and every volume stays on storage: stranded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_gate_deleting_a_capi_cluster_strands_every_volume() {
-    let env = common::ungated_one_layer();
+    let env = common::ungated();
     let started = Instant::now();
     let ns = env.cp.unique("capi-leak");
     let name = "c1";
@@ -107,7 +107,7 @@ async fn without_the_gate_deleting_a_capi_cluster_strands_every_volume() {
 /// infrastructure reference converted (`apiVersion` to `apiGroup`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_v1beta1_machine_deployment_is_read_back_as_v1beta2() {
-    let env = common::ungated_one_layer();
+    let env = common::ungated();
     capi::capi(env.cp).await;
     let ns = env.cp.unique("capi-conv");
     env.cp.namespace(&ns).await;
@@ -153,4 +153,86 @@ async fn a_v1beta1_machine_deployment_is_read_back_as_v1beta2() {
         "infrastructure.cluster.x-k8s.io/v1alpha1",
         "v1beta1 names the version again (from the contract label): {back:?}"
     );
+}
+
+/// The incident with the management-side CSI controller shape
+/// (kubevirt-csi-driver's split deployment: the controller in the Cluster's
+/// namespace, its disks DataVolumes there): `kubectl delete cluster
+/// --cascade=foreground` has the garbage collector delete the controller
+/// and its identity (owned by the Cluster) at once, and Cluster API the
+/// machines and the control plane; nothing deleted the claims, so no
+/// DataVolume was freed, and every disk stays on the management storage.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn without_the_gate_deleting_a_capi_cluster_with_a_management_side_csi_controller_strands_every_disk()
+ {
+    let env = common::ungated();
+    let ns = env.cp.unique("capi-mgmt-leak");
+    let name = "c1";
+    // Upstream's names, prefixed with the cluster's, and the label key of
+    // its README's example (the chart's defaults).
+    let m = ManagementCsi {
+        controller: format!("{name}-kubevirt-csi-controller"),
+        identity: format!("{name}-kubevirt-csi"),
+        labels: BTreeMap::from([("csi-driver/cluster".to_string(), name.to_string())]),
+    };
+    let c = CapiCluster::create_with(env.cp, &ns, name, BTreeMap::new(), Some(&m.controller)).await;
+    c.management_csi(&m).await;
+    c.workload(
+        "apps",
+        &[
+            ("two-claims", &["data-a", "data-b"]),
+            ("one-claim", &["logs"]),
+        ],
+    )
+    .await;
+    let dvs = c.data_volumes(&m.labels).await;
+    assert_eq!(dvs.len(), 3, "one DataVolume per claim: {dvs:?}");
+    let before = env.sim.volumes_of(&ns, name);
+    assert_eq!(
+        before.len(),
+        3,
+        "one management disk per DataVolume: {before:?}"
+    );
+
+    let mut watch = DeletionWatch::open_with(&c.management, &ns, ManagementCsi::kinds()).await;
+    let mut kubectl = env.cp.kubectl(&env.cp.management.kubeconfig);
+    kubectl.args([
+        "delete",
+        "cluster",
+        name,
+        "-n",
+        &ns,
+        "--cascade=foreground",
+        "--timeout=300s",
+    ]);
+    let kubectl = tokio::task::spawn_blocking(move || {
+        common::process::run_ok(&mut kubectl, "kubectl delete cluster")
+    });
+    watch
+        .until_deleted("Cluster", name, Duration::from_secs(300))
+        .await;
+    let said = kubectl.await.expect("kubectl thread");
+    assert!(said.contains("deleted"), "kubectl said: {said}");
+    for (kind, n) in [
+        ("Deployment", &m.controller),
+        ("ServiceAccount", &m.identity),
+    ] {
+        assert!(
+            watch.deleted_at(kind, n).is_some(),
+            "{kind} {n} went with the Cluster:\n{}",
+            watch.render()
+        );
+    }
+    assert_eq!(
+        c.data_volumes(&m.labels).await,
+        dvs,
+        "THE INCIDENT, management-side: every DataVolume stayed; simulator log:\n{}",
+        env.sim.log()
+    );
+    assert_eq!(
+        env.sim.volumes_of(&ns, name),
+        before,
+        "every disk stayed on the management storage"
+    );
+    eprintln!("the teardown, in etcd revision order:\n{}", watch.render());
 }

@@ -9,7 +9,7 @@ use volume_gate_testkit as common;
 
 use std::time::{Duration, Instant};
 
-use common::capi::{self, CapiCluster, DeletionWatch};
+use common::capi::{self, CapiCluster, DeletionWatch, ManagementCsi};
 use k8s_openapi::api::core::v1::PersistentVolume;
 use kube::ResourceExt;
 use kube::api::{Api, DeleteParams, DynamicObject, Patch, PatchParams};
@@ -27,8 +27,19 @@ fn profile() -> Profile {
 /// A Cluster opted in (the profile's label), in custody once the worker's
 /// finalizer is on it.
 async fn protected_cluster(env: &common::Env, prefix: &str) -> CapiCluster {
+    protected_cluster_with(env, prefix, None).await
+}
+
+/// As [`protected_cluster`], its CSI controller management-side as that
+/// Deployment when `csi_controller` names one.
+async fn protected_cluster_with(
+    env: &common::Env,
+    prefix: &str,
+    csi_controller: Option<&str>,
+) -> CapiCluster {
     let ns = env.cp.unique(prefix);
-    let c = CapiCluster::create(env.cp, &ns, "c1", profile().parent.match_labels.clone()).await;
+    let labels = profile().parent.match_labels.clone();
+    let c = CapiCluster::create_with(env.cp, &ns, "c1", labels, csi_controller).await;
     let clusters: Api<DynamicObject> = Api::namespaced_with(
         c.management.clone(),
         &ns,
@@ -241,5 +252,120 @@ async fn what_a_protected_cluster_references_is_held_and_the_reference_cannot_be
         env.sim.volumes_of(&ns, &name).is_empty(),
         "{}",
         env.sim.log()
+    );
+}
+
+/// The management-side CSI controller shape (kubevirt-csi-driver's split
+/// deployment, the chart's `platform.clusterApi.managementCsi` with its
+/// default names): the controller runs in the Cluster's namespace and
+/// frees each volume by deleting its DataVolume as its own ServiceAccount.
+/// `kubectl delete cluster --cascade=foreground` has Kubernetes' garbage
+/// collector delete the controller and its identity (owned by the Cluster)
+/// at once, and Cluster API delete the machines: the gate refuses both
+/// until the worker has released every volume, which the controller frees
+/// while it still may; then the disks are gone, the record `Released`, and
+/// only after that the controller and its identity are deleted.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn with_the_gate_a_management_side_csi_controller_frees_every_disk_before_it_and_its_identity_go()
+ {
+    let env = common::cluster_api();
+    let keys = Keys::new(&profile().annotation_prefix);
+    let shipped = common::gate::cluster_api_profile(env.cp);
+    let m = ManagementCsi::of_profile(&shipped, "c1");
+    let c = protected_cluster_with(env, "capi-mgmt", Some(&m.controller)).await;
+    let (ns, name) = (c.namespace.clone(), c.name.clone());
+    c.management_csi(&m).await;
+    c.workload(
+        "apps",
+        &[
+            ("two-claims", &["data-a", "data-b"]),
+            ("one-claim", &["logs"]),
+        ],
+    )
+    .await;
+    let dvs = c.data_volumes(&m.labels).await;
+    assert_eq!(
+        dvs.len(),
+        3,
+        "one DataVolume per claim, by the controller's labels: {dvs:?}"
+    );
+    let disks = env.sim.volumes_of(&ns, &name);
+    assert_eq!(
+        disks.len(),
+        3,
+        "one management disk per DataVolume: {disks:?}"
+    );
+
+    let mut watch = DeletionWatch::open_with(&c.management, &ns, ManagementCsi::kinds()).await;
+    let mut kubectl = env.cp.kubectl(&env.cp.management.kubeconfig);
+    kubectl.args([
+        "delete",
+        "cluster",
+        &name,
+        "-n",
+        &ns,
+        "--cascade=foreground",
+        "--timeout=280s",
+    ]);
+    let kubectl = tokio::task::spawn_blocking(move || {
+        common::process::run_ok(&mut kubectl, "kubectl delete cluster")
+    });
+    watch
+        .until_deleted("Cluster", &name, Duration::from_secs(285))
+        .await;
+    let said = kubectl.await.expect("kubectl thread");
+    assert!(said.contains("deleted"), "kubectl said: {said}");
+
+    let released = watch
+        .annotated_at("Cluster", &name, &keys.phase, "Released")
+        .unwrap_or_else(|| {
+            panic!(
+                "the Cluster was never recorded Released:\n{}\nworker log:\n{}",
+                watch.render(),
+                env.worker_log()
+            )
+        });
+    // The controller freed every disk while it ran: each DataVolume went
+    // before the record.
+    for dv in &dvs {
+        let gone = watch
+            .deleted_at("DataVolume", dv)
+            .unwrap_or_else(|| panic!("DataVolume {dv} was not deleted:\n{}", watch.render()));
+        assert!(
+            gone < released,
+            "DataVolume {dv} after Released:\n{}",
+            watch.render()
+        );
+    }
+    // The controller and its identity were deleted only after.
+    for (kind, n) in [
+        ("Deployment", &m.controller),
+        ("ServiceAccount", &m.identity),
+        ("Role", &m.identity),
+        ("RoleBinding", &m.identity),
+    ] {
+        let at = watch
+            .deletion_requested_at(kind, n)
+            .or_else(|| watch.deleted_at(kind, n))
+            .unwrap_or_else(|| panic!("{kind} {n} was not deleted:\n{}", watch.render()));
+        assert!(
+            at > released,
+            "{kind} {n} was deleted (revision {at}) before the volumes were released ({released}):\n{}",
+            watch.render()
+        );
+    }
+    assert!(
+        c.data_volumes(&m.labels).await.is_empty(),
+        "DataVolumes left"
+    );
+    let after = env.sim.volumes_of(&ns, &name);
+    assert!(
+        after.is_empty(),
+        "disks left on the management storage: {after:?}\nsimulator log:\n{}",
+        env.sim.log()
+    );
+    eprintln!(
+        "3 of 3 disks freed by the management-side controller; the teardown in etcd revision order:\n{}",
+        watch.render()
     );
 }

@@ -112,9 +112,13 @@ fn assert_same(chart: &BTreeMap<Key, Value>, kustomized: &BTreeMap<Key, Value>, 
 
 #[test]
 fn helm_lint_passes_for_the_default_values_and_each_option() {
-    let variants: [&[&str]; 7] = [
+    let variants: [&[&str]; 8] = [
         &[],
         &["platform.profile=cluster-api"],
+        &[
+            "platform.profile=cluster-api",
+            "platform.clusterApi.managementCsi.enabled=true",
+        ],
         &[
             "platform.profile=cluster-api",
             "certificates.mode=secret",
@@ -2065,4 +2069,236 @@ fn for_cluster_api_each_role_may_do_only_what_it_does_there() {
             .contains_key(&key("helm.toolkit.fluxcd.io", "helmreleases"))
     );
     assert!(!grants(&cozy, "volume-gate-worker").contains_key(&clusters));
+}
+
+#[test]
+fn for_cluster_api_the_management_side_csi_controller_knob_guards_it_its_identity_and_its_disks() {
+    use volume_gate::profile::{GuardedSpec, InfraSpec, Profile};
+    let ns = "volume-gate";
+    let on = [
+        "platform.profile=cluster-api",
+        "platform.clusterApi.managementCsi.enabled=true",
+        // assert_same_care's timeout.
+        "webhook.timeoutSeconds=7",
+    ];
+    let docs = template(ns, &on);
+
+    // The profile: Cluster API's, with the controller and its identity
+    // guarded by name and the DataVolumes of kubevirt-csi-driver's
+    // --infra-cluster-labels as the infra layer.
+    let text = get(&docs, "ConfigMap", ns, "volume-gate-profile")["data"]["profile.yaml"]
+        .as_str()
+        .unwrap()
+        .to_string();
+    let shipped = Profile::from_yaml(&text).unwrap_or_else(|e| panic!("{e}:\n{text}"));
+    let mut want = Profile::cluster_api();
+    let entry = |role: &str, group: &str, kind: &str, name: &str| GuardedSpec {
+        role: role.into(),
+        group: group.into(),
+        kind: kind.into(),
+        name: Some(name.into()),
+        label: None,
+        field: None,
+        reference: None,
+    };
+    let identity = "the identity the cluster's CSI controller frees disks with";
+    want.guarded.extend([
+        entry(
+            "the cluster's CSI controller, which frees its volumes from the management cluster",
+            "apps",
+            "Deployment",
+            "{tenant}-kubevirt-csi-controller",
+        ),
+        entry(identity, "", "ServiceAccount", "{tenant}-kubevirt-csi"),
+        entry(
+            identity,
+            "rbac.authorization.k8s.io",
+            "Role",
+            "{tenant}-kubevirt-csi",
+        ),
+        entry(
+            identity,
+            "rbac.authorization.k8s.io",
+            "RoleBinding",
+            "{tenant}-kubevirt-csi",
+        ),
+    ]);
+    want.infra = Some(InfraSpec {
+        labels: BTreeMap::from([("csi-driver/cluster".into(), "{tenant}".into())]),
+        ..InfraSpec::cozystack()
+    });
+    assert_eq!(shipped, want);
+
+    // The webhooks: Cluster API's, and the two that send the gate the
+    // controller's and its identity's DELETEs and its disks'.
+    let validating = webhooks(&docs, "ValidatingWebhookConfiguration");
+    assert_eq!(
+        validating.keys().copied().collect::<Vec<_>>(),
+        [
+            "infra-disks.volume-gate.cozystack.io",
+            "kubeconfigs.volume-gate.cozystack.io",
+            "machines.volume-gate.cozystack.io",
+            "management-csi.volume-gate.cozystack.io",
+            "parents.volume-gate.cozystack.io",
+            "references.volume-gate.cozystack.io",
+        ],
+    );
+    for w in validating.values() {
+        assert_same_care(w, "Fail", "/validate", ns, None);
+    }
+    let csi = condition(
+        &docs,
+        "ValidatingWebhookConfiguration",
+        "management-csi.volume-gate.cozystack.io",
+        "csi-controller-or-its-identity",
+    );
+    assert!(
+        csi.contains("request.kind.kind == 'Deployment' && (oldObject.metadata.name.endsWith('-kubevirt-csi-controller'))")
+            && csi.contains("request.kind.kind != 'Deployment' && (oldObject.metadata.name.endsWith('-kubevirt-csi'))"),
+        "{csi}"
+    );
+    let resources: BTreeSet<String> =
+        validating["management-csi.volume-gate.cozystack.io"]["rules"]
+            .as_array()
+            .unwrap()
+            .iter()
+            .flat_map(|r| r["resources"].as_array().unwrap().clone())
+            .map(|r| r.as_str().unwrap().to_string())
+            .collect();
+    assert_eq!(
+        resources,
+        ["deployments", "rolebindings", "roles", "serviceaccounts"]
+            .map(String::from)
+            .into()
+    );
+    let disks = validating["infra-disks.volume-gate.cozystack.io"];
+    assert_eq!(
+        disks["objectSelector"],
+        json!({"matchExpressions": [{"key": "csi-driver/cluster", "operator": "Exists"}]})
+    );
+    let cond = condition(
+        &docs,
+        "ValidatingWebhookConfiguration",
+        "infra-disks.volume-gate.cozystack.io",
+        "namespace-deletion-or-infra-label-change",
+    );
+    assert!(
+        cond.contains("system:serviceaccount:kube-system:namespace-controller")
+            && cond.contains("['csi-driver/cluster'].exists(k"),
+        "{cond}"
+    );
+    for e in expressions(&docs) {
+        cel_shape(&e).unwrap_or_else(|err| panic!("{err}: {e}"));
+    }
+
+    // The worker may read and free the disks as with any infra layer.
+    let worker = grants(&docs, "volume-gate-worker");
+    let key = |g: &str, r: &str| (g.to_string(), r.to_string());
+    let verbs = |v: &[&str]| v.iter().map(|s| s.to_string()).collect::<BTreeSet<_>>();
+    assert_eq!(
+        worker[&key("cdi.kubevirt.io", "datavolumes")],
+        verbs(&["list", "delete"])
+    );
+    assert_eq!(worker[&key("", "persistentvolumeclaims")], verbs(&["list"]));
+    assert_eq!(worker[&key("", "pods")], verbs(&["list", "delete"]));
+    // A change of the knob rolls both roles (the profile they read changed).
+    let with = |knob: &str| {
+        format!(
+            "webhook: {{timeoutSeconds: 7}}\nplatform:\n  profile: cluster-api\n  clusterApi:\n    managementCsi:\n      enabled: true\n{knob}"
+        )
+    };
+    let other = render(ns, &with("      identity: \"{tenant}-csi\"\n"), &[]);
+    for (role, pod) in pod_specs(&docs, ns).into_iter().take(2) {
+        let sum = &pod["metadata"]["annotations"]["checksum/profile"];
+        assert!(sum.is_string(), "{role}");
+        let (_, changed) = pod_specs(&other, ns)
+            .into_iter()
+            .find(|(r, _)| *r == role)
+            .unwrap();
+        assert_ne!(
+            sum, &changed["metadata"]["annotations"]["checksum/profile"],
+            "{role}"
+        );
+    }
+    // Other names reach the profile and the conditions.
+    let custom = render(
+        ns,
+        "platform:\n  profile: cluster-api\n  clusterApi:\n    managementCsi:\n      enabled: true\n      controller: csi-{tenant}\n      identity: \"{tenant}-csi\"\n      infraClusterLabels: {acme.io/cluster: \"{tenant}\", acme.io/tier: disks}\n",
+        &[],
+    );
+    let csi = condition(
+        &custom,
+        "ValidatingWebhookConfiguration",
+        "management-csi.volume-gate.cozystack.io",
+        "csi-controller-or-its-identity",
+    );
+    assert!(
+        csi.contains("(oldObject.metadata.name.startsWith('csi-'))"),
+        "{csi}"
+    );
+    assert!(
+        csi.contains("(oldObject.metadata.name.endsWith('-csi'))"),
+        "{csi}"
+    );
+    let cond = condition(
+        &custom,
+        "ValidatingWebhookConfiguration",
+        "infra-disks.volume-gate.cozystack.io",
+        "namespace-deletion-or-infra-label-change",
+    );
+    assert!(
+        cond.contains("['acme.io/cluster', 'acme.io/tier'].exists(k"),
+        "{cond}"
+    );
+
+    // Off by default; refused on Cozystack, with names that cannot be
+    // written into a condition, with labels that name no Cluster, and with
+    // a profile value that names infra too.
+    let off = webhooks(
+        &template(ns, &["platform.profile=cluster-api"]),
+        "ValidatingWebhookConfiguration",
+    )
+    .keys()
+    .map(|k| k.to_string())
+    .collect::<Vec<_>>();
+    assert!(
+        !off.iter()
+            .any(|k| k.starts_with("management-csi") || k.starts_with("infra-disks")),
+        "{off:?}"
+    );
+    for (sets, wanted) in [
+        (
+            &["platform.clusterApi.managementCsi.enabled=true"][..],
+            &["managementCsi", "platform.profile=cluster-api"][..],
+        ),
+        (
+            &[
+                &on[..],
+                &["platform.clusterApi.managementCsi.controller=csi-controller"],
+            ]
+            .concat()[..],
+            &["managementCsi.controller", "{tenant}"][..],
+        ),
+        (
+            &[
+                &on[..],
+                &["platform.clusterApi.managementCsi.infraClusterLabels.acme\\.io/cluster=fixed"],
+            ]
+            .concat()[..],
+            &["infraClusterLabels", "{tenant}"][..],
+        ),
+        (
+            &[&on[..], &["profile=infra: null"]].concat()[..],
+            &["profile names infra", "infraClusterLabels"][..],
+        ),
+    ] {
+        let err = try_template(ns, sets).expect_err("refused");
+        for w in wanted {
+            assert!(err.contains(w), "{sets:?}: {w:?} not in {err}");
+        }
+    }
+    // A name that would break out of its condition's string literal.
+    let err = try_render(ns, &with("      identity: \"{tenant}')||true||('\"\n"), &[])
+        .expect_err("refused");
+    assert!(err.contains("managementCsi.identity"), "{err}");
 }

@@ -322,6 +322,8 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 				if r, ok := strings.CutSuffix(d.GetName(), kcsiControllerSuffix); ok {
 					s.kickTenant(d.GetNamespace(), r)
 				}
+				// A played Cluster API cluster's management-side controller.
+				s.kickCAPIIn(d.GetNamespace())
 			}
 		}
 		s.deploys = newLazyInformer(s, factory, gvrDeployment, cache.ResourceEventHandlerFuncs{

@@ -31,11 +31,24 @@ package main
 //     heartbeats, nothing finishes its Pods) and then its finalizer goes,
 //     as a VM's deletion takes its node down.
 //
-// The tenant's CSI driver is the in-tenant shape: its controller runs on
-// the tenant's worker node, so it lives while that node does, with its
-// disks in the storage ledger (no infra layer). The names here are Cluster
-// API's contract's and the played providers', not the profile's: the
-// world does not depend on volume-gate's configuration.
+// The tenant's CSI driver is, by default, the in-tenant shape: its
+// controller runs on the tenant's worker node, so it lives while that node
+// does, with its disks in the storage ledger (no infra layer). A
+// HarnessCluster annotated harness.volume-gate.test/csi-controller: <name>
+// runs it management-side instead, as kubevirt-csi-driver's split
+// deployment does (github.com/kubevirt/csi-driver, commit 27b52aa,
+// README.md "Split deployment", deploy/controller-infra/base/deploy.yaml):
+// the controller is the Deployment <name> in the Cluster's namespace and
+// lives while it does (not being deleted), whatever the machines; it makes
+// one DataVolume per volume there, labelled with what its csi-driver
+// container passes as --infra-cluster-labels, and frees one by deleting it
+// as the ServiceAccount its Pods run as (sim_kcsi.go, sim_infra.go: the
+// Cozystack KubeVirt path's backend), only while that identity may. Its
+// node plugin still runs on the cluster's node. This needs the simulator's
+// infra layer (CDI, KubeVirt, the management storage). The names here are
+// Cluster API's contract's, the played providers' and the Deployment's,
+// not the profile's: the world does not depend on volume-gate's
+// configuration.
 //
 // A Cluster is played only if its spec.controlPlaneRef is a
 // HarnessControlPlane: Clusters of other control planes (Cozystack's
@@ -83,6 +96,14 @@ const (
 	// capiSecretType is ClusterSecretType (module sigs.k8s.io/cluster-api/api
 	// v1.14.2, core/v1beta2/common_types.go).
 	capiSecretType = "cluster.x-k8s.io/secret"
+
+	// annCSIController on a HarnessCluster names the Deployment of the
+	// cluster's management-side CSI controller, in its namespace.
+	annCSIController = "harness.volume-gate.test/csi-controller"
+	// infraClusterLabelsFlag is kubevirt-csi-driver's flag for the labels
+	// of its DataVolumes, 'name=value' pairs separated by commas
+	// (cmd/kubevirt-csi-driver/kubevirt-csi-driver.go, parseLabels).
+	infraClusterLabelsFlag = "--infra-cluster-labels="
 
 	harnessControlPlaneKind = "HarnessControlPlane"
 	// The played providers' finalizers.
@@ -510,16 +531,124 @@ func addFinalizerDynamic(ctx context.Context, api interface {
 // reconcileCAPI is a played Cluster's tenant's round: its node (kubelet)
 // runs while the API answers and one HarnessMachine of the cluster is not
 // being deleted, and its CSI driver, whose controller runs on that node,
-// with it. Deleted machines are released once the node is down (or held
-// by another machine).
+// with it; or, management-side, while the API answers and the
+// controller's Deployment is there. Deleted machines are released once
+// the node is down (or held by another machine).
 func (t *tenant) reconcileCAPI(ctx context.Context, up bool, why string) {
 	live, deleting := t.s.capi.machinesOf(t.ns, t.name)
 	on, offWhy := up, why
 	if up && len(live) == 0 {
 		on, offWhy = false, "no HarnessMachine of the cluster left: its node is gone"
 	}
-	t.setWorkers(on, on, offWhy, "its controller ran on the node: "+offWhy)
+	driverOn, driverWhy := on, "its controller ran on the node: "+offWhy
+	if t.csiController == "" {
+		t.csiController = t.s.capi.csiControllerOf(t.ns, t.name)
+	}
+	if t.csiController != "" {
+		m, ok, mwhy := t.managementController(t.csiController)
+		switch {
+		case !up:
+			driverOn, driverWhy = false, "tenant API down: "+why
+		case !ok:
+			driverOn, driverWhy = false, mwhy
+		default:
+			driverOn = true
+			if t.driver == nil {
+				t.setManagementCSI(m)
+			}
+		}
+	}
+	t.setWorkers(on, driverOn, offWhy, driverWhy)
 	if len(deleting) > 0 && (len(live) > 0 || t.kubelet == nil) {
 		t.s.capi.releaseMachines(ctx, t.ns, deleting)
+	}
+}
+
+// csiControllerOf names played Cluster ns/name's management-side CSI
+// controller Deployment: the annotation on the HarnessCluster its
+// spec.infrastructureRef names; "" for the in-tenant shape.
+func (c *capiWorld) csiControllerOf(ns, name string) string {
+	cl, ok, _ := c.clusters.get(ns, name)
+	if !ok {
+		return ""
+	}
+	infra, _, _ := unstructured.NestedString(cl.Object, "spec", "infrastructureRef", "name")
+	ic, ok, _ := c.infraClusters.get(ns, infra)
+	if !ok {
+		return ""
+	}
+	return ic.GetAnnotations()[annCSIController]
+}
+
+// managementController reads the management-side CSI controller
+// Deployment `name`: whether it runs (sim_tenant.go controllerDeployment),
+// the ServiceAccount its Pods run as and the labels its csi-driver
+// container passes with --infra-cluster-labels, parsed as the driver does.
+func (t *tenant) managementController(name string) (*managementCSI, bool, string) {
+	if t.s.deploys == nil {
+		return nil, false, fmt.Sprintf("HarnessCluster annotation %s names a management-side CSI controller, which needs the simulator's infra layer (a profile that names infra)", annCSIController)
+	}
+	if ok, why := t.controllerDeployment(name); !ok {
+		return nil, false, why
+	}
+	d, _, _ := t.s.deploys.get(t.ns, name)
+	sa, _, _ := unstructured.NestedString(d.Object, "spec", "template", "spec", "serviceAccountName")
+	containers, _, _ := unstructured.NestedSlice(d.Object, "spec", "template", "spec", "containers")
+	var flag string
+	for _, c := range containers {
+		args, _, _ := unstructured.NestedStringSlice(c.(map[string]any), "args")
+		for _, a := range args {
+			if v, ok := strings.CutPrefix(a, infraClusterLabelsFlag); ok {
+				flag = v
+			}
+		}
+	}
+	labels := map[string]string{}
+	for _, pair := range strings.Split(flag, ",") {
+		k, v, ok := strings.Cut(pair, "=")
+		if !ok || k == "" {
+			return nil, false, fmt.Sprintf("Deployment %s/%s: %s%q is not name=value pairs separated by commas", t.ns, name, infraClusterLabelsFlag, flag)
+		}
+		labels[k] = v
+	}
+	if sa == "" {
+		return nil, false, fmt.Sprintf("Deployment %s/%s names no serviceAccountName", t.ns, name)
+	}
+	return &managementCSI{deployment: name, serviceAccount: sa, labels: labels}, true, ""
+}
+
+// capiDiskOwner names the played Cluster API cluster in namespace ns
+// whose management-side controller labels its disks with `labels`; "" if
+// none.
+func (s *sim) capiDiskOwner(ns string, labels map[string]string) string {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, t := range s.tenants {
+		m := t.managementCSI()
+		if !t.capi || t.ns != ns || m == nil || len(m.labels) == 0 {
+			continue
+		}
+		match := true
+		for k, v := range m.labels {
+			if labels[k] != v {
+				match = false
+			}
+		}
+		if match {
+			return t.name
+		}
+	}
+	return ""
+}
+
+// kickCAPIIn kicks the played Cluster API clusters of namespace ns (a
+// Deployment there may be one's management-side CSI controller).
+func (s *sim) kickCAPIIn(ns string) {
+	s.mu.Lock()
+	defer s.mu.Unlock()
+	for _, t := range s.tenants {
+		if t.capi && t.ns == ns {
+			t.kickNow()
+		}
 	}
 }

@@ -73,6 +73,10 @@ type volumeBackend interface {
 func newDriver(t *tenant, cs kubernetes.Interface, dyn dynamic.Interface, kubeconfig []byte) *driver {
 	var b volumeBackend = &ledgerBackend{store: t.s.store, log: t.s.log, owner: t.owner, mayFree: t.mayFree}
 	switch {
+	case t.capi && t.managementCSI() != nil:
+		// The management-side controller (kubevirt-csi-driver's split
+		// deployment): DataVolumes, freed as its own ServiceAccount.
+		b = &kcsiBackend{t: t}
 	case t.capi:
 		// The in-tenant controller: its disks in the ledger, freed with
 		// its own (the tenant's) credentials, no management identity.
@@ -225,7 +229,7 @@ func (d *driver) run(ctx context.Context) {
 	// The sidecars stop before the plugin they talk to.
 	defer sidecars.Wait()
 
-	if d.t != nil && !d.t.capi {
+	if d.t != nil && (!d.t.capi || d.t.managementCSI() != nil) {
 		// The controller gets its ServiceAccount token when it starts, as a
 		// Pod gets its projected token.
 		if ok, why := d.t.kcsiAllowed(ctx); !ok {

@@ -156,7 +156,7 @@ func (b *kcsiBackend) createVolume(ctx context.Context, name string, pvc *corev1
 		"metadata": map[string]any{
 			"name":        name,
 			"namespace":   t.ns,
-			"labels":      toAny(infraLabels(t.name)),
+			"labels":      toAny(t.diskLabels()),
 			"annotations": map[string]any{annDeleteAfterCompletion: "false"},
 		},
 		"spec": map[string]any{
@@ -197,7 +197,7 @@ func (b *kcsiBackend) deleteVolume(ctx context.Context, handle string) error {
 		b.refused("DeleteVolume "+handle, err)
 		return fmt.Errorf("DeleteVolume %s: get DataVolume: %w", handle, err)
 	}
-	for k, v := range infraLabels(t.name) {
+	for k, v := range t.diskLabels() {
 		if dv.GetLabels()[k] != v {
 			return fmt.Errorf("DeleteVolume %s: invalid volume name: DataVolume %s/%s lacks label %s=%s", handle, t.ns, handle, k, v)
 		}
@@ -386,7 +386,7 @@ func (s *sim) startInfra(ctx context.Context, factory dynamicinformer.DynamicSha
 			return
 		}
 		d := &driver{s: s, name: infraDriverName, cs: s.mgmt, dyn: s.dyn, kubeconfig: kubeconfig,
-			backend: &ledgerBackend{store: s.store, log: s.log, owner: infraOwner, layer: "management"},
+			backend: &ledgerBackend{store: s.store, log: s.log, owner: s.infraOwner, layer: "management"},
 			logf: func(component, action, format string, args ...any) {
 				s.log.printf(component, "", action, format, args...)
 			},
@@ -405,9 +405,13 @@ func (s *sim) startInfra(ctx context.Context, factory dynamicinformer.DynamicSha
 }
 
 // infraOwner names the tenant of a management PVC: its namespace and the
-// tenant's Cluster API label ("-" when it has none).
-func infraOwner(pvc *corev1.PersistentVolumeClaim) (string, string) {
+// tenant's Cluster API label, or else the played Cluster API cluster whose
+// management-side controller's labels it carries ("-" when none).
+func (s *sim) infraOwner(pvc *corev1.PersistentVolumeClaim) (string, string) {
 	r := pvc.Labels[prof.clusterLabel]
+	if r == "" {
+		r = s.capiDiskOwner(pvc.Namespace, pvc.Labels)
+	}
 	if r == "" || strings.ContainsAny(r, "./") {
 		r = "-"
 	}

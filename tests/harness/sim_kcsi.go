@@ -85,7 +85,7 @@ const (
 // tokenLocked is the ServiceAccount's token, requested as the kubelet
 // requests a projected one and refreshed likewise; k.mu is held.
 func (t *tenant) tokenLocked(ctx context.Context, k *kcsiIdentity) (string, error) {
-	sa := t.name + "-kcsi"
+	sa := t.kcsiServiceAccount()
 	if k.token == "" || time.Since(k.tokenAt) > kcsiTokenRefresh {
 		exp := int64(kcsiTokenTTL / time.Second)
 		tr, err := t.s.mgmt.CoreV1().ServiceAccounts(t.ns).CreateToken(ctx, sa,
@@ -124,7 +124,7 @@ func (t *tenant) kcsiConfigLocked(ctx context.Context, k *kcsiIdentity) (*rest.C
 }
 
 func (t *tenant) checkKcsi(ctx context.Context, k *kcsiIdentity) (bool, string) {
-	sa := t.name + "-kcsi"
+	sa := t.kcsiServiceAccount()
 	cfg, err := t.kcsiConfigLocked(ctx, k)
 	if err != nil {
 		return false, err.Error()
@@ -161,6 +161,26 @@ func (t *tenant) mayFree(ctx context.Context, what, id string) error {
 		t.logf("driver", "identity-missing", "cannot free %s: %s", id, why)
 	}
 	return fmt.Errorf("%s %s: the CSI controller's identity: %s", what, id, why)
+}
+
+// kcsiServiceAccount is the CSI controller's ServiceAccount: R-kcsi, or
+// the one a played Cluster API cluster's management-side controller runs
+// as (sim_capi.go).
+func (t *tenant) kcsiServiceAccount() string {
+	if m := t.managementCSI(); m != nil {
+		return m.serviceAccount
+	}
+	return t.name + "-kcsi"
+}
+
+// diskLabels are the labels the CSI controller puts on its DataVolumes
+// (its --infra-cluster-labels): the profile's infra labels for R, or a
+// management-side Cluster API controller's own.
+func (t *tenant) diskLabels() map[string]string {
+	if m := t.managementCSI(); m != nil {
+		return m.labels
+	}
+	return infraLabels(t.name)
 }
 
 // owner names the tenant whose driver provisions the claim: this one.

@@ -306,7 +306,7 @@ func (b *kcsiBackend) createSnapshot(ctx context.Context, name, source string, p
 	obj := &unstructured.Unstructured{Object: map[string]any{
 		"apiVersion": "snapshot.storage.k8s.io/v1",
 		"kind":       "VolumeSnapshot",
-		"metadata":   map[string]any{"name": name, "namespace": t.ns, "labels": toAny(infraLabels(t.name))},
+		"metadata":   map[string]any{"name": name, "namespace": t.ns, "labels": toAny(t.diskLabels())},
 		"spec":       map[string]any{"source": map[string]any{"persistentVolumeClaimName": source}},
 	}}
 	if class := params[infraSnapshotClassParameter]; class != "" {
@@ -378,7 +378,7 @@ func (b *kcsiBackend) infraSnapshot(ctx context.Context, what, id string) (*unst
 // infra labels: not this controller's (client.go's ErrInvalidSnapshot, a
 // plain error, so the sidecar retries).
 func (b *kcsiBackend) checkLabels(what string, vs *unstructured.Unstructured) error {
-	for k, v := range infraLabels(b.t.name) {
+	for k, v := range b.t.diskLabels() {
 		if vs.GetLabels()[k] != v {
 			return fmt.Errorf("%s %s: invalid snapshot: VolumeSnapshot %s/%s lacks label %s=%s", what, vs.GetName(), b.t.ns, vs.GetName(), k, v)
 		}

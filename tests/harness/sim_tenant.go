@@ -63,6 +63,36 @@ type tenant struct {
 	kcsiPodWhy string
 	// freeAfterSeen is the driver's slowness last logged.
 	freeAfterSeen slowness
+
+	// csiController is a played Cluster API cluster's management-side CSI
+	// controller Deployment, once its HarnessCluster named one (kept: the
+	// shape is the cluster's); owned by the run goroutine.
+	csiController string
+	// mgmt is what that controller runs as and labels its disks with, read
+	// from its Deployment when the driver last started; nil for every other
+	// tenant. Read by the driver's goroutines.
+	mgmtMu sync.Mutex
+	mgmt   *managementCSI
+}
+
+// managementCSI is the management-side CSI controller of a played Cluster
+// API cluster, as its Deployment says.
+type managementCSI struct {
+	deployment     string
+	serviceAccount string
+	labels         map[string]string
+}
+
+func (t *tenant) managementCSI() *managementCSI {
+	t.mgmtMu.Lock()
+	defer t.mgmtMu.Unlock()
+	return t.mgmt
+}
+
+func (t *tenant) setManagementCSI(m *managementCSI) {
+	t.mgmtMu.Lock()
+	defer t.mgmtMu.Unlock()
+	t.mgmt = m
 }
 
 func newTenant(s *sim, ns, name string) *tenant {
@@ -204,7 +234,9 @@ func (t *tenant) setWorkers(kubeletOn, driverOn bool, kubeletWhy, driverWhy stri
 		t.driver = startWorker(t.s.ctx, d.run)
 		t.driverActive.Store(true)
 		why := "HelmRelease " + t.name + prof.csiSuffix + " present and tenant API up"
-		if t.capi {
+		if m := t.managementCSI(); t.capi && m != nil {
+			why = fmt.Sprintf("management-side controller: Deployment %s/%s present, as ServiceAccount %s, DataVolumes labelled %v", t.ns, m.deployment, m.serviceAccount, m.labels)
+		} else if t.capi {
 			why = "in-tenant controller on node " + simNodeName + " (a HarnessMachine runs it)"
 		} else if prof.infra != nil {
 			why += "; Deployment " + t.name + kcsiControllerSuffix + " present"
@@ -248,7 +280,13 @@ const kcsiControllerSuffix = "-kcsi-controller"
 // (infra layer) exists and is not being deleted: its sidecars run while it
 // does.
 func (t *tenant) kcsiController() (bool, string) {
-	name := t.name + kcsiControllerSuffix
+	return t.controllerDeployment(t.name + kcsiControllerSuffix)
+}
+
+// controllerDeployment reports whether the management-side CSI controller
+// Deployment `name` exists in the tenant's namespace and is not being
+// deleted (and, on a real node, runs a Ready Pod).
+func (t *tenant) controllerDeployment(name string) (bool, string) {
 	d, ok, running := t.s.deploys.get(t.ns, name)
 	switch {
 	case !running:

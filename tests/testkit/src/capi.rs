@@ -44,6 +44,80 @@ pub const CLUSTER_NAME_LABEL: &str = "cluster.x-k8s.io/cluster-name";
 /// that is the tenant's API server (the same as a TenantControlPlane's).
 pub const CLUSTER_ANNOTATION: &str = "harness.volume-gate.test/cluster";
 
+/// On a HarnessCluster: the Deployment, in the Cluster's namespace, of the
+/// cluster's management-side CSI controller (`tests/harness/sim_capi.go`).
+pub const CSI_CONTROLLER_ANNOTATION: &str = "harness.volume-gate.test/csi-controller";
+
+/// A management-side CSI controller as kubevirt-csi-driver's split
+/// deployment makes it (github.com/kubevirt/csi-driver, commit 27b52aa:
+/// deploy/controller-infra/base/deploy.yaml and
+/// deploy/infra-cluster-service-account.yaml), named for one cluster.
+#[derive(Clone, Debug)]
+pub struct ManagementCsi {
+    /// The controller's Deployment.
+    pub controller: String,
+    /// Its ServiceAccount, Role and RoleBinding.
+    pub identity: String,
+    /// Its `--infra-cluster-labels`: the labels of its DataVolumes.
+    pub labels: BTreeMap<String, String>,
+}
+
+impl ManagementCsi {
+    /// The names a volume-gate profile guards for `cluster` (its
+    /// Deployment entry and ServiceAccount entry by name) and its infra
+    /// labels.
+    pub fn of_profile(p: &volume_gate::profile::Profile, cluster: &str) -> ManagementCsi {
+        let named = |kind: &str| {
+            p.guarded
+                .iter()
+                .find(|g| g.kind == kind && g.name.is_some())
+                .and_then(|g| g.name.as_deref())
+                .unwrap_or_else(|| panic!("the profile guards no {kind} by name"))
+                .replace(volume_gate::profile::TENANT_PLACEHOLDER, cluster)
+        };
+        ManagementCsi {
+            controller: named("Deployment"),
+            identity: named("ServiceAccount"),
+            labels: p
+                .infra
+                .as_ref()
+                .expect("the profile names an infra layer")
+                .labels_of(cluster),
+        }
+    }
+
+    /// The kinds it is made of, for a [`DeletionWatch`].
+    pub fn kinds() -> Vec<(&'static str, ApiResource)> {
+        vec![
+            (
+                "Deployment",
+                resource("apps", "v1", "Deployment", "deployments"),
+            ),
+            (
+                "ServiceAccount",
+                resource("", "v1", "ServiceAccount", "serviceaccounts"),
+            ),
+            (
+                "Role",
+                resource("rbac.authorization.k8s.io", "v1", "Role", "roles"),
+            ),
+            (
+                "RoleBinding",
+                resource(
+                    "rbac.authorization.k8s.io",
+                    "v1",
+                    "RoleBinding",
+                    "rolebindings",
+                ),
+            ),
+            (
+                "DataVolume",
+                resource("cdi.kubevirt.io", "v1beta1", "DataVolume", "datavolumes"),
+            ),
+        ]
+    }
+}
+
 /// The simulated CSI driver's StorageClass in a Cluster API tenant, made by
 /// [`CapiCluster::storage_class`] (the driver's chart makes it in a
 /// Cozystack tenant).
@@ -533,12 +607,27 @@ impl CapiCluster {
 
     /// Creates cluster `name` in `namespace` (created if needed), the
     /// Cluster labelled with `labels`, on a harness cluster of its own;
-    /// returns once its Machine is Running with a Node.
+    /// returns once its Machine is Running with a Node. Its CSI driver runs
+    /// inside it.
     pub async fn create(
         cp: &ControlPlane,
         namespace: &str,
         name: &str,
         labels: BTreeMap<String, String>,
+    ) -> CapiCluster {
+        Self::create_with(cp, namespace, name, labels, None).await
+    }
+
+    /// As [`CapiCluster::create`]; with `csi_controller`, the cluster's CSI
+    /// controller runs management-side as that Deployment (its
+    /// HarnessCluster says so: [`CSI_CONTROLLER_ANNOTATION`]), which
+    /// [`CapiCluster::management_csi`] makes.
+    pub async fn create_with(
+        cp: &ControlPlane,
+        namespace: &str,
+        name: &str,
+        labels: BTreeMap<String, String>,
+        csi_controller: Option<&str>,
     ) -> CapiCluster {
         capi(cp).await;
         cp.namespace(namespace).await;
@@ -571,7 +660,15 @@ impl CapiCluster {
             o.data = json!({ "spec": spec });
             o
         };
-        create("HarnessCluster", annotated("HarnessCluster", json!({}))).await;
+        let mut infra = annotated("HarnessCluster", json!({}));
+        if let Some(d) = csi_controller {
+            infra
+                .metadata
+                .annotations
+                .get_or_insert_default()
+                .insert(CSI_CONTROLLER_ANNOTATION.into(), d.into());
+        }
+        create("HarnessCluster", infra).await;
         create(
             "HarnessControlPlane",
             annotated("HarnessControlPlane", json!({})),
@@ -613,6 +710,93 @@ impl CapiCluster {
         };
         c.wait_machine_running().await;
         c
+    }
+
+    /// Makes the cluster's management-side CSI controller `m` in its
+    /// namespace, as kubevirt-csi-driver's split deployment does: the
+    /// ServiceAccount, the Role that may free disks (DataVolumes) and hot-plug
+    /// them, its RoleBinding, the ClusterRole to read PVs and its binding,
+    /// and the controller Deployment, with `--infra-cluster-labels` and as
+    /// that ServiceAccount. The simulator plays the controller's work; no
+    /// Pod runs (replicas 0). Each namespaced object is owned by the
+    /// Cluster (blocking its deletion), as an operator's manifests would
+    /// make it go with the Cluster.
+    pub async fn management_csi(&self, m: &ManagementCsi) {
+        let cluster = self
+            .api(&core_resource("v1beta2", "Cluster"))
+            .get(&self.name)
+            .await
+            .expect("get the Cluster");
+        let owner = json!([{"apiVersion": "cluster.x-k8s.io/v1beta2", "kind": "Cluster",
+            "name": self.name, "uid": cluster.metadata.uid, "blockOwnerDeletion": true}]);
+        let ns = &self.namespace;
+        let meta = |name: &str| json!({"name": name, "namespace": ns, "ownerReferences": owner});
+        let flag = m
+            .labels
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let cluster_role = format!("{ns}-{}-cluster", m.identity);
+        let docs = [
+            json!({"apiVersion": "v1", "kind": "ServiceAccount", "metadata": meta(&m.identity)}),
+            json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "Role", "metadata": meta(&m.identity),
+            "rules": [
+                {"apiGroups": ["cdi.kubevirt.io"], "resources": ["datavolumes"], "verbs": ["get", "create", "delete"]},
+                {"apiGroups": ["kubevirt.io"], "resources": ["virtualmachineinstances", "virtualmachines"], "verbs": ["list", "get"]},
+                {"apiGroups": ["subresources.kubevirt.io"], "resources": ["virtualmachines/addvolume", "virtualmachines/removevolume", "virtualmachineinstances/removevolume"], "verbs": ["update"]},
+                {"apiGroups": ["snapshot.storage.k8s.io"], "resources": ["volumesnapshots"], "verbs": ["get", "create", "delete"]},
+                {"apiGroups": [""], "resources": ["persistentvolumeclaims"], "verbs": ["get", "patch"]},
+            ]}),
+            json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "RoleBinding", "metadata": meta(&m.identity),
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "Role", "name": m.identity},
+                "subjects": [{"kind": "ServiceAccount", "name": m.identity, "namespace": ns}]}),
+            json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRole",
+                "metadata": {"name": cluster_role},
+                "rules": [{"apiGroups": [""], "resources": ["persistentvolumes"], "verbs": ["get"]}]}),
+            json!({"apiVersion": "rbac.authorization.k8s.io/v1", "kind": "ClusterRoleBinding",
+                "metadata": {"name": cluster_role},
+                "roleRef": {"apiGroup": "rbac.authorization.k8s.io", "kind": "ClusterRole", "name": cluster_role},
+                "subjects": [{"kind": "ServiceAccount", "name": m.identity, "namespace": ns}]}),
+            json!({"apiVersion": "apps/v1", "kind": "Deployment", "metadata": meta(&m.controller),
+                "spec": {"replicas": 0,
+                    "selector": {"matchLabels": {"app": m.controller}},
+                    "template": {"metadata": {"labels": {"app": m.controller}},
+                        "spec": {"serviceAccountName": m.identity, "containers": [{
+                            "name": "csi-driver", "image": "quay.io/kubevirt/kubevirt-csi-driver:latest",
+                            "args": [format!("--infra-cluster-namespace={ns}"),
+                                     format!("--infra-cluster-labels={flag}"),
+                                     "--run-node-service=false", "--run-controller-service=true"]}]}}}}),
+        ];
+        for d in &docs {
+            manifests::apply(&self.management, d).await;
+        }
+    }
+
+    /// The cluster's DataVolumes in its namespace (a management-side
+    /// controller's disks), by `labels`.
+    pub async fn data_volumes(&self, labels: &BTreeMap<String, String>) -> Vec<String> {
+        let selector = labels
+            .iter()
+            .map(|(k, v)| format!("{k}={v}"))
+            .collect::<Vec<_>>()
+            .join(",");
+        let mut v: Vec<String> = self
+            .api(&resource(
+                "cdi.kubevirt.io",
+                "v1beta1",
+                "DataVolume",
+                "datavolumes",
+            ))
+            .list(&ListParams::default().labels(&selector))
+            .await
+            .expect("list DataVolumes")
+            .items
+            .iter()
+            .map(|d| d.name_any())
+            .collect();
+        v.sort();
+        v
     }
 
     fn api(&self, ar: &ApiResource) -> Api<DynamicObject> {
@@ -811,15 +995,27 @@ impl DeletionWatch {
     /// Opens the watches of [`CASCADE`] in `namespace`, each from a list's
     /// resourceVersion: nothing after this call is missed.
     pub async fn open(client: &kube::Client, namespace: &str) -> DeletionWatch {
+        Self::open_with(client, namespace, Vec::new()).await
+    }
+
+    /// As [`DeletionWatch::open`], with the watches of `extra` kinds too.
+    pub async fn open_with(
+        client: &kube::Client,
+        namespace: &str,
+        extra: Vec<(&'static str, ApiResource)>,
+    ) -> DeletionWatch {
         use futures::StreamExt;
         let (tx, rx) = tokio::sync::mpsc::unbounded_channel();
         let mut tasks = Vec::new();
-        for kind in CASCADE {
+        let cascade = CASCADE.iter().map(|&kind| {
             let ar = if kind.starts_with("Harness") {
                 harness_resource(kind)
             } else {
                 core_resource("v1beta2", kind)
             };
+            (kind, ar)
+        });
+        for (kind, ar) in cascade.chain(extra) {
             let api: Api<DynamicObject> = Api::namespaced_with(client.clone(), namespace, &ar);
             let list = api
                 .list(&ListParams::default())

@@ -226,10 +226,26 @@ impl Gate {
     pub async fn install_cluster_api(cp: &ControlPlane, worker_args: Vec<String>) -> Gate {
         crate::capi::capi(cp).await;
         cp.namespace(NAMESPACE).await;
+        // The KubeVirt infrastructure's CRDs (DataVolumes, VMs) and the
+        // snapshot ones its storage serves: a management-side CSI
+        // controller's disks are DataVolumes.
+        let client = cp.management_client().await;
+        let crds = super::cluster::repo_root().join("tests/fixtures/crds/management");
+        for f in ["cdi.kubevirt.io.yaml", "kubevirt.io.yaml"]
+            .map(|f| crds.join(f))
+            .into_iter()
+            .chain(super::sim::snapshot_crds())
+        {
+            manifests::apply_file(&client, &f).await;
+        }
         let rendered = crate::chart::template(
             NAMESPACE,
             &[
                 "platform.profile=cluster-api",
+                // Every Cluster may run its CSI controller management-side
+                // (kubevirt-csi-driver's split deployment), the chart's
+                // default names: a Cluster without one is judged as before.
+                "platform.clusterApi.managementCsi.enabled=true",
                 "certificates.mode=secret",
                 // Replaced by the tests' own CA (`manifests::point_at_local`).
                 "certificates.caBundle=Cg==",
@@ -244,7 +260,7 @@ impl Gate {
             .and_then(|d| d["data"]["profile.yaml"].as_str())
             .expect("the chart ships a profile for cluster-api")
             .to_string();
-        let file = cp.state.join("profile-cluster-api.yaml");
+        let file = cluster_api_profile_file(cp);
         std::fs::write(&file, profile).expect("write the cluster-api profile");
         // What the tests run as processes (the workloads), the uninstall
         // hook (`tests/chart_install.rs` runs it with Helm) aside.
@@ -780,4 +796,15 @@ pub fn generate_certs(dir: &std::path::Path) -> String {
         .expect("ca-bundle.b64")
         .trim()
         .to_string()
+}
+
+/// Where [`Gate::install_cluster_api`] writes the profile the chart ships.
+fn cluster_api_profile_file(cp: &ControlPlane) -> PathBuf {
+    cp.state.join("profile-cluster-api.yaml")
+}
+
+/// The profile the gate installed for Cluster API reads: the chart's.
+pub fn cluster_api_profile(cp: &ControlPlane) -> volume_gate::profile::Profile {
+    volume_gate::profile::Profile::load(&cluster_api_profile_file(cp))
+        .unwrap_or_else(|e| panic!("the installed cluster-api profile: {e}"))
 }

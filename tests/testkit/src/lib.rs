@@ -180,10 +180,10 @@ impl EnvConfig {
         }
     }
 
-    /// The profile of this world: Cozystack's, without the infra layer
-    /// for [`Layers::TenantOnly`].
     /// The gate for a plain Cluster API platform, with the short worker
-    /// flags, tenant volumes of one layer (the driver inside the cluster).
+    /// flags and the chart's management-side CSI controller knob on: a
+    /// cluster's driver runs inside it (volumes of one layer) or, where its
+    /// HarnessCluster says so, management-side (DataVolumes).
     pub fn cluster_api() -> EnvConfig {
         EnvConfig {
             platform: Platform::ClusterApi,
@@ -191,6 +191,8 @@ impl EnvConfig {
         }
     }
 
+    /// The profile of this world: Cozystack's, without the infra layer
+    /// for [`Layers::TenantOnly`]; Cluster API's built-in one.
     pub fn profile(&self) -> volume_gate::profile::Profile {
         if self.platform == Platform::ClusterApi {
             return volume_gate::profile::Profile::cluster_api();
@@ -270,13 +272,13 @@ pub fn gated_one_layer() -> &'static Env {
     env(EnvConfig::gated_short().tenant_only())
 }
 
-/// Control plane and simulator without the gate: the world as it was.
 /// The gate installed for a plain Cluster API platform
 /// ([`EnvConfig::cluster_api`]).
 pub fn cluster_api() -> &'static Env {
     env(EnvConfig::cluster_api())
 }
 
+/// Control plane and simulator without the gate: the world as it was.
 pub fn ungated() -> &'static Env {
     env(EnvConfig::ungated())
 }
@@ -335,13 +337,12 @@ fn start_env(config: EnvConfig) -> Env {
     .expect("gate install");
     // The simulator reads a profile for the Cozystack tenants it plays; it
     // plays a Cluster API cluster from Cluster API's own objects, whatever
-    // the gate's profile (`tests/harness/sim_capi.go`).
+    // the gate's profile (`tests/harness/sim_capi.go`), with the infra layer
+    // (CDI, KubeVirt, the management storage) that a management-side CSI
+    // controller's DataVolumes need.
     let sim_profile = match platform {
         Platform::Cozystack => profile,
-        Platform::ClusterApi => volume_gate::profile::Profile {
-            infra: None,
-            ..volume_gate::profile::Profile::cozystack()
-        },
+        Platform::ClusterApi => volume_gate::profile::Profile::cozystack(),
     };
     let sim = sim::Simulator::start(cp, &sim_profile);
     Env {

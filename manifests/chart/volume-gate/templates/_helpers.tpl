@@ -46,6 +46,7 @@ selector label refused), its annotations with `podAnnotations`.
 {{- $annotations := dict -}}
 {{- range $k, $v := .role.podAnnotations }}{{ $_ := set $annotations $k (toString $v) }}{{ end -}}
 {{- if .ctx.Values.profile }}{{ $_ := set $annotations "checksum/profile" (toYaml .ctx.Values.profile | sha256sum) }}{{ end -}}
+{{- with include "volume-gate.managementCsi" .ctx }}{{ $_ := set $annotations "checksum/profile" (include "volume-gate.profileData" $.ctx | sha256sum) }}{{ end -}}
 labels:
   {{- toYaml $labels | nindent 2 }}
 {{- with $annotations }}
@@ -176,7 +177,7 @@ value's fields over it. */}}
 {{- $platform := include "volume-gate.platform" . -}}
 {{- $p := .Values.profile -}}
 {{- if eq $platform "cluster-api" -}}
-{{- $fields := include "volume-gate.profileFields" . | fromYaml | default dict -}}
+{{- $fields := include "volume-gate.clusterApiFields" . | fromYaml | default dict -}}
 {{ toYaml (set $fields "base" "cluster-api") }}
 {{- else if $p -}}
 {{- if kindIs "string" $p }}{{ $p }}{{ else }}{{ toYaml $p }}{{ end -}}
@@ -200,4 +201,59 @@ literal, so a quote is refused. */}}
 {{- $_ := include "volume-gate.releaseControllers" . -}}
 {{ toYaml .Values.platform.parentReplacers }}
 {{- end -}}
+{{- end }}
+
+{{/* platform.clusterApi.managementCsi, checked once, as YAML (empty when
+not enabled): a management-side CSI controller, its identity and the
+DataVolumes it makes (kubevirt-csi-driver's split deployment). Its names
+and labels are written into webhook conditions and selectors, so only
+name characters are allowed besides {tenant}. */}}
+{{- define "volume-gate.managementCsi" -}}
+{{- $m := dig "clusterApi" "managementCsi" dict .Values.platform -}}
+{{- if $m.enabled -}}
+{{- if ne (include "volume-gate.platform" .) "cluster-api" }}{{ fail "platform.clusterApi.managementCsi.enabled needs platform.profile=cluster-api (Cozystack's profile guards its KubeVirt CSI controller, R-kcsi-controller, already)" }}{{ end -}}
+{{- range $what := list "controller" "identity" }}
+{{- $n := toString (get $m $what) }}
+{{- if not (regexMatch "^[a-z0-9.-]*\\{tenant\\}[a-z0-9.-]*$" $n) }}{{ fail (printf "platform.clusterApi.managementCsi.%s %q: a name with {tenant} once, standing for the Cluster's name (default %s), otherwise lowercase letters, digits, '-' and '.'" $what $n (ternary "{tenant}-kubevirt-csi-controller" "{tenant}-kubevirt-csi" (eq $what "controller"))) }}{{ end -}}
+{{- end }}
+{{- $labels := $m.infraClusterLabels | default (dict "csi-driver/cluster" "{tenant}") -}}
+{{- $m = set (deepCopy $m) "infraClusterLabels" $labels -}}
+{{- $named := false -}}
+{{- range $k, $v := $labels }}
+{{- if not (regexMatch "^([a-z0-9]([a-z0-9.-]*[a-z0-9])?/)?[A-Za-z0-9]([A-Za-z0-9._-]*[A-Za-z0-9])?$" $k) }}{{ fail (printf "platform.clusterApi.managementCsi.infraClusterLabels: %q is not a label key" $k) }}{{ end -}}
+{{- if not (regexMatch "^[A-Za-z0-9._-]*(\\{tenant\\})?[A-Za-z0-9._-]*$" (toString $v)) }}{{ fail (printf "platform.clusterApi.managementCsi.infraClusterLabels.%s %q: a label value, with {tenant} at most once" $k $v) }}{{ end -}}
+{{- if contains "{tenant}" (toString $v) }}{{ $named = true }}{{ end -}}
+{{- end }}
+{{- if not $named }}{{ fail "platform.clusterApi.managementCsi.infraClusterLabels must name the Cluster: at least one label whose value contains {tenant} (the driver's --infra-cluster-labels, e.g. csi-driver/cluster: \"{tenant}\")" }}{{ end -}}
+{{ toYaml $m }}
+{{- end -}}
+{{- end }}
+
+{{/* The Cluster API profile's fields: the profile value's, and what
+platform.clusterApi.managementCsi adds (its guarded entries, appended by
+extraGuarded, and the infra layer of its DataVolumes). */}}
+{{- define "volume-gate.clusterApiFields" -}}
+{{- $fields := include "volume-gate.profileFields" . | fromYaml | default dict -}}
+{{- with include "volume-gate.managementCsi" . | fromYaml }}
+{{- if hasKey $fields "infra" }}{{ fail "profile names infra and platform.clusterApi.managementCsi is enabled: the management-side CSI controller's DataVolumes are the infra layer; leave infra out of profile (set its labels in platform.clusterApi.managementCsi.infraClusterLabels)" }}{{ end -}}
+{{- $identity := "the identity the cluster's CSI controller frees disks with" -}}
+{{- $extra := list
+  (dict "role" "the cluster's CSI controller, which frees its volumes from the management cluster" "group" "apps" "kind" "Deployment" "name" .controller)
+  (dict "role" $identity "group" "" "kind" "ServiceAccount" "name" .identity)
+  (dict "role" $identity "group" "rbac.authorization.k8s.io" "kind" "Role" "name" .identity)
+  (dict "role" $identity "group" "rbac.authorization.k8s.io" "kind" "RoleBinding" "name" .identity) -}}
+{{- $_ := set $fields "extraGuarded" (concat ($fields.extraGuarded | default list) $extra) -}}
+{{- $_ := set $fields "infra" (dict "group" "cdi.kubevirt.io" "version" "v1beta1" "kind" "DataVolume" "plural" "datavolumes" "labels" .infraClusterLabels) -}}
+{{- end }}
+{{- if $fields }}{{ toYaml $fields }}{{ end -}}
+{{- end }}
+
+{{/* CEL: oldObject's name fits `pattern` ({tenant} once): what is before
+{tenant} starts it, what is after ends it. */}}
+{{- define "volume-gate.cel.namedLike" -}}
+{{- $parts := splitList "{tenant}" .pattern -}}
+{{- $c := list -}}
+{{- with index $parts 0 }}{{ $c = append $c (printf "oldObject.metadata.name.startsWith('%s')" .) }}{{ end -}}
+{{- with index $parts 1 }}{{ $c = append $c (printf "oldObject.metadata.name.endsWith('%s')" .) }}{{ end -}}
+{{- if $c }}({{ join " && " $c }}){{ else }}true{{ end -}}
 {{- end }}
