@@ -48,17 +48,9 @@ async fn without_the_gate_deleting_a_capi_cluster_strands_every_volume() {
 
     let mut watch = DeletionWatch::open(&c.management, &ns).await;
     let deleting = Instant::now();
-    let mut kubectl = env.cp.kubectl(&env.cp.management.kubeconfig);
-    kubectl.args(["delete", "cluster", name, "-n", &ns, "--timeout=300s"]);
-    let kubectl = tokio::task::spawn_blocking(move || {
-        common::process::run_ok(&mut kubectl, "kubectl delete cluster")
-    });
-    watch
-        .until_deleted("Cluster", name, Duration::from_secs(300))
+    c.kubectl_delete(env.cp, &[], &mut watch, Duration::from_secs(300))
         .await;
     let teardown = deleting.elapsed();
-    let said = kubectl.await.expect("kubectl thread");
-    assert!(said.contains("deleted"), "kubectl said: {said}");
 
     let control_plane = watch
         .deletion_requested_at("HarnessControlPlane", name)
@@ -195,24 +187,13 @@ async fn without_the_gate_deleting_a_capi_cluster_with_a_management_side_csi_con
     );
 
     let mut watch = DeletionWatch::open_with(&c.management, &ns, ManagementCsi::kinds()).await;
-    let mut kubectl = env.cp.kubectl(&env.cp.management.kubeconfig);
-    kubectl.args([
-        "delete",
-        "cluster",
-        name,
-        "-n",
-        &ns,
-        "--cascade=foreground",
-        "--timeout=300s",
-    ]);
-    let kubectl = tokio::task::spawn_blocking(move || {
-        common::process::run_ok(&mut kubectl, "kubectl delete cluster")
-    });
-    watch
-        .until_deleted("Cluster", name, Duration::from_secs(300))
-        .await;
-    let said = kubectl.await.expect("kubectl thread");
-    assert!(said.contains("deleted"), "kubectl said: {said}");
+    c.kubectl_delete(
+        env.cp,
+        &["--cascade=foreground"],
+        &mut watch,
+        Duration::from_secs(300),
+    )
+    .await;
     for (kind, n) in [
         ("Deployment", &m.controller),
         ("ServiceAccount", &m.identity),

@@ -88,27 +88,11 @@ async fn with_the_gate_deleting_a_capi_cluster_frees_every_volume_and_records_re
 
     let mut watch = DeletionWatch::open(&c.management, &ns).await;
     let deleting = Instant::now();
-    let mut kubectl = env.cp.kubectl(&env.cp.management.kubeconfig);
-    kubectl.args(["delete", "cluster", &name, "-n", &ns, "--timeout=280s"]);
-    let kubectl = tokio::task::spawn_blocking(move || {
-        common::process::run_ok(&mut kubectl, "kubectl delete cluster")
-    });
-    watch
-        .until_deleted("Cluster", &name, Duration::from_secs(285))
+    c.kubectl_delete(env.cp, &[], &mut watch, Duration::from_secs(285))
         .await;
     let teardown = deleting.elapsed();
-    let said = kubectl.await.expect("kubectl thread");
-    assert!(said.contains("deleted"), "kubectl said: {said}");
 
-    let released = watch
-        .annotated_at("Cluster", &name, &keys.phase, "Released")
-        .unwrap_or_else(|| {
-            panic!(
-                "the Cluster was never recorded Released:\n{}\nworker log:\n{}",
-                watch.render(),
-                env.worker_log()
-            )
-        });
+    let released = watch.recorded(&name, &keys.phase, "Released", &env.worker_log());
     let asked = watch
         .deletion_requested_at("Cluster", &name)
         .expect("the Cluster's deletion");
@@ -297,34 +281,15 @@ async fn with_the_gate_a_management_side_csi_controller_frees_every_disk_before_
     );
 
     let mut watch = DeletionWatch::open_with(&c.management, &ns, ManagementCsi::kinds()).await;
-    let mut kubectl = env.cp.kubectl(&env.cp.management.kubeconfig);
-    kubectl.args([
-        "delete",
-        "cluster",
-        &name,
-        "-n",
-        &ns,
-        "--cascade=foreground",
-        "--timeout=280s",
-    ]);
-    let kubectl = tokio::task::spawn_blocking(move || {
-        common::process::run_ok(&mut kubectl, "kubectl delete cluster")
-    });
-    watch
-        .until_deleted("Cluster", &name, Duration::from_secs(285))
-        .await;
-    let said = kubectl.await.expect("kubectl thread");
-    assert!(said.contains("deleted"), "kubectl said: {said}");
+    c.kubectl_delete(
+        env.cp,
+        &["--cascade=foreground"],
+        &mut watch,
+        Duration::from_secs(285),
+    )
+    .await;
 
-    let released = watch
-        .annotated_at("Cluster", &name, &keys.phase, "Released")
-        .unwrap_or_else(|| {
-            panic!(
-                "the Cluster was never recorded Released:\n{}\nworker log:\n{}",
-                watch.render(),
-                env.worker_log()
-            )
-        });
+    let released = watch.recorded(&name, &keys.phase, "Released", &env.worker_log());
     // The controller freed every disk while it ran: each DataVolume went
     // before the record.
     for dv in &dvs {

@@ -803,6 +803,32 @@ impl CapiCluster {
         Api::namespaced_with(self.management.clone(), &self.namespace, ar)
     }
 
+    /// `kubectl delete cluster` of this cluster as a user runs it (the
+    /// harness's kubectl, with `flags` besides), while `watch` collects
+    /// events until the Cluster is gone, within `within`; returns what
+    /// kubectl said once it has said it deleted it.
+    pub async fn kubectl_delete(
+        &self,
+        cp: &ControlPlane,
+        flags: &[&str],
+        watch: &mut DeletionWatch,
+        within: Duration,
+    ) -> String {
+        let mut kubectl = cp.kubectl(&cp.management.kubeconfig);
+        let timeout = format!("--timeout={}s", within.as_secs().saturating_sub(5).max(1));
+        kubectl
+            .args(["delete", "cluster", &self.name, "-n", &self.namespace])
+            .args(flags)
+            .arg(timeout);
+        let kubectl = tokio::task::spawn_blocking(move || {
+            super::process::run_ok(&mut kubectl, "kubectl delete cluster")
+        });
+        watch.until_deleted("Cluster", &self.name, within).await;
+        let said = kubectl.await.expect("kubectl thread");
+        assert!(said.contains("deleted"), "kubectl said: {said}");
+        said
+    }
+
     /// The cluster's Machines, as Cluster API labels them.
     pub async fn machines(&self) -> Vec<DynamicObject> {
         self.api(&core_resource("v1beta2", "Machine"))
@@ -1122,6 +1148,19 @@ impl DeletionWatch {
             .filter(|s| s.annotations.get(key).map(String::as_str) == Some(value))
             .map(|s| s.revision)
             .min()
+    }
+
+    /// The revision at which Cluster `name` was first recorded with
+    /// `phase` under the record's phase key `key`; panics with what was seen
+    /// and `log` (the worker's) if it never was.
+    pub fn recorded(&self, name: &str, key: &str, phase: &str, log: &str) -> u64 {
+        self.annotated_at("Cluster", name, key, phase)
+            .unwrap_or_else(|| {
+                panic!(
+                    "the Cluster was never recorded {phase}:\n{}\nworker log:\n{log}",
+                    self.render()
+                )
+            })
     }
 
     /// The names of `kind` seen at all.
