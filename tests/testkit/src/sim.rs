@@ -157,6 +157,15 @@ impl Simulator {
     pub fn log(&self) -> String {
         self.process.log_text()
     }
+
+    /// The last `n` lines of the simulator's log about tenant
+    /// `namespace/tenant`, for a failure message: what it saw and did.
+    pub fn tail_of(&self, namespace: &str, tenant: &str, n: usize) -> String {
+        let key = format!(" {namespace}/{tenant} ");
+        let log = self.log();
+        let lines: Vec<&str> = log.lines().filter(|l| l.contains(&key)).collect();
+        lines[lines.len().saturating_sub(n)..].join("\n")
+    }
 }
 
 /// One run of a Job's Pod on the simulator's management node, from its log

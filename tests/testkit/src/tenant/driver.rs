@@ -55,14 +55,17 @@ impl Tenant {
             .expect("annotate the CSI release");
         eventually(
             &format!("simulator saw: {needle}"),
-            Duration::from_secs(20),
+            Duration::from_secs(60),
             || {
                 let n = sim.log().matches(&needle).count();
+                let tail = (n <= before)
+                    .then(|| sim.tail_of(&self.namespace, &self.name, 25))
+                    .unwrap_or_default();
                 async move {
                     if n > before {
                         Ok(())
                     } else {
-                        Err(format!("{n} times"))
+                        Err(format!("{n} times; the simulator's last lines about it:\n{tail}"))
                     }
                 }
             },
