@@ -58,9 +58,11 @@ impl Tenant {
             Duration::from_secs(60),
             || {
                 let n = sim.log().matches(&needle).count();
-                let tail = (n <= before)
-                    .then(|| sim.tail_of(&self.namespace, &self.name, 25))
-                    .unwrap_or_default();
+                let tail = if n > before {
+                    String::new()
+                } else {
+                    sim.tail_of(&self.namespace, &self.name, 25)
+                };
                 async move {
                     if n > before {
                         Ok(())
