@@ -67,7 +67,9 @@ impl Tenant {
                     if n > before {
                         Ok(())
                     } else {
-                        Err(format!("{n} times; the simulator's last lines about it:\n{tail}"))
+                        Err(format!(
+                            "{n} times; the simulator's last lines about it:\n{tail}"
+                        ))
                     }
                 }
             },
