@@ -547,7 +547,7 @@ async fn every_guarded_object_under_any_pair_of_identity_labels_is_reviewed_in_t
                     ns,
                     &format!("md-{bits}"),
                     &with_capi,
-                    json!({"spec": {}}),
+                    json!({"spec": common::capi::cozystack_machine_deployment_spec(&r, &format!("md-{bits}"))}),
                 ),
             ),
             (
@@ -558,7 +558,7 @@ async fn every_guarded_object_under_any_pair_of_identity_labels_is_reviewed_in_t
                     ns,
                     &format!("m-{bits}"),
                     &with_capi,
-                    json!({"spec": {}}),
+                    json!({"spec": common::capi::cozystack_machine_spec(&r, &format!("m-{bits}"))}),
                 ),
             ),
             (

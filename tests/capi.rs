@@ -24,7 +24,7 @@ use kube::api::{Api, DynamicObject, PostParams};
 /// the Cluster goes, and every volume stays on storage: stranded.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_gate_deleting_a_capi_cluster_strands_every_volume() {
-    let env = common::ungated();
+    let env = common::ungated_cluster_api();
     let started = Instant::now();
     let ns = env.cp.unique("capi-leak");
     let name = "c1";
@@ -99,7 +99,7 @@ async fn without_the_gate_deleting_a_capi_cluster_strands_every_volume() {
 /// infrastructure reference converted (`apiVersion` to `apiGroup`).
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn a_v1beta1_machine_deployment_is_read_back_as_v1beta2() {
-    let env = common::ungated();
+    let env = common::ungated_cluster_api();
     capi::capi(env.cp).await;
     let ns = env.cp.unique("capi-conv");
     env.cp.namespace(&ns).await;
@@ -157,7 +157,7 @@ async fn a_v1beta1_machine_deployment_is_read_back_as_v1beta2() {
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_gate_deleting_a_capi_cluster_with_a_management_side_csi_controller_strands_every_disk()
  {
-    let env = common::ungated();
+    let env = common::ungated_cluster_api();
     let ns = env.cp.unique("capi-mgmt-leak");
     let name = "c1";
     // Upstream's names, prefixed with the cluster's, and the label key of

@@ -625,7 +625,7 @@ async fn every_writer_of_the_platform_gets_the_answer_the_census_states() {
         "cluster.x-k8s.io/cluster-name".to_string(),
         lr.clone(),
     )]));
-    m.data = json!({"spec": {"clusterName": lr}});
+    m.data = json!({"spec": common::capi::cozystack_machine_spec(&lr, &machine)});
     machines(&admin, &ln)
         .create(&PostParams::default(), &m)
         .await

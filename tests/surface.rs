@@ -315,6 +315,8 @@ struct World {
     markers_ns: String,
     /// The live tenant's disk on the management side.
     dv: String,
+    /// The held tenant's Machine (Cluster API's, of its MachineDeployment).
+    machine: String,
     /// A tenant in teardown that no pass could inventory.
     paper: String,
 }
@@ -943,7 +945,7 @@ fn rows(w: &World) -> Vec<Row> {
             "bad-release",
         ),
         marker("marker.child", hr(), "bad-child"),
-        marker("marker.capi", capi("Machine", "machines"), "bad-machine"),
+        marker("marker.capi", capi("Cluster", "clusters"), "bad-cluster"),
         row(
             "marker.namespace",
             Send::Scenario(Scenario::MarkerNamespace),
@@ -1080,12 +1082,7 @@ fn rows(w: &World) -> Vec<Row> {
         ),
         row(
             "machine.delete",
-            delete(
-                Mallory,
-                capi("Machine", "machines"),
-                hn,
-                &format!("{hc}-md0-m1"),
-            ),
+            delete(Mallory, capi("Machine", "machines"), hn, &w.machine),
             &["worker machines"],
         ),
         row(
@@ -1094,7 +1091,7 @@ fn rows(w: &World) -> Vec<Row> {
                 Mallory,
                 capi("Machine", "machines"),
                 hn,
-                &format!("{hc}-md0-m1"),
+                &w.machine,
                 no_label(CAPI),
             ),
             &["relabel"],
@@ -1198,20 +1195,14 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         .patch("driver-config", &PatchParams::default(), &merge(unmark()))
         .await
         .expect("outside teardown an object may leave its release");
-    // The Cluster API objects the fixture chart does not make.
-    let hc = h.name.clone();
-    for (ar, name) in [
-        (capi("Cluster", "clusters"), hc.clone()),
-        (capi("Machine", "machines"), format!("{hc}-md0-m1")),
-    ] {
-        let mut o = DynamicObject::new(&name, &ar).within(&h.namespace);
-        o.metadata.labels = Some(BTreeMap::from([(CAPI.to_string(), hc.clone())]));
-        o.data = json!({"spec": {"clusterName": hc}});
-        dynamic(&admin, &h.namespace, &ar)
-            .create(&PostParams::default(), &o)
-            .await
-            .unwrap_or_else(|e| panic!("create {} {name}: {e}", ar.kind));
-    }
+    // The held tenant's Machine, as Cluster API made it.
+    let machine = h
+        .machines()
+        .await
+        .into_iter()
+        .next()
+        .map(|(name, _, _)| name)
+        .expect("the held tenant has a Machine");
     let dv = dynamic(&m, &l.namespace, &datavolume_resource())
         .list(&ListParams::default().labels(&format!("{CAPI}={}", l.name)))
         .await
@@ -1227,6 +1218,7 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
         h,
         markers_ns,
         dv,
+        machine,
         paper,
     };
 
@@ -1278,10 +1270,13 @@ async fn every_row_of_the_reviewed_surface_gets_the_answer_the_table_states() {
             json!({"spec": common::flux::inert_spec("demo")}),
             json!({"labels": {CHILD: "Not_A_Tenant"}}),
         ),
+        // A Cluster: a Machine's label is Cluster API's copy of its
+        // spec.clusterName (internal/webhooks/machine.go Default, v1.10.1),
+        // and a Machine of no Cluster keeps Cluster API's finalizer for ever.
         (
-            capi("Machine", "machines"),
-            "bad-machine",
-            json!({"spec": {"clusterName": "x"}}),
+            capi("Cluster", "clusters"),
+            "bad-cluster",
+            json!({"spec": {}}),
             json!({"labels": {CAPI: "UPPER"}}),
         ),
     ];

@@ -23,6 +23,7 @@ package main
 //	sim_jobs.go     the management cluster's Job Pods (real hooks) run locally
 //	sim_kamaji.go   TenantControlPlane deleted -> tenant API server stopped
 //	sim_capi.go     Cluster API's infrastructure and control plane providers, played
+//	sim_cozystack_capi.go  Cozystack's Cluster API providers (Kamaji's, CAPK, CABPT), played
 //	sim_infra.go    the infra layer: DataVolumes, CDI, the management storage, VM attachments
 
 import (
@@ -237,6 +238,7 @@ type sim struct {
 	jobs   *jobs
 	kamaji *kamaji
 	capi   *capiWorld
+	cozy   *cozyCAPI
 
 	ctx     context.Context
 	mu      sync.Mutex
@@ -333,6 +335,7 @@ func simMain(ctx context.Context, cfg simConfig, l *simLog) error {
 		s.startInfra(ctx, factory)
 	}
 	s.startCAPI(ctx, factory)
+	s.startCozystackCAPI(ctx, factory)
 	// Each informer starts once its CRD is served; a tenant worker consults
 	// both caches on every round, so the order they start in does not matter.
 	s.wg.Go(func() { s.tcps.run(ctx) })

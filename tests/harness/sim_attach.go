@@ -54,7 +54,7 @@ func csiVolumeName(driver, handle string) corev1.UniqueVolumeName {
 
 // nodeID is the driver's ID for the tenant's node: `<namespace>/<vm>`, as
 // the KubeVirt driver's node plugin registers it.
-func (k *kubelet) nodeID() string { return k.t.ns + "/" + vmName(k.t.name) }
+func (k *kubelet) nodeID() string { return k.t.ns + "/" + k.vm }
 
 // notAttached says why pv cannot be mounted yet for want of attachment, or "".
 func (k *kubelet) notAttached(pv *corev1.PersistentVolume) string {
@@ -120,9 +120,11 @@ func (k *kubelet) tenantNode(node *corev1.Node) {
 		node.Annotations = map[string]string{}
 	}
 	node.Annotations[annControllerManagedAttach] = "true"
+	// Cluster API's Machine controller finds the Node by it.
 	if k.t.capi {
-		// Cluster API's Machine controller finds the Node by it.
 		node.Spec.ProviderID = capiProviderID(k.t.ns, k.t.name)
+	} else {
+		node.Spec.ProviderID = capkProviderIDScheme + k.vm
 	}
 	if !k.synced.Load() {
 		return

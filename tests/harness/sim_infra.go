@@ -20,11 +20,13 @@ package main
 //	attachments      confirms the deletion of attachment Pods (their "kubelet")
 //	sim_virt.go      the VM and VMI of the tenant's node, virt-api, the hotplug controller
 //
-// A tenant's VM (`<R>-vm`) lives while a MachineDeployment labelled with the
-// tenant's Cluster API label exists (the chain MachineDeployment -> Machine
-// -> KubevirtMachine -> VirtualMachine collapsed): the VM and the attachment
-// Pods are owned by it, so garbage collection takes them when it goes. A
-// tenant without one has no node, and its disks are never attached.
+// A tenant's node is a VM: a Cozystack tenant's, that of its KubevirtMachine
+// (Cluster API's real chain MachineDeployment -> MachineSet -> Machine, and
+// the played CAPK's KubevirtMachine -> VirtualMachine, sim_cozystack_capi.go);
+// a played Cluster API cluster's, `<cluster>-vm`, owned by its
+// MachineDeployment. The attachment Pods are owned by the VM's VMI, so
+// garbage collection takes them with the VM. A tenant without one has no
+// node, and its disks are never attached.
 
 import (
 	"context"

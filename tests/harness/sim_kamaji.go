@@ -2,6 +2,7 @@ package main
 
 import (
 	"context"
+	"encoding/json"
 	"fmt"
 	"io"
 	"net/http"
@@ -9,6 +10,8 @@ import (
 	"sync"
 	"time"
 
+	apierrors "k8s.io/apimachinery/pkg/api/errors"
+	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
 )
@@ -19,7 +22,11 @@ import (
 // plays that API server is named by the TCP's annotation
 // harness.volume-gate.test/cluster and is stopped through the control API.
 // The admin kubeconfig Secret, owned by the TCP, is left to the real
-// garbage collector.
+// garbage collector. While the TCP is there, its status reports the
+// Kubernetes version its spec asks for as Ready (Kamaji's
+// status.kubernetesResources.version, api/v1alpha1/
+// tenantcontrolplane_status.go, 26.3.6-edge): the harness cluster already
+// serves, and Kamaji's Cluster API provider waits for it.
 type kamaji struct {
 	s    *sim
 	http *http.Client
@@ -53,10 +60,27 @@ func (k *kamaji) isStopped(ns, name string) bool {
 func (k *kamaji) controlPlanePresent(tcp *unstructured.Unstructured) {
 	key := tcp.GetNamespace() + "/" + tcp.GetName()
 	k.mu.Lock()
-	defer k.mu.Unlock()
 	if uid, ok := k.stopped[key]; ok && uid != tcp.GetUID() {
 		delete(k.stopped, key)
 	}
+	k.mu.Unlock()
+	want, _, _ := unstructured.NestedString(tcp.Object, "spec", "kubernetes", "version")
+	have, _, _ := unstructured.NestedString(tcp.Object, "status", "kubernetesResources", "version", "version")
+	state, _, _ := unstructured.NestedString(tcp.Object, "status", "kubernetesResources", "version", "status")
+	if want == "" || (want == have && state == "Ready") || k.s.ctx.Err() != nil {
+		return
+	}
+	// Not in the informer's event handler: a write.
+	k.s.wg.Go(func() {
+		patch, _ := json.Marshal(map[string]any{"status": map[string]any{"kubernetesResources": map[string]any{
+			"version": map[string]any{"version": want, "status": "Ready"}}}})
+		_, err := k.s.dyn.Resource(gvrTCP).Namespace(tcp.GetNamespace()).Patch(k.s.ctx, tcp.GetName(), types.MergePatchType, patch, metav1.PatchOptions{}, "status")
+		if err != nil && !apierrors.IsNotFound(err) && k.s.ctx.Err() == nil {
+			k.s.log.printf("kamaji", key, "error", "TenantControlPlane %s: report version %s: %v", tcp.GetName(), want, err)
+			return
+		}
+		k.s.log.printf("kamaji", key, "version", "TenantControlPlane %s: Kubernetes %s Ready", tcp.GetName(), want)
+	})
 }
 
 func (k *kamaji) controlPlaneDeleted(tcp *unstructured.Unstructured) {

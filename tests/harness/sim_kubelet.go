@@ -40,8 +40,10 @@ const (
 // deleted Pods after their (capped) grace period, as a kubelet does, so that
 // kubernetes.io/pvc-protection behaves as on a real cluster.
 type kubelet struct {
-	t        *tenant
-	cs       kubernetes.Interface
+	t  *tenant
+	cs kubernetes.Interface
+	// vm is the VirtualMachine this node is (the driver's node ID names it).
+	vm       string
 	graceCap time.Duration
 	q        workqueue.TypedRateLimitingInterface[string]
 
@@ -64,8 +66,8 @@ type kubelet struct {
 	heartbeatErr string
 }
 
-func newKubelet(t *tenant, cs kubernetes.Interface) *kubelet {
-	return &kubelet{t: t, cs: cs, graceCap: t.s.cfg.graceCap, waiting: map[types.UID]string{}}
+func newKubelet(t *tenant, cs kubernetes.Interface, vm string) *kubelet {
+	return &kubelet{t: t, cs: cs, vm: vm, graceCap: t.s.cfg.graceCap, waiting: map[types.UID]string{}}
 }
 
 func (k *kubelet) run(ctx context.Context) {

@@ -49,6 +49,9 @@ type tenant struct {
 	failures int
 	kubelet  *worker
 	driver   *worker
+	// vm is the VirtualMachine of the Cozystack tenant's machine, its node
+	// (sim_cozystack_capi.go); "" while it has none.
+	vm string
 
 	// driverActive is read by the kubelet: mounting a volume needs the
 	// driver's node plugin, which goes away with the driver release.
@@ -201,9 +204,18 @@ func (t *tenant) reconcile(ctx context.Context) {
 		driverWhy = "tenant API down: " + why
 	}
 	kubeletOn, kubeletWhy := up, why
+	vm, noVM := t.s.cozy.nodeOf(t.ns, t.name)
+	if kubeletOn && vm == "" {
+		kubeletOn, kubeletWhy = false, noVM
+	}
 	if down := t.nodeDown(); down != "" {
 		kubeletOn, kubeletWhy = false, down
 	}
+	if t.kubelet != nil && kubeletOn && t.vm != vm {
+		// Another machine's VM: the node this kubelet was is gone.
+		t.setWorkers(false, t.driver != nil, fmt.Sprintf("its VM %s is no longer the cluster's machine (now %s)", t.vm, vm), "")
+	}
+	t.vm = vm
 	t.setWorkers(kubeletOn, up && csiOK, kubeletWhy, driverWhy)
 }
 
@@ -225,9 +237,13 @@ func (t *tenant) setWorkers(kubeletOn, driverOn bool, kubeletWhy, driverWhy stri
 	// starts until the next probe connects again.
 	connected := t.client != nil
 	if kubeletOn && connected && t.kubelet == nil {
-		k := newKubelet(t, t.client)
+		vm := t.vm
+		if t.capi {
+			vm = vmName(t.name)
+		}
+		k := newKubelet(t, t.client, vm)
 		t.kubelet = startWorker(t.s.ctx, k.run)
-		t.logf("kubelet", "started", "node %s on %s", simNodeName, t.server)
+		t.logf("kubelet", "started", "node %s on %s (VM %s)", simNodeName, t.server, vm)
 	}
 	if driverOn && connected && t.driver == nil {
 		d := newDriver(t, t.client, t.dyn, t.kubeconfig)

@@ -3,10 +3,12 @@ package main
 // The parts of KubeVirt the CSI driver talks to, on the management cluster
 // (infra layer only):
 //
-//   - a VirtualMachine and its VirtualMachineInstance per tenant node
-//     (`<R>-vm`, the tenant node's VM, which Cluster API's KubeVirt provider
-//     makes from the tenant's MachineDeployment: owned by it here, so
-//     garbage collection takes them with it);
+//   - a VirtualMachineInstance for each VirtualMachine: a Cozystack
+//     tenant's VMs are its KubevirtMachines', made by the played CAPK
+//     (sim_cozystack_capi.go); a played Cluster API cluster's node
+//     (sim_capi.go, whose infrastructure is not KubeVirt) gets the VM
+//     `<cluster>-vm`, owned by its MachineDeployment (a machine's chain to
+//     its VM collapsed), so garbage collection takes it with it;
 //   - virt-api's subresources `addvolume` and `removevolume` of
 //     subresources.kubevirt.io/v1, served by an HTTPS server of the
 //     simulator behind an APIService, so Kubernetes' aggregator routes the
@@ -86,7 +88,7 @@ func (s *sim) startVirt(ctx context.Context, factory dynamicinformer.DynamicShar
 		AddFunc: enqueueVM, UpdateFunc: func(_, obj any) { enqueueVM(obj) },
 	})
 	onMD := func(obj any) {
-		if md, ok := tombstone(obj).(*unstructured.Unstructured); ok && md.GetDeletionTimestamp() == nil {
+		if md, ok := tombstone(obj).(*unstructured.Unstructured); ok && md.GetDeletionTimestamp() == nil && playedMachines(md) {
 			if r := md.GetLabels()[prof.clusterLabel]; r != "" {
 				v.q.Add("md:" + md.GetNamespace() + "/" + md.GetName())
 			}
@@ -116,8 +118,15 @@ func (v *virt) run(ctx context.Context) {
 	})
 }
 
-// syncMachineDeployment makes the VM and VMI of the tenant's node, owned
-// by its MachineDeployment (Cluster API's KubeVirt provider, collapsed).
+// playedMachines reports whether a MachineDeployment's machines are the
+// played Cluster API world's (HarnessMachines), whose node gets a VM here.
+func playedMachines(md *unstructured.Unstructured) bool {
+	kind, _, _ := unstructured.NestedString(md.Object, "spec", "template", "spec", "infrastructureRef", "kind")
+	return kind == "HarnessMachineTemplate"
+}
+
+// syncMachineDeployment makes the VM and VMI of a played Cluster API
+// cluster's node, owned by its MachineDeployment.
 func (v *virt) syncMachineDeployment(ctx context.Context, key string) error {
 	ns, name, _ := cache.SplitMetaNamespaceKey(key)
 	md, ok, _ := v.mds.get(ns, name)
@@ -204,12 +213,14 @@ func (v *virt) syncVM(ctx context.Context, key string) error {
 	}
 	want := hotplugged(vm)
 	r := vm.GetLabels()[prof.clusterLabel]
-	var owner *metav1.OwnerReference
-	for _, o := range vm.GetOwnerReferences() {
-		if o.Kind == "MachineDeployment" {
-			owner = &metav1.OwnerReference{APIVersion: o.APIVersion, Kind: o.Kind, Name: o.Name, UID: o.UID}
-		}
+	// Owned by the VMI, so they go with the VM (KubeVirt's owner is the
+	// VMI's virt-launcher Pod, which is not played).
+	vmi, err := v.s.dyn.Resource(gvrVMI).Namespace(ns).Get(ctx, name, metav1.GetOptions{})
+	if err != nil {
+		return fmt.Errorf("VirtualMachineInstance %s/%s: %w", ns, name, err)
 	}
+	owner := &metav1.OwnerReference{APIVersion: "kubevirt.io/v1", Kind: "VirtualMachineInstance", Name: name, UID: vmi.GetUID(),
+		Controller: ptr.To(true), BlockOwnerDeletion: ptr.To(true)}
 	// A volume is hotplugged once its disk exists: the DataVolume's PVC
 	// bound (virt-controller waits for the DataVolume to be ready).
 	var ready []string
@@ -219,7 +230,7 @@ func (v *virt) syncVM(ctx context.Context, key string) error {
 			v.q.AddAfter(key, time.Second)
 			continue
 		}
-		if err := v.attachmentPod(ctx, ns, r, dv, owner); err != nil {
+		if err := v.attachmentPod(ctx, ns, r, name, dv, owner); err != nil {
 			return err
 		}
 		ready = append(ready, dv)
@@ -235,7 +246,7 @@ func (v *virt) syncVM(ctx context.Context, key string) error {
 				had = append(had, n)
 				continue
 			}
-			if err := v.detachPod(ctx, ns, r, n); err != nil {
+			if err := v.detachPod(ctx, ns, r, name, n); err != nil {
 				return nil, err
 			}
 		}
@@ -277,7 +288,7 @@ func (v *virt) editVolumeStatus(ctx context.Context, ns, name string, edit func(
 }
 
 // attachmentPod is the Pod that holds DataVolume dv's PVC for the VM.
-func (v *virt) attachmentPod(ctx context.Context, ns, r, dv string, owner *metav1.OwnerReference) error {
+func (v *virt) attachmentPod(ctx context.Context, ns, r, vm, dv string, owner *metav1.OwnerReference) error {
 	// Made only when missing (a namespace being deleted refuses every
 	// create, one of a Pod that exists too).
 	if _, err := v.s.mgmt.CoreV1().Pods(ns).Get(ctx, attachmentPod(dv), metav1.GetOptions{}); err == nil {
@@ -303,18 +314,18 @@ func (v *virt) attachmentPod(ctx context.Context, ns, r, dv string, owner *metav
 	_, err := v.s.mgmt.CoreV1().Pods(ns).Create(ctx, pod, metav1.CreateOptions{})
 	switch {
 	case err == nil:
-		v.s.log.printf("driver", ns+"/"+r, "attached", "DataVolume %s to VM %s (Pod %s)", dv, vmName(r), pod.Name)
+		v.s.log.printf("driver", ns+"/"+r, "attached", "DataVolume %s to VM %s (Pod %s)", dv, vm, pod.Name)
 	case !apierrors.IsAlreadyExists(err):
 		return fmt.Errorf("attach %s: create Pod %s: %w", dv, pod.Name, err)
 	}
 	return nil
 }
 
-func (v *virt) detachPod(ctx context.Context, ns, r, dv string) error {
+func (v *virt) detachPod(ctx context.Context, ns, r, vm, dv string) error {
 	err := v.s.mgmt.CoreV1().Pods(ns).Delete(ctx, attachmentPod(dv), metav1.DeleteOptions{GracePeriodSeconds: ptr.To[int64](0)})
 	switch {
 	case err == nil:
-		v.s.log.printf("driver", ns+"/"+r, "detached", "DataVolume %s from VM %s (Pod %s deleted)", dv, vmName(r), attachmentPod(dv))
+		v.s.log.printf("driver", ns+"/"+r, "detached", "DataVolume %s from VM %s (Pod %s deleted)", dv, vm, attachmentPod(dv))
 	case !apierrors.IsNotFound(err):
 		return fmt.Errorf("detach %s: %w", dv, err)
 	}
@@ -546,7 +557,7 @@ func (v *virt) unplugVMI(ctx context.Context, ns, name, volume string) error {
 		n := len(statuses)
 		statuses = slices.DeleteFunc(statuses, func(raw any) bool { m, _ := raw.(map[string]any); return m["name"] == volume })
 		if len(statuses) < n {
-			if err := v.detachPod(ctx, ns, r, volume); err != nil {
+			if err := v.detachPod(ctx, ns, r, name, volume); err != nil {
 				return nil, err
 			}
 		}

@@ -14,7 +14,6 @@
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::process::Command;
-use std::sync::OnceLock;
 use std::time::{Duration, Instant};
 
 use k8s_openapi::api::core::v1::{Namespace, PersistentVolumeClaim, Pod, Secret, ServiceAccount};
@@ -125,12 +124,66 @@ pub const STORAGE_CLASS: &str = "sim";
 /// The simulator's CSI driver (`harness sim --driver`, its default).
 pub const DRIVER: &str = "csi.volume-gate.test";
 
-/// The directory `tests/capi/build.sh` prints: `manager`, `crds/`,
-/// `webhook/manifests.yaml`, `rbac/`.
-pub fn capi_dir() -> PathBuf {
-    static DIR: OnceLock<PathBuf> = OnceLock::new();
-    DIR.get_or_init(|| run_build_script("tests/capi/build.sh"))
-        .clone()
+/// A release of Cluster API's core manager the tests run, and how its
+/// platform installs it.
+#[derive(Clone, Copy, Debug, PartialEq, Eq)]
+pub struct Core {
+    /// What it is, for messages.
+    pub what: &'static str,
+    /// The script that builds it (`build-go.sh`'s layout: `manager`,
+    /// `crds/`, `webhook/manifests.yaml`, `rbac/`).
+    pub build_script: &'static str,
+    /// The namespace it runs in; its ServiceAccount is
+    /// [`SERVICE_ACCOUNT`] there.
+    pub namespace: &'static str,
+    /// Its `--feature-gates`, as its platform passes them (none: the
+    /// manager's defaults).
+    pub feature_gates: Option<&'static str>,
+    /// The version its CRDs store and serve first: the probe of its
+    /// webhooks writes a MachineDeployment of it.
+    pub storage_version: &'static str,
+}
+
+impl Core {
+    /// Cluster API v1.14.2 as clusterctl installs it: the plain Cluster
+    /// API world's (`tests/capi`; `namespace: capi-system` of
+    /// core/config/default/kustomization.yaml).
+    pub const UPSTREAM: Core = Core {
+        what: "Cluster API v1.14.2",
+        build_script: "tests/capi/build.sh",
+        namespace: NAMESPACE,
+        feature_gates: None,
+        storage_version: "v1beta2",
+    };
+
+    /// Cluster API v1.10.1 as Cozystack v1.6.2 installs it
+    /// (`packages/system/capi-providers-core/files/core-components.yaml`:
+    /// the image `cluster-api-controller:v1.10.1`, its `--feature-gates`
+    /// with their defaults, ServiceAccount `capi-manager`), through the
+    /// cluster-api-operator into the Provider's namespace,
+    /// [`cozystack::CAPI`]'s: the Cozystack world's tenants run on it
+    /// (`tests/capi-cozystack`).
+    pub const COZYSTACK: Core = Core {
+        what: "Cluster API v1.10.1 (Cozystack v1.6.2's)",
+        build_script: "tests/capi-cozystack/build.sh",
+        namespace: super::cozystack::CAPI.namespace,
+        feature_gates: Some(
+            "MachinePool=true,ClusterResourceSet=true,ClusterTopology=false,RuntimeSDK=false,\
+             MachineSetPreflightChecks=true,MachineWaitForVolumeDetachConsiderVolumeAttachments=true,\
+             PriorityQueue=false",
+        ),
+        storage_version: "v1beta1",
+    };
+
+    /// The directory its build script prints.
+    pub fn dir(&self) -> PathBuf {
+        static DIRS: std::sync::Mutex<BTreeMap<&'static str, PathBuf>> =
+            std::sync::Mutex::new(BTreeMap::new());
+        let mut dirs = DIRS.lock().unwrap_or_else(|p| p.into_inner());
+        dirs.entry(self.build_script)
+            .or_insert_with(|| run_build_script(self.build_script))
+            .clone()
+    }
 }
 
 pub fn resource(group: &str, version: &str, kind: &str, plural: &str) -> ApiResource {
@@ -162,6 +215,7 @@ pub fn harness_resource(kind: &str) -> ApiResource {
 
 /// Cluster API's core manager running against the management cluster.
 pub struct Capi {
+    pub release: Core,
     pub process: Process,
     /// Its webhook server (conversion, defaulting, validation).
     pub webhook_port: u16,
@@ -173,10 +227,18 @@ pub struct Capi {
 
 static CAPI: tokio::sync::OnceCell<Capi> = tokio::sync::OnceCell::const_new();
 
-/// This test binary's Cluster API core manager, installed and started on
-/// first use.
+/// This test binary's Cluster API core manager for the plain Cluster API
+/// world ([`Core::UPSTREAM`]), installed and started on first use.
 pub async fn capi(cp: &ControlPlane) -> &'static Capi {
-    CAPI.get_or_init(|| Capi::start(cp)).await
+    core(cp, Core::UPSTREAM).await
+}
+
+/// This test binary's Cluster API core manager, `release`, installed and
+/// started on first use; a binary runs one.
+pub async fn core(cp: &ControlPlane, release: Core) -> &'static Capi {
+    let capi = CAPI.get_or_init(|| Capi::start(cp, release)).await;
+    crate::refuse_another("Cluster API core manager", &capi.release, &release);
+    capi
 }
 
 impl Capi {
@@ -185,13 +247,13 @@ impl Capi {
     /// configurations, and starts the manager as its ServiceAccount;
     /// returns once the API server converts, defaults and validates
     /// through it. Tests use [`capi`].
-    pub async fn start(cp: &ControlPlane) -> Capi {
+    pub async fn start(cp: &ControlPlane, release: Core) -> Capi {
         let started = Instant::now();
-        let dir = capi_dir();
+        let dir = release.dir();
         let client = cp.management_client().await;
         let webhook_port = free_port();
         let certs = cp.state.join(cp.unique("capi-certs"));
-        let ca_bundle = serving_certificate(cp, &certs);
+        let ca_bundle = serving_certificate(cp, &certs, release.namespace);
         let base = format!("https://127.0.0.1:{webhook_port}");
 
         let mut crds: Vec<String> = Vec::new();
@@ -212,14 +274,14 @@ impl Capi {
             wait_crd_established(&client, name).await;
         }
 
-        let rbac = rbac_documents(&dir.join("rbac"));
-        cp.namespace(NAMESPACE).await;
+        let rbac = rbac_documents(&dir.join("rbac"), release.namespace);
+        cp.namespace(release.namespace).await;
         for doc in &rbac {
             manifests::apply(&client, doc).await;
         }
         wait_aggregated(&client, &rbac).await;
         let kubeconfig = cp
-            .service_account_kubeconfig(NAMESPACE, SERVICE_ACCOUNT)
+            .service_account_kubeconfig(release.namespace, SERVICE_ACCOUNT)
             .await;
 
         let health_port = free_port();
@@ -233,13 +295,16 @@ impl Capi {
             .arg(format!("--webhook-port={webhook_port}"))
             .arg("--webhook-cert-dir")
             .arg(&certs);
+        if let Some(gates) = release.feature_gates {
+            cmd.arg(format!("--feature-gates={gates}"));
+        }
         let log = cp
             .state
             .join("logs")
             .join(format!("{}.log", cp.unique("capi-manager")));
         let process = Process::start("capi-manager", cmd, log);
         eventually(
-            "Cluster API manager /readyz",
+            &format!("{}'s manager /readyz", release.what),
             Duration::from_secs(120),
             || async {
                 if !process.alive() {
@@ -270,15 +335,17 @@ impl Capi {
             doc["metadata"]["name"] = json!(format!("{prefix}{name}"));
             manifests::apply(&client, &doc).await;
         }
-        wait_webhooks_active(cp, &process).await;
+        wait_webhooks_active(cp, &process, release).await;
         let capi = Capi {
+            release,
             process,
             webhook_port,
             health_port,
             started_in: started.elapsed(),
         };
         eprintln!(
-            "Cluster API core manager installed and serving in {:.1}s (log {})",
+            "{}'s core manager installed and serving in {:.1}s (log {})",
+            release.what,
             capi.started_in.as_secs_f64(),
             capi.process.log.display()
         );
@@ -339,7 +406,7 @@ fn with_conversion_webhook(mut crd: Value, base: &str, ca_bundle: &str) -> Value
 /// prefixed) and for 127.0.0.1, into `certs` as `tls.crt`/`tls.key`, the
 /// names the manager reads (--webhook-cert-name, --webhook-key-name
 /// defaults in core/main.go). Returns the CA bundle, base64.
-fn serving_certificate(cp: &ControlPlane, certs: &Path) -> String {
+fn serving_certificate(cp: &ControlPlane, certs: &Path, namespace: &str) -> String {
     std::fs::create_dir_all(certs).expect("certs dir");
     let pki = cp.state.join("pki");
     for f in ["ca.crt", "ca.key"] {
@@ -355,7 +422,7 @@ fn serving_certificate(cp: &ControlPlane, certs: &Path) -> String {
                 "--service",
                 "capi-webhook-service",
                 "--namespace",
-                NAMESPACE,
+                namespace,
                 "--san",
                 "127.0.0.1",
                 "--out",
@@ -381,14 +448,16 @@ fn kustomization(rbac: &Path) -> (String, String) {
 }
 
 /// The manager's identity and permissions as clusterctl installs them
-/// (kustomize of core/config/default): ServiceAccount `manager`,
+/// (kustomize of core/config/default), in `namespace` (the
+/// kustomization's, or the Provider's where the cluster-api-operator
+/// installs it): ServiceAccount `manager`,
 /// ClusterRole `manager-role` (labelled for aggregation by
 /// default/manager_role_aggregation_patch.yaml), ClusterRole
 /// `aggregated-manager-role` aggregating it, and ClusterRoleBinding
 /// `manager-rolebinding` bound to the aggregated role (the same patch),
 /// each named with the prefix in the namespace of the kustomization.
-fn rbac_documents(rbac: &Path) -> Vec<Value> {
-    let (namespace, prefix) = kustomization(rbac);
+fn rbac_documents(rbac: &Path, namespace: &str) -> Vec<Value> {
+    let prefix = kustomization(rbac).1;
     let patches = documents(&rbac.join("manager_role_aggregation_patch.yaml"));
     let patch_of = |kind: &str, name: &str| {
         patches
@@ -436,7 +505,7 @@ fn rbac_documents(rbac: &Path) -> Vec<Value> {
     assert!(
         out.iter()
             .any(|d| d["kind"] == "ServiceAccount" && d["metadata"]["name"] == SERVICE_ACCOUNT),
-        "Cluster API's ServiceAccount is not {NAMESPACE}/{SERVICE_ACCOUNT} in its kustomization"
+        "Cluster API's ServiceAccount is not {SERVICE_ACCOUNT} in its kustomization"
     );
     out
 }
@@ -474,7 +543,7 @@ async fn wait_aggregated(client: &kube::Client, rbac: &[Value]) {
 /// (core/webhooks/admission/machinedeployment.go `Default` labels it with
 /// its cluster); one whose version lacks its `v` is refused by `validate`
 /// ("must start with v").
-async fn wait_webhooks_active(cp: &ControlPlane, manager: &Process) {
+async fn wait_webhooks_active(cp: &ControlPlane, manager: &Process, release: Core) {
     let client = cp.management_client().await;
     let ns = "capi-probe";
     cp.namespace(ns).await;
@@ -483,17 +552,34 @@ async fn wait_webhooks_active(cp: &ControlPlane, manager: &Process) {
         ns,
         &core_resource("v1beta1", "MachineDeployment"),
     );
-    let v1beta2: Api<DynamicObject> =
-        Api::namespaced_with(client, ns, &core_resource("v1beta2", "MachineDeployment"));
+    let stored: Api<DynamicObject> = Api::namespaced_with(
+        client,
+        ns,
+        &core_resource(release.storage_version, "MachineDeployment"),
+    );
     let dry = PostParams {
         dry_run: true,
         ..Default::default()
     };
+    // What its validation refuses: before v1.14 (v1beta1 stored) a
+    // version that is not one (internal/webhooks/machinedeployment.go,
+    // v1.10.1); since, a template of another cluster
+    // (core/webhooks/admission/machinedeployment.go, v1.14.2).
+    let (bad, refusal) = if release.storage_version == "v1beta1" {
+        let mut bad = v1beta1_machine_deployment("probe", "probe-cluster");
+        bad.data["spec"]["template"]["spec"]["version"] = json!("not-a-version");
+        (bad, "must be a valid semantic version")
+    } else {
+        let mut bad = machine_deployment("probe", "probe-cluster", "probe", 0);
+        bad.data["spec"]["template"]["spec"]["clusterName"] = json!("another-cluster");
+        (bad, "must be set to the same value")
+    };
     eventually(
-        "Cluster API's webhooks active in the API server",
+        &format!("{}'s webhooks active in the API server", release.what),
         Duration::from_secs(60),
         || {
-            let (v1beta1, v1beta2, dry) = (v1beta1.clone(), v1beta2.clone(), dry.clone());
+            let (v1beta1, stored, dry, bad) =
+                (v1beta1.clone(), stored.clone(), dry.clone(), bad.clone());
             async move {
                 if !manager.alive() {
                     panic!(
@@ -509,14 +595,8 @@ async fn wait_webhooks_active(cp: &ControlPlane, manager: &Process) {
                 {
                     return Err("the defaulting webhook is not called yet".into());
                 }
-                let mut bad = machine_deployment("probe", "probe-cluster", "probe", 0);
-                bad.data["spec"]["template"]["spec"]["clusterName"] = json!("another-cluster");
-                match v1beta2.create(&dry, &bad).await {
-                    Err(kube::Error::Api(s))
-                        if s.message.contains("must be set to the same value") =>
-                    {
-                        Ok(())
-                    }
+                match stored.create(&dry, &bad).await {
+                    Err(kube::Error::Api(s)) if s.message.contains(refusal) => Ok(()),
                     other => Err(format!(
                         "the validating webhook is not called yet: {other:?}"
                     )),
@@ -525,6 +605,51 @@ async fn wait_webhooks_active(cp: &ControlPlane, manager: &Process) {
         },
     )
     .await;
+}
+
+/// The `spec` of a v1beta1 Machine of cluster `cluster` in the shape of
+/// Cozystack's (bootstrapped by Talos, on KubeVirt), made by hand: its
+/// bootstrap data Secret and its KubevirtMachine `name` are named, not made,
+/// so Cluster API's Machine controller waits for its infrastructure. Its
+/// cluster must exist: Cluster API keeps its finalizer on a Machine of no
+/// Cluster for ever (internal/controllers/machine/machine_controller.go
+/// `Reconcile`, v1.10.1).
+pub fn cozystack_machine_spec(cluster: &str, name: &str) -> Value {
+    json!({
+        "clusterName": cluster,
+        "bootstrap": {"dataSecretName": format!("{name}-bootstrap-data")},
+        "infrastructureRef": {
+            "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+            "kind": "KubevirtMachine",
+            "name": name,
+        },
+    })
+}
+
+/// The `spec` of a v1beta1 MachineDeployment of cluster `cluster` with no
+/// machines, in the shape of Cozystack's tenant chart.
+pub fn cozystack_machine_deployment_spec(cluster: &str, name: &str) -> Value {
+    json!({
+        "clusterName": cluster,
+        "replicas": 0,
+        "selector": {"matchLabels": {"cluster.x-k8s.io/deployment-name": name}},
+        "template": {
+            "metadata": {"labels": {"cluster.x-k8s.io/deployment-name": name}},
+            "spec": {
+                "clusterName": cluster,
+                "bootstrap": {"configRef": {
+                    "apiVersion": "bootstrap.cluster.x-k8s.io/v1alpha3",
+                    "kind": "TalosConfigTemplate",
+                    "name": name,
+                }},
+                "infrastructureRef": {
+                    "apiVersion": "infrastructure.cluster.x-k8s.io/v1alpha1",
+                    "kind": "KubevirtMachineTemplate",
+                    "name": name,
+                },
+            },
+        },
+    })
 }
 
 /// A MachineDeployment as `cluster.x-k8s.io/v1beta1` writes it (Cozystack's

@@ -103,14 +103,17 @@ pub struct EnvConfig {
     pub flux: flux::FluxConfig,
 }
 
-/// The platform a gated environment is installed for.
+/// The platform an environment plays, and a gated one is installed for.
 #[derive(Clone, Copy, Debug, PartialEq, Eq)]
 pub enum Platform {
-    /// Cozystack: the kustomize base, the built-in profile.
+    /// Cozystack: its tenants' Cluster API objects on Cluster API's own
+    /// core manager at Cozystack's version ([`capi::Core::COZYSTACK`]) and
+    /// its providers played; the gate from the kustomize base, the
+    /// built-in profile.
     Cozystack,
     /// A plain Cluster API platform: Cluster API's own core manager
-    /// ([`capi`]), and the gate as the chart installs it with
-    /// `platform.profile=cluster-api`.
+    /// ([`capi::Core::UPSTREAM`], started by the first cluster), and the
+    /// gate as the chart installs it with `platform.profile=cluster-api`.
     ClusterApi,
 }
 
@@ -188,6 +191,14 @@ impl EnvConfig {
         EnvConfig {
             platform: Platform::ClusterApi,
             ..EnvConfig::gated_short().tenant_only()
+        }
+    }
+
+    /// A plain Cluster API platform without the gate.
+    pub fn cluster_api_ungated() -> EnvConfig {
+        EnvConfig {
+            platform: Platform::ClusterApi,
+            ..EnvConfig::ungated()
         }
     }
 
@@ -283,6 +294,12 @@ pub fn ungated() -> &'static Env {
     env(EnvConfig::ungated())
 }
 
+/// A plain Cluster API platform without the gate
+/// ([`EnvConfig::cluster_api_ungated`]).
+pub fn ungated_cluster_api() -> &'static Env {
+    env(EnvConfig::cluster_api_ungated())
+}
+
 /// As [`ungated`], in a world whose tenant volumes have no infra layer:
 /// the tenant's CSI driver holds each disk itself, as on the Proxmox path
 /// of the seed's incident (profile `infra: null`).
@@ -330,6 +347,9 @@ fn start_env(config: EnvConfig) -> Env {
                 None
             }
         };
+        if platform == Platform::Cozystack {
+            rt.block_on(capi::core(cp, capi::Core::COZYSTACK));
+        }
         rt.block_on(flux::flux_with(cp, flux_config));
         gate
     })

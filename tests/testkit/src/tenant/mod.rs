@@ -74,6 +74,11 @@ pub fn tcp_resource() -> ApiResource {
     )
 }
 
+/// Cluster API's Machine, at the version Cozystack's chart writes.
+pub fn machine_resource() -> ApiResource {
+    resource("cluster.x-k8s.io", "v1beta1", "Machine", "machines")
+}
+
 pub fn datavolume_resource() -> ApiResource {
     resource("cdi.kubevirt.io", "v1beta1", "DataVolume", "datavolumes")
 }
@@ -251,6 +256,9 @@ impl Tenant {
             cluster,
             values,
         } = options.into();
+        // The tenant chart's Cluster API objects run on Cluster API's own
+        // core manager at Cozystack's version (started once per binary).
+        super::capi::core(cp, super::capi::Core::COZYSTACK).await;
         let cluster = cluster.start(cp);
         let flux = super::flux::running(cp).await;
         let management = cp.management_client().await;
@@ -290,6 +298,7 @@ impl Tenant {
         if let (Some(all), Some(extra)) = (all_values.as_object_mut(), values.as_object()) {
             all.extend(extra.clone());
         }
+        let has_nodes = all_values["nodes"].as_i64() != Some(0);
         let mut parent = t.parent_object(json!({"spec": {
             "interval": "10m",
             "chartRef": {"kind": "ExternalArtifact", "name": cozystack::PARENT_ARTIFACT,
@@ -312,7 +321,77 @@ impl Tenant {
         ] {
             wait_ready(&hrs, &release, flux).await;
         }
+        if has_nodes {
+            t.wait_node_joined().await;
+        }
         t
+    }
+
+    /// The Machines of the tenant's cluster (Cluster API's, made by its
+    /// MachineDeployment): each name, phase and `spec.providerID` (its
+    /// infrastructure machine's, once provisioned).
+    pub async fn machines(&self) -> Vec<(String, String, String)> {
+        let machines: Api<DynamicObject> = Api::namespaced_with(
+            self.management.clone(),
+            &self.namespace,
+            &machine_resource(),
+        );
+        let selector = format!("{}={}", super::capi::CLUSTER_NAME_LABEL, self.name);
+        let text = |v: &Value| v.as_str().unwrap_or("").to_string();
+        let mut out: Vec<(String, String, String)> = machines
+            .list(&kube::api::ListParams::default().labels(&selector))
+            .await
+            .expect("list the tenant's Machines")
+            .items
+            .into_iter()
+            .map(|m| {
+                (
+                    m.metadata.name.clone().unwrap_or_default(),
+                    text(&m.data["status"]["phase"]),
+                    text(&m.data["spec"]["providerID"]),
+                )
+            })
+            .collect();
+        out.sort();
+        out
+    }
+
+    /// Waits until a Machine of the tenant's cluster has joined: its
+    /// infrastructure provisioned (`spec.providerID`) and the tenant's API
+    /// holding a Node of that providerID, Ready. Cluster API marks such a
+    /// Machine `Running` once its cluster cache reaches the tenant
+    /// (`machine_controller_noderef.go`); that connection is retried every
+    /// 30 s (`ConnectionCreationRetryInterval`, v1.10.1) after a first try
+    /// made before Kamaji's provider wrote the kubeconfig, so that is not
+    /// waited for.
+    pub async fn wait_node_joined(&self) {
+        let nodes: Api<k8s_openapi::api::core::v1::Node> = Api::all(self.api.clone());
+        eventually(
+            &format!("a Machine of Cluster {}/{} joined as a Ready Node", self.namespace, self.name),
+            Duration::from_secs(120),
+            || async {
+                let machines = self.machines().await;
+                let ready: Vec<String> = nodes
+                    .list(&kube::api::ListParams::default())
+                    .await
+                    .map_err(|e| format!("list the tenant's Nodes: {e}"))?
+                    .items
+                    .into_iter()
+                    .filter(|n| {
+                        n.status.as_ref().and_then(|s| s.conditions.as_ref()).is_some_and(|c| {
+                            c.iter().any(|c| c.type_ == "Ready" && c.status == "True")
+                        })
+                    })
+                    .filter_map(|n| n.spec.and_then(|s| s.provider_id))
+                    .collect();
+                if machines.iter().any(|(_, _, id)| !id.is_empty() && ready.contains(id)) {
+                    Ok(())
+                } else {
+                    Err(format!("machines (name, phase, providerID): {machines:?}; Ready nodes' providerIDs: {ready:?}"))
+                }
+            },
+        )
+        .await;
     }
 
     /// A handle on a parent `name` in `namespace` that a test makes itself,
@@ -382,10 +461,15 @@ impl Tenant {
             .trim_start_matches("https://")
             .trim_end_matches('/')
             .to_string();
+        // And the admin kubeconfig Kamaji made for it, which Kamaji's
+        // Cluster API provider copies into `R-kubeconfig`
+        // (`status.kubeconfig.admin.secretName`,
+        // api/v1alpha1/tenantcontrolplane_status.go).
         tcps.patch_status(
             r,
             &PatchParams::default(),
-            &Patch::Merge(json!({"status": {"controlPlaneEndpoint": endpoint}})),
+            &Patch::Merge(json!({"status": {"controlPlaneEndpoint": endpoint,
+                "kubeconfig": {"admin": {"secretName": kubeconfig_secret}}}})),
         )
         .await
         .expect("TenantControlPlane status");
