@@ -823,3 +823,155 @@ async fn every_writer_of_the_platform_gets_the_answer_the_census_states() {
     c.then_allowed(teardown);
     c.finish();
 }
+
+/// A condition of a Cluster API v1beta1 object is `True`.
+fn condition_true(o: &DynamicObject, kind: &str) -> bool {
+    o.data["status"]["conditions"]
+        .as_array()
+        .is_some_and(|cs| cs.iter().any(|c| c["type"] == kind && c["status"] == "True"))
+}
+
+/// `capi.scale-down` made by the platform itself, not impersonated: the
+/// tenant's cluster-autoscaler (ServiceAccount `R-cluster-autoscaler` in
+/// its namespace, Cozystack v1.6.2 `packages/apps/kubernetes/templates/
+/// cluster-autoscaler/deployment.yaml`, the clusterapi cloud provider)
+/// marks the tenant's Machine for deletion and scales its
+/// MachineDeployment to 0; Cluster API's own controllers (v1.10.1) then
+/// delete the Machine, drain its node through the tenant's API (the Pod
+/// holding a claim evicted), wait for its volumes to detach, delete its
+/// KubevirtMachine (the VM and the node go) and its Node. The gate refuses
+/// none of it, and a node going frees no disk: the claim's volume stays.
+#[tokio::test(flavor = "multi_thread", worker_threads = 2)]
+async fn cluster_api_drains_a_scaled_down_node_of_a_live_tenant_and_the_gate_refuses_none_of_it() {
+    use futures::StreamExt;
+    use kube::runtime::{WatchStreamExt, watcher};
+    let env = env();
+    let cp = env.cp;
+    let t = Tenant::create(cp, &cp.unique("scaled")).await;
+    t.wait_custody().await;
+    t.with_held_claims(&["data"]).await;
+    let disks = env.sim.volumes_of(&t.namespace, &t.name);
+    assert_eq!(disks.len(), 1, "{disks:?}");
+    let (machine, phase, _) = t.machines().await.into_iter().next().expect("a Machine");
+    assert_eq!(phase, "Running", "Cluster API found the Machine's node");
+
+    // Watches opened first: the Machine to its end, the Pod to its eviction.
+    let machines: Api<DynamicObject> = Api::namespaced_with(
+        t.management.clone(),
+        &t.namespace,
+        &common::tenant::machine_resource(),
+    );
+    let seen = std::sync::Arc::new(std::sync::Mutex::new((false, false, false)));
+    let into = seen.clone();
+    let config = watcher::Config::default().fields(&format!("metadata.name={machine}"));
+    let machine_watch = tokio::spawn(async move {
+        let mut events = std::pin::pin!(watcher(machines, config));
+        while let Some(Ok(e)) = events.next().await {
+            let mut s = into.lock().unwrap();
+            match e {
+                watcher::Event::Apply(m) | watcher::Event::InitApply(m) => {
+                    s.0 |= condition_true(&m, "DrainingSucceeded");
+                    s.1 |= condition_true(&m, "VolumeDetachSucceeded");
+                }
+                watcher::Event::Delete(_) => {
+                    s.2 = true;
+                    return;
+                }
+                _ => {}
+            }
+        }
+    });
+    let pods: Api<Pod> = Api::namespaced(t.api.clone(), "apps");
+    let pod_watch = tokio::spawn(async move {
+        let mut pods = std::pin::pin!(
+            watcher(pods, watcher::Config::default().fields("metadata.name=holder")).applied_objects()
+        );
+        while let Some(Ok(p)) = pods.next().await {
+            let evicted = p
+                .status
+                .as_ref()
+                .and_then(|s| s.conditions.as_ref())
+                .is_some_and(|cs| {
+                    cs.iter().any(|c| {
+                        c.type_ == "DisruptionTarget"
+                            && c.reason.as_deref() == Some("EvictionByEvictionAPI")
+                    })
+                });
+            if evicted {
+                return;
+            }
+        }
+    });
+
+    let autoscaler = as_user(
+        cp,
+        &format!(
+            "system:serviceaccount:{}:{}-cluster-autoscaler",
+            t.namespace, t.name
+        ),
+    )
+    .await;
+    let as_autoscaler: Api<DynamicObject> = Api::namespaced_with(
+        autoscaler.clone(),
+        &t.namespace,
+        &common::tenant::machine_resource(),
+    );
+    as_autoscaler
+        .patch(
+            &machine,
+            &PatchParams::default(),
+            &merge(json!({"metadata": {"annotations": {"cluster.x-k8s.io/delete-machine": "true"}}})),
+        )
+        .await
+        .expect("the autoscaler marks the Machine");
+    Api::<DynamicObject>::namespaced_with(
+        autoscaler,
+        &t.namespace,
+        &resource(
+            "cluster.x-k8s.io",
+            "v1beta1",
+            "MachineDeployment",
+            "machinedeployments",
+        ),
+    )
+    .patch_scale(
+        &format!("{}-md0", t.name),
+        &PatchParams::default(),
+        &merge(json!({"spec": {"replicas": 0}})),
+    )
+    .await
+    .expect("the autoscaler scales the node group down");
+
+    common::wait::eventually(
+        "Cluster API to delete the scaled-down Machine",
+        Duration::from_secs(180),
+        || async {
+            match *seen.lock().unwrap() {
+                (_, _, true) => Ok(()),
+                s => Err(format!("drained, volumes detached, gone: {s:?}")),
+            }
+        },
+    )
+    .await;
+    machine_watch.await.expect("the Machine's watch");
+    let (drained, detached, _) = *seen.lock().unwrap();
+    assert!(
+        drained && detached,
+        "Cluster API drained the node and waited for its volumes before the Machine went: drained {drained}, detached {detached}"
+    );
+    tokio::time::timeout(Duration::from_secs(5), pod_watch)
+        .await
+        .expect("the holder Pod was evicted by the drain")
+        .expect("the Pod's watch");
+    let log = common::capi::core(cp, common::capi::Core::COZYSTACK)
+        .await
+        .log();
+    let refusals: Vec<&str> = log.lines().filter(|l| l.contains("volume-gate")).collect();
+    assert!(refusals.is_empty(), "the gate refused Cluster API: {refusals:?}");
+    assert_eq!(
+        env.sim.volumes_of(&t.namespace, &t.name),
+        disks,
+        "a node going frees no disk"
+    );
+    assert!(t.machines().await.is_empty(), "no Machine left");
+}

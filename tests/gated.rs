@@ -602,6 +602,10 @@ async fn a_hook_that_passes_early_cannot_uninstall_the_csi_controllers_identity_
     // uninstall deletes every object of the parent release it can. The
     // controller's ServiceAccount and RBAC must stay until the disks are
     // freed: the simulated driver frees a volume only as that identity.
+    // (The KamajiControlPlane owns the TenantControlPlane, Kamaji's
+    // provider's controller reference: it goes with its dependents
+    // orphaned, as `kubectl delete --cascade=orphan` deletes it, or the
+    // garbage collector would take the tenant's API server with it.)
     let env = env();
     let t = Tenant::create(env.cp, &env.cp.unique("early")).await;
     t.wait_custody().await;
@@ -611,7 +615,7 @@ async fn a_hook_that_passes_early_cannot_uninstall_the_csi_controllers_identity_
         &t.namespace,
         &common::tenant::kcp_resource(),
     );
-    kcps.delete(&t.name, &DeleteParams::default())
+    kcps.delete(&t.name, &DeleteParams::orphan())
         .await
         .expect("outside teardown the control plane may go");
     // Hold the phase open (a driver that frees nothing yet) until the uninstall has been tried.
