@@ -826,9 +826,10 @@ async fn every_writer_of_the_platform_gets_the_answer_the_census_states() {
 
 /// A condition of a Cluster API v1beta1 object is `True`.
 fn condition_true(o: &DynamicObject, kind: &str) -> bool {
-    o.data["status"]["conditions"]
-        .as_array()
-        .is_some_and(|cs| cs.iter().any(|c| c["type"] == kind && c["status"] == "True"))
+    o.data["status"]["conditions"].as_array().is_some_and(|cs| {
+        cs.iter()
+            .any(|c| c["type"] == kind && c["status"] == "True")
+    })
 }
 
 /// `capi.scale-down` made by the platform itself, not impersonated: the
@@ -852,8 +853,19 @@ async fn cluster_api_drains_a_scaled_down_node_of_a_live_tenant_and_the_gate_ref
     t.with_held_claims(&["data"]).await;
     let disks = env.sim.volumes_of(&t.namespace, &t.name);
     assert_eq!(disks.len(), 1, "{disks:?}");
-    let (machine, phase, _) = t.machines().await.into_iter().next().expect("a Machine");
-    assert_eq!(phase, "Running", "Cluster API found the Machine's node");
+    // Cluster API knows the Machine's node (its cluster cache connected:
+    // `Running`, with a nodeRef), as it must to drain it.
+    let machine = common::wait::eventually(
+        "the tenant's Machine Running",
+        Duration::from_secs(120),
+        || async {
+            match t.machines().await.as_slice() {
+                [(name, phase, _)] if phase == "Running" => Ok(name.clone()),
+                other => Err(format!("{other:?}")),
+            }
+        },
+    )
+    .await;
 
     // Watches opened first: the Machine to its end, the Pod to its eviction.
     let machines: Api<DynamicObject> = Api::namespaced_with(
@@ -884,7 +896,11 @@ async fn cluster_api_drains_a_scaled_down_node_of_a_live_tenant_and_the_gate_ref
     let pods: Api<Pod> = Api::namespaced(t.api.clone(), "apps");
     let pod_watch = tokio::spawn(async move {
         let mut pods = std::pin::pin!(
-            watcher(pods, watcher::Config::default().fields("metadata.name=holder")).applied_objects()
+            watcher(
+                pods,
+                watcher::Config::default().fields("metadata.name=holder")
+            )
+            .applied_objects()
         );
         while let Some(Ok(p)) = pods.next().await {
             let evicted = p
@@ -920,7 +936,9 @@ async fn cluster_api_drains_a_scaled_down_node_of_a_live_tenant_and_the_gate_ref
         .patch(
             &machine,
             &PatchParams::default(),
-            &merge(json!({"metadata": {"annotations": {"cluster.x-k8s.io/delete-machine": "true"}}})),
+            &merge(
+                json!({"metadata": {"annotations": {"cluster.x-k8s.io/delete-machine": "true"}}}),
+            ),
         )
         .await
         .expect("the autoscaler marks the Machine");
@@ -967,7 +985,10 @@ async fn cluster_api_drains_a_scaled_down_node_of_a_live_tenant_and_the_gate_ref
         .await
         .log();
     let refusals: Vec<&str> = log.lines().filter(|l| l.contains("volume-gate")).collect();
-    assert!(refusals.is_empty(), "the gate refused Cluster API: {refusals:?}");
+    assert!(
+        refusals.is_empty(),
+        "the gate refused Cluster API: {refusals:?}"
+    );
     assert_eq!(
         env.sim.volumes_of(&t.namespace, &t.name),
         disks,

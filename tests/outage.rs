@@ -204,9 +204,15 @@ async fn everyday_operations_never_reach_the_gate_and_survive_its_outage_while_g
     create(&client, SYSTEM_NS, &hr(), system_release("cozy-cilium")).await;
     // A worker Machine of the tenant's Cluster, made by hand (its
     // infrastructure named, not made: Cluster API waits for it).
-    create(&client, &ns, &machine_resource(), json!({"apiVersion": "cluster.x-k8s.io/v1beta1", "kind": "Machine",
+    create(
+        &client,
+        &ns,
+        &machine_resource(),
+        json!({"apiVersion": "cluster.x-k8s.io/v1beta1", "kind": "Machine",
         "metadata": {"name": "md-0-abcde", "labels": {"cluster.x-k8s.io/cluster-name": r}},
-        "spec": common::capi::cozystack_machine_spec(&r, "md-0-abcde")})).await;
+        "spec": common::capi::cozystack_machine_spec(&r, "md-0-abcde")}),
+    )
+    .await;
     // A disk of the tenant on the management side, as the KubeVirt CSI
     // controller labels it, and a claim labelled the same (of a class no
     // provisioner serves): CDI writes such objects all the time.

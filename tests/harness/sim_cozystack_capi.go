@@ -442,11 +442,15 @@ func (c *cozyCAPI) reconcileMachine(ctx context.Context, m *unstructured.Unstruc
 	}
 	vms := c.s.dyn.Resource(gvrVM).Namespace(vmNS)
 	api := c.s.dyn.Resource(gvrKubevirtMachine).Namespace(ns)
+	vm, hasVM, watching := c.vms.get(vmNS, name)
+	if !watching {
+		return fmt.Errorf("KubevirtMachine %s/%s: VirtualMachines not watched yet", ns, name)
+	}
 	if m.GetDeletionTimestamp() != nil {
 		if !slices.Contains(m.GetFinalizers(), capkMachineFinalizer) {
 			return nil
 		}
-		if vm, ok, _ := c.vms.get(vmNS, name); ok {
+		if hasVM {
 			if vm.GetDeletionTimestamp() == nil {
 				if err := vms.Delete(ctx, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
 					return fmt.Errorf("delete VirtualMachine %s/%s: %w", vmNS, name, err)
@@ -480,7 +484,7 @@ func (c *cozyCAPI) reconcileMachine(ctx context.Context, m *unstructured.Unstruc
 	if err := addFinalizerDynamic(ctx, api, m, capkMachineFinalizer); err != nil {
 		return err
 	}
-	if _, ok, _ := c.vms.get(vmNS, name); !ok {
+	if !hasVM {
 		if err := c.createVM(ctx, m, vmNS, cluster); err != nil {
 			return err
 		}
