@@ -832,19 +832,20 @@ fn condition_true(o: &DynamicObject, kind: &str) -> bool {
     })
 }
 
-/// `capi.scale-down` made by the platform itself, not impersonated: the
-/// tenant's cluster-autoscaler (ServiceAccount `R-cluster-autoscaler` in
-/// its namespace, Cozystack v1.6.2 `packages/apps/kubernetes/templates/
-/// cluster-autoscaler/deployment.yaml`, the clusterapi cloud provider)
-/// marks the tenant's Machine for deletion and scales its
-/// MachineDeployment to 0; Cluster API's own controllers (v1.10.1) then
-/// delete the Machine, drain its node through the tenant's API (the Pod
-/// holding a claim evicted), wait for its volumes to detach, delete its
-/// KubevirtMachine (the VM and the node go) and its Node. The gate refuses
-/// none of it, and a node going frees no disk: the claim's volume stays.
+/// `capi.scale-down` made by Cluster API itself, not impersonated: an
+/// operator scales a live tenant's node group to 0 (`kubectl scale
+/// machinedeployment`, the scale subresource); Cluster API's own
+/// controllers (v1.10.1) then delete the Machine, drain its node through
+/// the tenant's API (the Pod holding a claim evicted), wait for its volume
+/// to detach, delete its KubevirtMachine (the VM goes) and its Node. The
+/// gate refuses none of it, and a node going frees no disk: the claim's
+/// volume stays.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
-async fn cluster_api_drains_a_scaled_down_node_of_a_live_tenant_and_the_gate_refuses_none_of_it() {
+async fn cluster_api_drains_the_node_of_a_scaled_down_live_tenant_and_the_gate_refuses_none_of_it()
+{
     use futures::StreamExt;
+    use k8s_openapi::api::core::v1::Node;
+    use k8s_openapi::api::storage::v1::VolumeAttachment;
     use kube::runtime::{WatchStreamExt, watcher};
     let env = env();
     let cp = env.cp;
@@ -866,6 +867,16 @@ async fn cluster_api_drains_a_scaled_down_node_of_a_live_tenant_and_the_gate_ref
         },
     )
     .await;
+    let attached: Vec<String> = Api::<VolumeAttachment>::all(t.api.clone())
+        .list(&ListParams::default())
+        .await
+        .expect("list the tenant's VolumeAttachments")
+        .items
+        .into_iter()
+        .filter(|va| va.status.as_ref().is_some_and(|s| s.attached))
+        .filter_map(|va| va.metadata.name)
+        .collect();
+    assert_eq!(attached.len(), 1, "the claim's volume is attached to the node: {attached:?}");
 
     // Watches opened first: the Machine to its end, the Pod to its eviction.
     let machines: Api<DynamicObject> = Api::namespaced_with(
@@ -877,15 +888,15 @@ async fn cluster_api_drains_a_scaled_down_node_of_a_live_tenant_and_the_gate_ref
     let into = seen.clone();
     let config = watcher::Config::default().fields(&format!("metadata.name={machine}"));
     let machine_watch = tokio::spawn(async move {
-        let mut events = std::pin::pin!(watcher(machines, config));
-        while let Some(Ok(e)) = events.next().await {
+        let mut events = std::pin::pin!(watcher(machines, config).default_backoff());
+        while let Some(e) = events.next().await {
             let mut s = into.lock().unwrap();
             match e {
-                watcher::Event::Apply(m) | watcher::Event::InitApply(m) => {
+                Ok(watcher::Event::Apply(m) | watcher::Event::InitApply(m)) => {
                     s.0 |= condition_true(&m, "DrainingSucceeded");
                     s.1 |= condition_true(&m, "VolumeDetachSucceeded");
                 }
-                watcher::Event::Delete(_) => {
+                Ok(watcher::Event::Delete(_)) => {
                     s.2 = true;
                     return;
                 }
@@ -900,50 +911,23 @@ async fn cluster_api_drains_a_scaled_down_node_of_a_live_tenant_and_the_gate_ref
                 pods,
                 watcher::Config::default().fields("metadata.name=holder")
             )
+            .default_backoff()
             .applied_objects()
         );
-        while let Some(Ok(p)) = pods.next().await {
-            let evicted = p
-                .status
-                .as_ref()
-                .and_then(|s| s.conditions.as_ref())
-                .is_some_and(|cs| {
-                    cs.iter().any(|c| {
-                        c.type_ == "DisruptionTarget"
-                            && c.reason.as_deref() == Some("EvictionByEvictionAPI")
-                    })
-                });
+        while let Some(p) = pods.next().await {
+            let evicted = p.ok().and_then(|p| p.status).and_then(|s| s.conditions).is_some_and(|cs| {
+                cs.iter().any(|c| {
+                    c.type_ == "DisruptionTarget" && c.reason.as_deref() == Some("EvictionByEvictionAPI")
+                })
+            });
             if evicted {
                 return;
             }
         }
     });
 
-    let autoscaler = as_user(
-        cp,
-        &format!(
-            "system:serviceaccount:{}:{}-cluster-autoscaler",
-            t.namespace, t.name
-        ),
-    )
-    .await;
-    let as_autoscaler: Api<DynamicObject> = Api::namespaced_with(
-        autoscaler.clone(),
-        &t.namespace,
-        &common::tenant::machine_resource(),
-    );
-    as_autoscaler
-        .patch(
-            &machine,
-            &PatchParams::default(),
-            &merge(
-                json!({"metadata": {"annotations": {"cluster.x-k8s.io/delete-machine": "true"}}}),
-            ),
-        )
-        .await
-        .expect("the autoscaler marks the Machine");
     Api::<DynamicObject>::namespaced_with(
-        autoscaler,
+        t.management.clone(),
         &t.namespace,
         &resource(
             "cluster.x-k8s.io",
@@ -958,7 +942,7 @@ async fn cluster_api_drains_a_scaled_down_node_of_a_live_tenant_and_the_gate_ref
         &merge(json!({"spec": {"replicas": 0}})),
     )
     .await
-    .expect("the autoscaler scales the node group down");
+    .expect("scale the node group down");
 
     common::wait::eventually(
         "Cluster API to delete the scaled-down Machine",
@@ -975,19 +959,34 @@ async fn cluster_api_drains_a_scaled_down_node_of_a_live_tenant_and_the_gate_ref
     let (drained, detached, _) = *seen.lock().unwrap();
     assert!(
         drained && detached,
-        "Cluster API drained the node and waited for its volumes before the Machine went: drained {drained}, detached {detached}"
+        "Cluster API drained the node and waited for its volume before the Machine went: drained {drained}, detached {detached}"
     );
     tokio::time::timeout(Duration::from_secs(5), pod_watch)
         .await
         .expect("the holder Pod was evicted by the drain")
         .expect("the Pod's watch");
+    let nodes: Api<Node> = Api::all(t.api.clone());
+    common::wait::eventually(
+        "Cluster API to delete the Machine's Node",
+        Duration::from_secs(60),
+        || async {
+            match nodes.get_opt(common::tenant::SIM_NODE).await {
+                Ok(None) => Ok(()),
+                other => Err(format!("{:?}", other.map(|n| n.is_some()))),
+            }
+        },
+    )
+    .await;
     let log = common::capi::core(cp, common::capi::Core::COZYSTACK)
         .await
         .log();
-    let refusals: Vec<&str> = log.lines().filter(|l| l.contains("volume-gate")).collect();
+    let refusals: Vec<&str> = log
+        .lines()
+        .filter(|l| l.contains("volume-gate") && l.contains(&t.namespace))
+        .collect();
     assert!(
         refusals.is_empty(),
-        "the gate refused Cluster API: {refusals:?}"
+        "the gate refused Cluster API on this tenant: {refusals:?}"
     );
     assert_eq!(
         env.sim.volumes_of(&t.namespace, &t.name),

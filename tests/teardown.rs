@@ -902,7 +902,8 @@ async fn orphans_lists_exactly_the_leak(
 
 /// Upstream's later answer, step 5 (`--wait=false`, no check): it deletes
 /// the tenant's DataVolumes by label behind the driver's back, and once the
-/// VM's attachments go with its MachineDeployment, their disks are freed,
+/// VM's attachments go with the VM (Cluster API's cascade deletes the
+/// Machine, CAPK its VM), their disks are freed,
 /// in a run that reaches step 5. It decides by a label and checks nothing.
 #[tokio::test(flavor = "multi_thread", worker_threads = 2)]
 async fn without_the_gate_upstreams_datavolume_step_frees_the_disks_behind_the_drivers_back() {

@@ -2,9 +2,11 @@
 //!
 //! Starts a real management cluster and a tenant cluster (kube-apiserver,
 //! kube-controller-manager, kube-scheduler, etcd), installs volume-gate from
-//! `manifests/`, runs the simulator (storage, CSI driver, kubelet, and the
-//! management node that runs Jobs) and Flux's real helm-controller, installs
-//! a tenant from the tenant chart with volumes in use, deletes it, and shows
+//! `manifests/`, runs the simulator (storage, CSI driver, kubelet, the
+//! management node that runs Jobs, Cozystack's Cluster API providers),
+//! Flux's real helm-controller and Cluster API's real core manager
+//! (Cozystack's v1.10.1), installs a tenant from the tenant chart with
+//! volumes in use on its machine's node, deletes it, and shows
 //! the gate holding the teardown (the hook refused, Flux's `UninstallFailed`)
 //! until every volume is freed, and the worker's retry request ending it.
 //! Everything it starts stops when it exits.
@@ -59,7 +61,7 @@ async fn main() {
     let started = Instant::now();
     step(
         1,
-        "Starting a local control plane (building the harness and helm-controller on first use; a cold build takes minutes)",
+        "Starting a local control plane (building the harness, helm-controller and Cluster API's manager on first use; a cold build takes minutes)",
     );
     let on_node = std::env::args().any(|a| a == "--node");
     let cp = if on_node {

@@ -398,6 +398,10 @@ func (s *sim) onTCP(obj any, deleted bool) {
 	} else {
 		s.kamaji.controlPlanePresent(tcp)
 		s.ensureTenant(tcp.GetNamespace(), tcp.GetName())
+		// Kamaji's provider owns it and watches it.
+		if s.cozy != nil {
+			s.cozy.q.Add(capiKey{gvrKCP, tcp.GetNamespace(), tcp.GetName()})
+		}
 	}
 	s.kickTenant(tcp.GetNamespace(), tcp.GetName())
 }

@@ -13,47 +13,62 @@ package main
 //     provider-kamaji v0.19.0, which Cozystack ships as v0.19.0-cozystack.0;
 //     controllers/kamajicontrolplane_controller*.go). For a
 //     KamajiControlPlane once the Cluster controller owns it: the
-//     TenantControlPlane of its name becomes its own (controller reference,
-//     createOrUpdateTenantControlPlane; here the tests make that
-//     TenantControlPlane first, as Kamaji's part, tests/testkit/src/tenant),
-//     so deleting the KamajiControlPlane lets the garbage collector delete
-//     it; its spec.controlPlaneEndpoint from the TenantControlPlane's
-//     status (patchControlPlaneEndpoint); the KubevirtCluster's
+//     TenantControlPlane of its name, which it makes
+//     (createOrUpdateTenantControlPlane: controller reference, spec from the
+//     KamajiControlPlane's), so deleting the KamajiControlPlane lets the
+//     garbage collector delete it. Here the tests make that
+//     TenantControlPlane first, naming the harness cluster that is its API
+//     server (tests/testkit/src/tenant), and the provider takes it as its
+//     own: the reverse of the platform's order, with the same result. Then
+//     its spec.controlPlaneEndpoint from the TenantControlPlane's status
+//     (patchControlPlaneEndpoint); the KubevirtCluster's
 //     spec.controlPlaneEndpoint and status.ready (patchCluster: Kamaji
 //     manages a KubevirtCluster, annotated cluster.x-k8s.io/managed-by,
 //     which CAPK leaves alone); once the TenantControlPlane's version is
-//     Ready, status.initialized, the Secret <cluster>-kubeconfig (the
-//     TenantControlPlane's admin kubeconfig, the key its annotation
-//     kamaji.clastix.io/kubeconfig-secret-key names, as `value`, owned by
-//     the KamajiControlPlane: createOrUpdateKubeconfig) and status.ready,
-//     version, replicas and externalManagedControlPlane (true: the CRD's
-//     default). Not played: the CA Secret <cluster>-ca (no kubeadm
-//     bootstrap here reads it) and the external cluster reference.
+//     Ready, status.initialized; the Secret <cluster>-kubeconfig, rewritten
+//     whenever it differs (the TenantControlPlane's admin kubeconfig, the
+//     key its annotation kamaji.clastix.io/kubeconfig-secret-key names, as
+//     `value`, owned by the KamajiControlPlane: createOrUpdateKubeconfig);
+//     and status.ready, version, replicas and externalManagedControlPlane
+//     (true: the CRD's default), kept current. Not played: the CA Secret
+//     <cluster>-ca, which upstream copies before it reports ready (no
+//     kubeadm bootstrap here reads it, so that precondition is skipped),
+//     and the external cluster reference.
 //   - CAPK (kubernetes-sigs/cluster-api-provider-kubevirt v0.1.10, which
 //     Cozystack ships as v0.1.10-infraprovider; controllers/
 //     kubevirtmachine_controller.go, pkg/kubevirt/machine.go, utils.go).
 //     For a KubevirtMachine owned by a Machine whose bootstrap data is
 //     there: its finalizer, the VirtualMachine of its name in the namespace
 //     of its virtualMachineTemplate (labels kubevirt.io/vm, name,
-//     cluster.x-k8s.io/role, cluster.x-k8s.io/cluster-name; no owner),
-//     spec.providerID kubevirt://<name> and status.ready. Deleted: the
-//     VirtualMachine deleted, then its finalizer removed once the VM is
-//     gone. Not played: the VM's bootstrap check (Cozystack's
-//     checkStrategy none), its drain of the VMI's node, live migration.
+//     cluster.x-k8s.io/role, cluster.x-k8s.io/cluster-name,
+//     capk.cluster.x-k8s.io/kubevirt-machine-name and -namespace; no owner),
+//     spec.providerID kubevirt://<name> and status.ready. Deleted
+//     (reconcileDelete): the VirtualMachine deleted and the finalizer
+//     removed in the same pass, not waiting for the VM to be gone. Not
+//     played: its wait for the Cluster's infrastructure (a MachineSet's
+//     machines come after it: Cluster API's preflight checks), the VM's
+//     bootstrap check (Cozystack's checkStrategy none), the Node's
+//     providerID CAPK writes itself (the simulated kubelet reports it), its
+//     drain of the VMI's node, live migration.
 //   - CABPT (siderolabs/cluster-api-bootstrap-provider-talos v0.6.12;
 //     controllers/talosconfig_controller.go, secrets.go). For a
 //     TalosConfig owned by a Machine: the Secret <machine>-bootstrap-data
-//     (key `value`, type cluster.x-k8s.io/secret, labelled with the
-//     cluster) and status.ready, status.dataSecretName. Not played: the
-//     machine configuration itself (nothing here boots Talos) and the
-//     finalizer it adds and removes at once on delete.
+//     (key `value`, labelled with the cluster, its controller the
+//     TalosConfig: writeBootstrapData) and status.ready,
+//     status.dataSecretName. Not played: its wait for the Cluster's
+//     infrastructure, as above, and the machine configuration itself
+//     (nothing here boots Talos).
 //
 // The tenant's node is its VM: the tenant's simulated kubelet runs while a
 // KubevirtMachine of the cluster, not being deleted, has its VM, not being
 // deleted, and reports that machine's providerID on its Node, by which
 // Cluster API's Machine controller finds it
-// (internal/controllers/machine/machine_controller_noderef.go). The names
-// here are Cluster API's and the providers', not the profile's.
+// (internal/controllers/machine/machine_controller_noderef.go). One node
+// per tenant: the simulated Node is `sim-node` whatever the VM, and a set
+// providerID never changes, so a tenant has one machine for its life (the
+// tenant chart's node group of `nodes: 1`, never rolled out); a second
+// machine of the cluster gets no node. The names here are Cluster API's and
+// the providers', not the profile's.
 
 import (
 	"context"
@@ -85,6 +100,10 @@ const (
 	kamajiDefaultKubeconfigKey    = "admin.conf"
 	// capkMachineFinalizer is CAPK's (api/v1alpha1 MachineFinalizer).
 	capkMachineFinalizer = "kubevirtmachine.infrastructure.cluster.x-k8s.io"
+	// capkMachineNameLabel and capkMachineNamespaceLabel: CAPK's labels of
+	// a VM naming its KubevirtMachine (api/v1alpha1/kubevirtcluster_types.go).
+	capkMachineNameLabel      = "capk.cluster.x-k8s.io/kubevirt-machine-name"
+	capkMachineNamespaceLabel = "capk.cluster.x-k8s.io/kubevirt-machine-namespace"
 	// capkProviderIDScheme is CAPK's providerID (GenerateProviderID).
 	capkProviderIDScheme = "kubevirt://"
 	// cabptDataSecretSuffix names a machine's bootstrap data Secret
@@ -126,7 +145,9 @@ func (s *sim) startCozystackCAPI(ctx context.Context, factory dynamicinformer.Dy
 			if !ok || !s.inScope(o.GetNamespace()) {
 				return
 			}
-			c.q.Add(capiKey{gvr, o.GetNamespace(), o.GetName()})
+			if gvr != gvrVM {
+				c.q.Add(capiKey{gvr, o.GetNamespace(), o.GetName()})
+			}
 			// A machine's or its VM's change decides whether the
 			// cluster's node runs.
 			if cl := o.GetLabels()[capiClusterNameLabel]; cl != "" && (gvr == gvrKubevirtMachine || gvr == gvrVM) {
@@ -164,13 +185,6 @@ func (c *cozyCAPI) reconcile(ctx context.Context, k capiKey) error {
 	case gvrTalosConfig:
 		if tc, ok, _ := c.configs.get(k.ns, k.name); ok {
 			return c.reconcileBootstrap(ctx, tc)
-		}
-	case gvrVM:
-		// A machine's VM gone: its deleted machine may let go.
-		if _, ok, _ := c.vms.get(k.ns, k.name); !ok {
-			if m, ok, _ := c.machines.get(k.ns, k.name); ok && m.GetDeletionTimestamp() != nil {
-				return c.reconcileMachine(ctx, m)
-			}
 		}
 	}
 	return nil
@@ -248,30 +262,42 @@ func (c *cozyCAPI) reconcileControlPlane(ctx context.Context, kcp *unstructured.
 	}
 	versionStatus, _, _ := unstructured.NestedString(tcp.Object, "status", "kubernetesResources", "version", "status")
 	version, _, _ := unstructured.NestedString(tcp.Object, "status", "kubernetesResources", "version", "version")
-	if versionStatus != "Ready" && versionStatus != "Upgrading" {
-		c.q.AddAfter(capiKey{gvrKCP, ns, name}, time.Second)
-		return nil
-	}
-	if done, _, _ := unstructured.NestedBool(kcp.Object, "status", "initialized"); !done {
+	initialized, _, _ := unstructured.NestedBool(kcp.Object, "status", "initialized")
+	if versionStatus == "Ready" && !initialized {
 		if err := c.mergePatch(ctx, gvrKCP, ns, name, map[string]any{"status": map[string]any{"initialized": true, "externalManagedControlPlane": true}}, "status"); err != nil {
 			return err
 		}
-		c.s.log.printf("capi", key, "control-plane", "KamajiControlPlane %s initialized: TenantControlPlane %s is %s", name, name, versionStatus)
+		initialized = true
+		c.s.log.printf("capi", key, "control-plane", "KamajiControlPlane %s initialized: TenantControlPlane %s is Ready", name, name)
+	}
+	if !initialized {
+		// "not yet initialized, enqueuing back"
+		c.q.AddAfter(capiKey{gvrKCP, ns, name}, time.Second)
+		return nil
 	}
 	if err := c.ensureKubeconfig(ctx, kcp, clusterName, tcp); err != nil {
 		return err
 	}
 	replicas, _, _ := unstructured.NestedInt64(kcp.Object, "spec", "replicas")
-	status := map[string]any{
-		"initialized": true, "ready": true, "externalManagedControlPlane": true, "version": version,
+	desired := map[string]any{
+		"initialized": true, "externalManagedControlPlane": true, "version": version,
+		"ready":    versionStatus == "Ready" || versionStatus == "Upgrading",
 		"replicas": replicas, "readyReplicas": replicas, "updatedReplicas": replicas, "unavailableReplicas": int64(0),
 		"selector": metav1.FormatLabelSelector(&metav1.LabelSelector{MatchLabels: kcp.GetLabels()}),
 	}
-	if ready, _, _ := unstructured.NestedBool(kcp.Object, "status", "ready"); !ready {
-		if err := c.mergePatch(ctx, gvrKCP, ns, name, map[string]any{"status": status}, "status"); err != nil {
+	status, _, _ := unstructured.NestedMap(kcp.Object, "status")
+	stale := false
+	for k, v := range desired {
+		stale = stale || fmt.Sprint(status[k]) != fmt.Sprint(v)
+	}
+	if stale {
+		if err := c.mergePatch(ctx, gvrKCP, ns, name, map[string]any{"status": desired}, "status"); err != nil {
 			return err
 		}
-		c.s.log.printf("capi", key, "control-plane", "KamajiControlPlane %s ready (version %s)", name, version)
+		c.s.log.printf("capi", key, "control-plane", "KamajiControlPlane %s: ready %v, version %s", name, desired["ready"], version)
+	}
+	if desired["ready"] != true {
+		c.q.AddAfter(capiKey{gvrKCP, ns, name}, time.Second)
 	}
 	return nil
 }
@@ -283,7 +309,7 @@ func (c *cozyCAPI) adoptTenantControlPlane(ctx context.Context, kcp *unstructure
 	ns, name := kcp.GetNamespace(), kcp.GetName()
 	tcp, ok, _ := c.s.tcps.get(ns, name)
 	if !ok {
-		c.s.log.printf("capi", ns+"/"+name, "waiting", "KamajiControlPlane %s: no TenantControlPlane %s yet (Kamaji's part, made by the tests)", name, name)
+		c.s.log.printf("capi", ns+"/"+name, "waiting", "KamajiControlPlane %s: no TenantControlPlane %s yet (the tests make it first, naming the harness cluster that serves it)", name, name)
 		c.q.AddAfter(capiKey{gvrKCP, ns, name}, 2*time.Second)
 		return nil, nil
 	}
@@ -354,7 +380,9 @@ func (c *cozyCAPI) patchInfraCluster(ctx context.Context, cluster *unstructured.
 func (c *cozyCAPI) ensureKubeconfig(ctx context.Context, kcp *unstructured.Unstructured, cluster string, tcp *unstructured.Unstructured) error {
 	name := cluster + capiKubeconfigSuffix
 	secrets := c.s.mgmt.CoreV1().Secrets(kcp.GetNamespace())
-	if _, err := secrets.Get(ctx, name, metav1.GetOptions{}); err == nil || !apierrors.IsNotFound(err) {
+	current, err := secrets.Get(ctx, name, metav1.GetOptions{})
+	missing := apierrors.IsNotFound(err)
+	if err != nil && !missing {
 		return err
 	}
 	source, _, _ := unstructured.NestedString(tcp.Object, "status", "kubeconfig", "admin", "secretName")
@@ -387,8 +415,18 @@ func (c *cozyCAPI) ensureKubeconfig(ctx context.Context, kcp *unstructured.Unstr
 		Type: capiSecretType,
 		Data: map[string][]byte{capiKubeconfigKey: data},
 	}
-	if _, err := secrets.Create(ctx, secret, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
-		return err
+	switch {
+	case missing:
+		if _, err := secrets.Create(ctx, secret, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
+			return err
+		}
+	case string(current.Data[capiKubeconfigKey]) == string(data):
+		return nil
+	default:
+		current.Data = secret.Data
+		if _, err := secrets.Update(ctx, current, metav1.UpdateOptions{}); err != nil {
+			return err
+		}
 	}
 	c.s.log.printf("capi", kcp.GetNamespace()+"/"+cluster, "kubeconfig", "Secret %s written from %s key %s", name, source, key)
 	return nil
@@ -415,10 +453,9 @@ func (c *cozyCAPI) reconcileBootstrap(ctx context.Context, tc *unstructured.Unst
 			Labels: map[string]string{capiClusterNameLabel: cluster},
 			OwnerReferences: []metav1.OwnerReference{{
 				APIVersion: tc.GetAPIVersion(), Kind: tc.GetKind(), Name: tc.GetName(), UID: tc.GetUID(),
-				Controller: ptr.To(true),
+				Controller: ptr.To(true), BlockOwnerDeletion: ptr.To(true),
 			}},
 		},
-		Type: capiSecretType,
 		Data: map[string][]byte{"value": []byte("# a Talos worker's machine configuration (played: nothing boots it)\n")},
 	}
 	if _, err := c.s.mgmt.CoreV1().Secrets(ns).Create(ctx, secret, metav1.CreateOptions{}); err != nil && !apierrors.IsAlreadyExists(err) {
@@ -450,20 +487,16 @@ func (c *cozyCAPI) reconcileMachine(ctx context.Context, m *unstructured.Unstruc
 		if !slices.Contains(m.GetFinalizers(), capkMachineFinalizer) {
 			return nil
 		}
-		if hasVM {
-			if vm.GetDeletionTimestamp() == nil {
-				if err := vms.Delete(ctx, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
-					return fmt.Errorf("delete VirtualMachine %s/%s: %w", vmNS, name, err)
-				}
-				c.s.log.printf("capi", key, "vm-deleted", "KubevirtMachine %s deleted: VirtualMachine %s/%s deleted", name, vmNS, name)
+		if hasVM && vm.GetDeletionTimestamp() == nil {
+			if err := vms.Delete(ctx, name, metav1.DeleteOptions{}); err != nil && !apierrors.IsNotFound(err) {
+				return fmt.Errorf("delete VirtualMachine %s/%s: %w", vmNS, name, err)
 			}
-			// Its deletion event requeues us.
-			return nil
+			c.s.log.printf("capi", key, "vm-deleted", "KubevirtMachine %s deleted: VirtualMachine %s/%s deleted", name, vmNS, name)
 		}
 		if removed, err := removeFinalizerDynamic(ctx, api, name, m.GetUID(), capkMachineFinalizer); err != nil {
 			return err
 		} else if removed {
-			c.s.log.printf("capi", key, "finalizer-removed", "KubevirtMachine %s: %s removed (its VM is gone)", name, capkMachineFinalizer)
+			c.s.log.printf("capi", key, "finalizer-removed", "KubevirtMachine %s: %s removed", name, capkMachineFinalizer)
 		}
 		return nil
 	}
@@ -513,7 +546,8 @@ func (c *cozyCAPI) createVM(ctx context.Context, m *unstructured.Unstructured, n
 	if template == nil {
 		template = map[string]any{}
 	}
-	vmLabels := map[string]any{"kubevirt.io/vm": name, "name": name, "cluster.x-k8s.io/role": "worker", capiClusterNameLabel: cluster}
+	vmLabels := map[string]any{"kubevirt.io/vm": name, "name": name, "cluster.x-k8s.io/role": "worker", capiClusterNameLabel: cluster,
+		capkMachineNameLabel: name, capkMachineNamespaceLabel: m.GetNamespace()}
 	if l, _, _ := unstructured.NestedStringMap(m.Object, "spec", "virtualMachineTemplate", "metadata", "labels"); l != nil {
 		for k, v := range l {
 			if _, ok := vmLabels[k]; !ok {

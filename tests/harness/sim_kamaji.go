@@ -14,6 +14,7 @@ import (
 	metav1 "k8s.io/apimachinery/pkg/apis/meta/v1"
 	"k8s.io/apimachinery/pkg/apis/meta/v1/unstructured"
 	"k8s.io/apimachinery/pkg/types"
+	"k8s.io/apimachinery/pkg/util/wait"
 )
 
 // kamaji stands in for the part of Kamaji that matters here: when a
@@ -70,16 +71,26 @@ func (k *kamaji) controlPlanePresent(tcp *unstructured.Unstructured) {
 	if want == "" || (want == have && state == "Ready") || k.s.ctx.Err() != nil {
 		return
 	}
-	// Not in the informer's event handler: a write.
+	// Not in the informer's event handler: a write, retried until it is
+	// made (the informer does not resync).
 	k.s.wg.Go(func() {
 		patch, _ := json.Marshal(map[string]any{"status": map[string]any{"kubernetesResources": map[string]any{
 			"version": map[string]any{"version": want, "status": "Ready"}}}})
-		_, err := k.s.dyn.Resource(gvrTCP).Namespace(tcp.GetNamespace()).Patch(k.s.ctx, tcp.GetName(), types.MergePatchType, patch, metav1.PatchOptions{}, "status")
-		if err != nil && !apierrors.IsNotFound(err) && k.s.ctx.Err() == nil {
-			k.s.log.printf("kamaji", key, "error", "TenantControlPlane %s: report version %s: %v", tcp.GetName(), want, err)
-			return
+		tcps := k.s.dyn.Resource(gvrTCP).Namespace(tcp.GetNamespace())
+		err := wait.PollUntilContextCancel(k.s.ctx, time.Second, true,
+			func(ctx context.Context) (bool, error) {
+				_, err := tcps.Patch(ctx, tcp.GetName(), types.MergePatchType, patch, metav1.PatchOptions{}, "status")
+				switch {
+				case err == nil || apierrors.IsNotFound(err):
+					return true, nil
+				default:
+					k.s.log.printf("kamaji", key, "error", "TenantControlPlane %s: report version %s: %v (retrying)", tcp.GetName(), want, err)
+					return false, nil
+				}
+			})
+		if err == nil {
+			k.s.log.printf("kamaji", key, "version", "TenantControlPlane %s: Kubernetes %s Ready", tcp.GetName(), want)
 		}
-		k.s.log.printf("kamaji", key, "version", "TenantControlPlane %s: Kubernetes %s Ready", tcp.GetName(), want)
 	})
 }
 

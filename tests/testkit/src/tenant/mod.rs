@@ -243,12 +243,19 @@ pub fn kubeconfig_data(kubeconfig: &[u8]) -> Value {
 
 impl Tenant {
     /// Creates the tenant `options` describe, installed the way Cozystack
-    /// installs it, by this test binary's real helm-controller: Kamaji's part (the TenantControlPlane
-    /// and its admin kubeconfig) first, then the parent HelmRelease of the
+    /// installs it, by this test binary's real helm-controller: the
+    /// TenantControlPlane and its admin kubeconfig first (on the platform
+    /// Kamaji's Cluster API provider makes the TenantControlPlane from the
+    /// KamajiControlPlane and Kamaji the kubeconfig; here it is made first,
+    /// naming the harness cluster that serves it, and the played provider
+    /// takes it as its own), then the parent HelmRelease of the
     /// tenant chart (`tests/fixtures/charts/kubernetes`), which installs the
-    /// CSI controller and its identity, the KamajiControlPlane, the child
+    /// CSI controller and its identity, the Cluster API objects, the child
     /// releases and the pre-delete hook; the children install into the
-    /// tenant cluster. Returns once the parent and R-csi are Ready.
+    /// tenant cluster, its Cluster API objects run on Cluster API's own
+    /// controllers ([`super::capi::Core::COZYSTACK`]). Returns once the
+    /// parent and R-csi are Ready and, unless `nodes: 0`, a Machine of its
+    /// node group has joined ([`Tenant::wait_node_joined`]).
     pub async fn create(cp: &ControlPlane, options: impl Into<TenantOptions>) -> Tenant {
         let TenantOptions {
             app,
@@ -428,9 +435,11 @@ impl Tenant {
         )
     }
 
-    /// What Kamaji makes of the KamajiControlPlane: the TenantControlPlane
-    /// (served by this tenant's harness API server) and the admin
-    /// kubeconfig Secret it owns, `R-admin-kubeconfig`, with the two of
+    /// What Kamaji and its Cluster API provider make of the
+    /// KamajiControlPlane: the TenantControlPlane (made here first, served
+    /// by this tenant's harness API server, and taken by the played
+    /// provider as its own) and the admin kubeconfig Secret it owns,
+    /// `R-admin-kubeconfig`, with the two of
     /// Kamaji's four keys the profile reads (`super-admin.svc`,
     /// `super-admin.conf`), Kamaji's labels and its owner reference
     /// (clastix/kamaji 26.3.6-edge, the version Cozystack v1.6.2 builds:
