@@ -876,7 +876,11 @@ async fn cluster_api_drains_the_node_of_a_scaled_down_live_tenant_and_the_gate_r
         .filter(|va| va.status.as_ref().is_some_and(|s| s.attached))
         .filter_map(|va| va.metadata.name)
         .collect();
-    assert_eq!(attached.len(), 1, "the claim's volume is attached to the node: {attached:?}");
+    assert_eq!(
+        attached.len(),
+        1,
+        "the claim's volume is attached to the node: {attached:?}"
+    );
 
     // Watches opened first: the Machine to its end, the Pod to its eviction.
     let machines: Api<DynamicObject> = Api::namespaced_with(
@@ -915,11 +919,16 @@ async fn cluster_api_drains_the_node_of_a_scaled_down_live_tenant_and_the_gate_r
             .applied_objects()
         );
         while let Some(p) = pods.next().await {
-            let evicted = p.ok().and_then(|p| p.status).and_then(|s| s.conditions).is_some_and(|cs| {
-                cs.iter().any(|c| {
-                    c.type_ == "DisruptionTarget" && c.reason.as_deref() == Some("EvictionByEvictionAPI")
-                })
-            });
+            let evicted = p
+                .ok()
+                .and_then(|p| p.status)
+                .and_then(|s| s.conditions)
+                .is_some_and(|cs| {
+                    cs.iter().any(|c| {
+                        c.type_ == "DisruptionTarget"
+                            && c.reason.as_deref() == Some("EvictionByEvictionAPI")
+                    })
+                });
             if evicted {
                 return;
             }

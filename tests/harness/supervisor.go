@@ -379,13 +379,24 @@ func (s *supervisor) startCluster(name string, light, pod bool) (*clusterInfo, e
 		return info, nil
 	}
 	s.stopProcs(c) // whatever is left of a cluster one of whose components died
-	info, err := s.bootCluster(c)
-	if err != nil {
+	for attempt := 1; ; attempt++ {
+		info, err := s.bootCluster(c)
+		if err == nil {
+			c.info.Store(info)
+			return info, nil
+		}
 		s.stopProcs(c)
-		return nil, err
+		// A port is picked free and bound by its component a moment later:
+		// another process of this machine (another test binary) can take it
+		// in between. Then the cluster starts again, on ports picked anew.
+		if attempt == 3 || !strings.Contains(err.Error(), "address already in use") {
+			return nil, err
+		}
+		log.Printf("cluster %s: a port was taken before its component bound it; starting it again on other ports (attempt %d of 3): %v", name, attempt+1, err)
+		for i := range c.ports {
+			c.ports[i] = 0
+		}
 	}
-	c.info.Store(info)
-	return info, nil
 }
 
 func (s *supervisor) stopCluster(name string) {
